@@ -1,0 +1,736 @@
+"""The north-bound API: :class:`Agent`, :class:`Registration`, :class:`PreparedList`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import wire
+from .backends import registry
+from .backends.base import Backend, BackendContext, Op, PeerInfo
+from .config import AgentConfig
+from .errors import (
+    BackendUnavailable,
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    UsageError,
+)
+from .memory import DescList, FileRegion, MemoryKind, ObjectRegion, Region, regions_of
+from .transfer import Transfer
+
+__all__ = ["Agent", "Registration", "PreparedList", "MAX_SLOTS"]
+
+log = logging.getLogger(__name__)
+
+#: Most live regions one agent can hold (one slot each; published to same-node peers).
+MAX_SLOTS = 1 << 16
+_U64 = np.uint64
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+BOOT_ID = _boot_id()
+
+
+class Registration:
+    """Memory registered with an agent. ``descs`` has one descriptor per region.
+
+    Release with :meth:`release` (or a ``with`` block): after it returns, no peer can read or
+    write the memory any more.
+    """
+
+    def __init__(self, agent: "Agent", slots: list[int], descs: DescList, objs: Any) -> None:
+        self._agent_ref = weakref.ref(agent)
+        self.slots = slots
+        self.descs = descs
+        self._objs = objs  # keeps the memory alive
+        self.released = False
+
+    @property
+    def kind(self) -> MemoryKind:
+        """The memory kind of every region in this registration."""
+        return self.descs.kind
+
+    def release(self) -> None:
+        """Deregister. Idempotent. Transfers racing the release fail cleanly."""
+        if self.released:
+            return
+        agent = self._agent_ref()
+        self.released = True
+        if agent is not None and not agent.closed:
+            agent._release(self)
+        self._objs = None
+
+    def __enter__(self) -> "Registration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "live"
+        return f"<Registration {self.descs.kind.name} regions={len(self.descs)} {state}>"
+
+
+class PreparedList:
+    """A descriptor list validated once against registrations, ready for many transfers.
+
+    Attributes
+    ----------
+    descs
+        The descriptors.
+    peer
+        The peer's name, or None for a local list.
+    slots
+        Per descriptor, the registration slot (region) that contains it.
+    """
+
+    __slots__ = ("agent", "peer", "descs", "slots", "used", "gens", "bdata", "pinfo", "__weakref__")
+
+    def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
+                 pinfo: PeerInfo | None) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.descs = descs
+        self.slots = slots
+        self.gens = gens  # slot -> generation at prepare time
+        self.used = np.fromiter(gens.keys(), dtype=np.int64, count=len(gens))
+        self.bdata: dict[str, Any] = {}
+        self.pinfo = pinfo
+
+    @property
+    def kind(self) -> MemoryKind:
+        return self.descs.kind
+
+    def __len__(self) -> int:
+        return len(self.descs)
+
+    def __repr__(self) -> str:
+        where = f"peer={self.peer!r}" if self.peer else "local"
+        return f"<PreparedList {self.descs.kind.name} n={len(self.descs)} {where}>"
+
+
+def validate(
+    kind: MemoryKind,
+    addr: np.ndarray,
+    nbytes: np.ndarray,
+    dev: np.ndarray,
+    table: Sequence[tuple[int, int, int, int, int, int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Find, for each descriptor, the live region that contains it.
+
+    ``table`` rows are ``(kind, addr, nbytes, dev, slot, gen)``. Returns ``(slots, ok)``:
+    the containing region's slot per descriptor (-1 where none) and a boolean mask.
+    Vectorized: per device one ``searchsorted`` over the region starts.
+    """
+    n = addr.shape[0]
+    slots = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return slots, np.ones(0, dtype=bool)
+    rows = [r for r in table if r[0] == int(kind)]
+    if not rows:
+        return slots, np.zeros(n, dtype=bool)
+    end = addr + nbytes
+    wrap = end < addr
+    if kind in (MemoryKind.FILE, MemoryKind.OBJECT):
+        # dev is the slot; regions start at offset 0
+        size = np.zeros(MAX_SLOTS, dtype=_U64)
+        for r in rows:
+            size[r[4]] = r[2]
+        inrange = dev < MAX_SLOTS
+        d = np.where(inrange, dev, 0).astype(np.int64)
+        ok = inrange & (size[d] > 0) & (end <= size[d]) & ~wrap
+        slots[ok] = d[ok]
+        return slots, ok
+    ok = np.zeros(n, dtype=bool)
+    bydev: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
+    for r in rows:
+        bydev[r[3]].append(r)
+    devs = list(bydev)
+    for dv in devs:
+        rs = sorted(bydev[dv], key=lambda r: r[1])
+        starts = np.array([r[1] for r in rs], dtype=_U64)
+        ends = np.array([r[1] + r[2] for r in rs], dtype=_U64)
+        rslot = np.array([r[4] for r in rs], dtype=np.int64)
+        sel = dev == dv if len(devs) > 1 or dv != 0 else slice(None)
+        a = addr[sel]
+        i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+        good = (i >= 0)
+        ic = np.where(good, i, 0)
+        good &= (a >= starts[ic]) & (end[sel] <= ends[ic]) & ~wrap[sel]
+        if isinstance(sel, slice):
+            ok = good & (dev == dv)
+            slots = np.where(ok, rslot[ic], -1)
+        else:
+            ok[sel] = good
+            slots[sel] = np.where(good, rslot[ic], -1)
+    return slots, ok
+
+
+class Agent:
+    """One endpoint of kvx: registers memory, connects to peers, posts transfers.
+
+    Parameters
+    ----------
+    name
+        Unique name of this agent among its peers.
+    config
+        Settings; defaults come from ``KVX_*`` environment variables.
+
+    Examples
+    --------
+    >>> with kvx.Agent("a") as a:                         # doctest: +SKIP
+    ...     reg = a.register(kvx.alloc_host(1 << 20))
+    """
+
+    def __init__(self, name: str, config: AgentConfig | None = None) -> None:
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise UsageError("agent name must be a non-empty string of at most 256 characters")
+        self.name = name
+        self.config = config if config is not None else AgentConfig()
+        self.id = uuid.uuid4().hex
+        self.closed = False
+        self._lock = threading.RLock()
+        self._regions: dict[int, tuple[Region | Any, int]] = {}  # slot -> (region, gen)
+        self._gens = np.zeros(MAX_SLOTS, dtype=np.int64)  # current generation per slot (0: free)
+        self._gen_counter = 0
+        self._free: list[int] = []
+        self._next_slot = 1  # slot 0 is never used
+        self._table_cache: list[tuple[int, int, int, int, int, int]] | None = None
+        self._peers: dict[str, PeerInfo] = {}
+        self._notifs: dict[str, list[bytes]] = defaultdict(list)
+        self._notif_lock = threading.Lock()
+        self._notif_cv = threading.Condition(self._notif_lock)
+        self._pair_cache: dict[tuple[int, int], Backend] = {}
+        self._handles: dict[int, list[tuple[Backend, Any]]] = {}
+        ctx = BackendContext(
+            agent_name=name,
+            agent_id=self.id,
+            config=self.config,
+            deliver=self._deliver,
+            validate_local=self._validate_local,
+            regions=self._region_map,
+        )
+        self.backends: list[Backend] = []
+        for bname, cls in registry.ordered(self.config.backends):
+            reason = cls.unavailable_reason()
+            if reason is not None:
+                if self.config.backends:
+                    raise BackendUnavailable(f"backend {bname!r} is unavailable: {reason}")
+                log.debug("backend %s unavailable: %s", bname, reason)
+                continue
+            try:
+                self.backends.append(cls(ctx))
+            except BackendUnavailable:
+                if self.config.backends:
+                    raise
+                log.debug("backend %s failed to start", bname, exc_info=True)
+        if not self.backends:
+            raise BackendUnavailable("no kvx backend is available here")
+        self._finalizer = weakref.finalize(self, Agent._shutdown, list(self.backends))
+
+    # ------------------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.closed:
+            raise UsageError(f"agent {self.name!r} is closed")
+
+    def backend(self, name: str) -> Backend:
+        """Return the running backend called ``name``."""
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise BackendUnavailable(f"backend {name!r} is not running in agent {self.name!r}")
+
+    def _deliver(self, peer: str, msg: bytes) -> None:
+        with self._notif_cv:
+            self._notifs[peer].append(msg)
+            self._notif_cv.notify_all()
+
+    def _region_map(self) -> dict[int, tuple[Any, int]]:
+        with self._lock:
+            return dict(self._regions)
+
+    def table(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Live regions as ``(kind, addr, nbytes, dev, slot, gen)`` rows."""
+        with self._lock:
+            if self._table_cache is None:
+                rows = []
+                for slot, (r, gen) in self._regions.items():
+                    if isinstance(r, Region):
+                        rows.append((int(r.kind), r.addr, r.nbytes, r.dev, slot, gen))
+                    else:  # storage region: (kind, nbytes)
+                        rows.append((int(r.kind), 0, r.nbytes, slot, slot, gen))
+                self._table_cache = rows
+            return self._table_cache
+
+    def _validate_local(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> np.ndarray:
+        slots, ok = validate(kind, addr, nbytes, dev, self.table())
+        return np.where(ok, slots, -1)
+
+    # ------------------------------------------------------------------------------------------
+    def register(self, obj: Any) -> Registration:
+        """Register memory so that transfers (and peers) can reach it.
+
+        Parameters
+        ----------
+        obj
+            A numpy array, buffer or memoryview, ``kvx.alloc_host(n)`` memory, a torch CPU or
+            CUDA tensor, a cupy array, ``kvx.FileRegion``, ``kvx.ObjectRegion``,
+            ``kvx.RawRegion``, or a list of these (all of one memory kind).
+
+        Raises
+        ------
+        RegistrationError
+            If the memory cannot be registered (empty, read-only, non-contiguous, overlapping
+            an existing registration, mixed kinds).
+        BackendUnavailable
+            If no running backend serves this kind of memory.
+        """
+        self._check()
+        regs = regions_of(obj)
+        kinds = {self._kind_of(r) for r in regs}
+        if len(kinds) != 1:
+            raise RegistrationError("a registration holds one memory kind; register the kinds separately")
+        kind = kinds.pop()
+        serving = [b for b in self.backends if kind in b.kinds]
+        if not serving:
+            raise BackendUnavailable(f"no running backend serves {kind.name} memory "
+                                     f"(running: {', '.join(b.name for b in self.backends)})")
+        with self._lock:
+            self._check_overlap(regs)
+            if len(self._regions) + len(regs) >= MAX_SLOTS - 1:
+                raise RegistrationError(f"too many registered regions (at most {MAX_SLOTS - 2})")
+            slots: list[int] = []
+            done: list[tuple[int, Any, list[tuple[Backend, Any]]]] = []
+            try:
+                for r in regs:
+                    slot = self._free.pop() if self._free else self._next_slot
+                    if slot == self._next_slot:
+                        self._next_slot += 1
+                    self._gen_counter += 1
+                    gen = self._gen_counter
+                    if isinstance(r, (FileRegion, ObjectRegion)):
+                        r = _StorageRegion.of(r, slot)
+                    handles: list[tuple[Backend, Any]] = []
+                    done.append((slot, r, handles))
+                    for b in serving:
+                        handles.append((b, b.register(r, slot, gen)))
+                    self._regions[slot] = (r, gen)
+                    self._gens[slot] = gen
+                    slots.append(slot)
+            except BaseException:
+                for slot, r, handles in done:
+                    for b, h in handles:
+                        try:
+                            b.deregister(r, h)
+                        except Exception:
+                            log.exception("undoing a failed registration")
+                    self._regions.pop(slot, None)
+                    self._gens[slot] = 0
+                    self._free.append(slot)
+                self._table_cache = None
+                raise
+            self._table_cache = None
+            for slot, r, handles in done:
+                self._handles[slot] = handles
+        if kind in (MemoryKind.FILE, MemoryKind.OBJECT):
+            descs = DescList.from_arrays(kind=kind, addr=np.zeros(len(regs), dtype=_U64),
+                                         nbytes=[r.nbytes for r in regs], dev=slots)
+        else:
+            descs = DescList.from_arrays(kind=kind, addr=[r.addr for r in regs], nbytes=[r.nbytes for r in regs],
+                                         dev=[r.dev for r in regs])
+        return Registration(self, slots, descs, obj)
+
+    @staticmethod
+    def _kind_of(r: Any) -> MemoryKind:
+        if isinstance(r, FileRegion):
+            return MemoryKind.FILE
+        if isinstance(r, ObjectRegion):
+            return MemoryKind.OBJECT
+        return r.kind
+
+    def _check_overlap(self, regs: list[Any]) -> None:
+        mem = [r for r in regs if isinstance(r, Region)]
+        files = [r for r in regs if isinstance(r, FileRegion)]
+        objs = [r for r in regs if isinstance(r, ObjectRegion)]
+        if mem:
+            have = [(r.kind, r.dev, r.addr, r.addr + r.nbytes) for r, _ in self._regions.values()
+                    if isinstance(r, Region)]
+            new = [(r.kind, r.dev, r.addr, r.addr + r.nbytes) for r in mem]
+            allr = sorted(have + new, key=lambda x: (x[0], x[1], x[2]))
+            for a, b in zip(allr, allr[1:]):
+                if a[0] == b[0] and a[1] == b[1] and b[2] < a[3]:
+                    raise RegistrationError(
+                        f"memory at 0x{b[2]:x} overlaps memory already registered (or listed twice)")
+        for r in files:
+            real = os.path.realpath(r.path)
+            for s, _ in self._regions.values():
+                if isinstance(s, _StorageRegion) and s.kind == MemoryKind.FILE and s.path == real:
+                    raise RegistrationError(f"file {r.path!r} is already registered")
+        for r in objs:
+            for s, _ in self._regions.values():
+                if isinstance(s, _StorageRegion) and s.kind == MemoryKind.OBJECT and (s.bucket, s.key) == (
+                        r.bucket, r.key):
+                    raise RegistrationError(f"object {r.bucket}/{r.key} is already registered")
+
+    def _release(self, reg: Registration) -> None:
+        with self._lock:
+            for slot in reg.slots:
+                entry = self._regions.pop(slot, None)
+                if entry is None:
+                    continue
+                r, _gen = entry
+                self._gens[slot] = 0
+                self._table_cache = None
+                for b, h in self._handles.pop(slot, []):
+                    try:
+                        b.deregister(r, h)
+                    except KVXError:
+                        log.warning("backend %s failed to deregister a region", b.name, exc_info=True)
+                self._free.append(slot)
+            self._pair_cache.clear()
+
+    # ------------------------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """Everything a peer needs to reach this agent (versioned msgpack bytes)."""
+        self._check()
+        sections = {}
+        for b in self.backends:
+            m = b.metadata()
+            if m is not None:
+                sections[b.name] = m
+        return wire.pack("meta", name=self.name, id=self.id, boot=BOOT_ID, pid=os.getpid(),
+                         backends=sections, regions=[list(r) for r in self.table()])
+
+    @staticmethod
+    def parse_metadata(meta: bytes) -> PeerInfo:
+        """Decode and check peer metadata; raise ProtocolError if malformed."""
+        msg = wire.unpack(meta)
+        wire.check(msg, "meta", {"name": str, "id": str, "boot": str, "pid": int, "backends": dict,
+                                 "regions": list})
+        if not msg["name"] or len(msg["name"]) > 256:
+            raise ProtocolError("peer name is empty or too long")
+        rows = []
+        for r in msg["regions"]:
+            if (not isinstance(r, list) or len(r) != 6
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)):
+                raise ProtocolError("malformed region row in metadata")
+            if r[0] not in (0, 1, 2, 3) or not (0 < r[4] < MAX_SLOTS):
+                raise ProtocolError("region row with unknown kind or slot")
+            rows.append(tuple(r))
+        for k, v in msg["backends"].items():
+            if not isinstance(k, str) or not isinstance(v, dict):
+                raise ProtocolError("malformed backend section in metadata")
+        info = PeerInfo(name=msg["name"], agent_id=msg["id"], sections=msg["backends"], regions=rows)
+        info.sections = dict(info.sections)
+        info.sections["_boot"] = msg["boot"]
+        info.sections["_pid"] = msg["pid"]
+        return info
+
+    def add_peer(self, meta: bytes) -> str:
+        """Connect to the agent described by ``meta`` (from its :meth:`metadata`).
+
+        Returns the peer's name. Adding the same agent again refreshes its registrations.
+
+        Raises
+        ------
+        ProtocolError
+            If ``meta`` is malformed or of an incompatible version.
+        BackendUnavailable
+            If no running backend can reach the peer.
+        """
+        self._check()
+        info = self.parse_metadata(meta)
+        with self._lock:
+            old = self._peers.get(info.name)
+            if old is not None and old.agent_id == info.agent_id:
+                old.regions = info.regions
+                return info.name
+            if old is not None:
+                self.remove_peer(info.name)
+        if info.agent_id == self.id:
+            raise UsageError("an agent cannot add itself as a peer; use local prepared lists")
+        reached = []
+        for b in self.backends:
+            if not b.remote:
+                continue
+            try:
+                if b.connect(info):
+                    reached.append(b.name)
+            except KVXError:
+                log.debug("backend %s cannot reach %s", b.name, info.name, exc_info=True)
+                raise
+        if not reached:
+            raise BackendUnavailable(f"no running backend reaches peer {info.name!r}")
+        info.sections["_reached"] = reached
+        with self._lock:
+            self._peers[info.name] = info
+        return info.name
+
+    def peers(self) -> list[str]:
+        """Names of the connected peers."""
+        with self._lock:
+            return list(self._peers)
+
+    def remove_peer(self, name: str) -> None:
+        """Disconnect from a peer; its pending transfers fail with PeerDisconnected."""
+        with self._lock:
+            info = self._peers.pop(name, None)
+            self._pair_cache.clear()
+        if info is None:
+            return
+        for b in self.backends:
+            if b.remote:
+                b.disconnect(name)
+
+    def _peer(self, name: str) -> PeerInfo:
+        with self._lock:
+            info = self._peers.get(name)
+        if info is None:
+            raise UsageError(f"unknown peer {name!r}: call add_peer() with its metadata first")
+        return info
+
+    # ------------------------------------------------------------------------------------------
+    def prepare(self, descs: DescList | Registration, peer: str | None = None) -> PreparedList:
+        """Validate a descriptor list once (local, or against ``peer``'s registrations).
+
+        Raises
+        ------
+        RegistrationError
+            If a descriptor lies outside the (live) registrations of this agent or the peer.
+        """
+        self._check()
+        if isinstance(descs, Registration):
+            descs = descs.descs
+        if not isinstance(descs, DescList):
+            raise UsageError(f"prepare() takes a DescList or Registration, not {type(descs).__name__}")
+        if len(descs) == 0:
+            raise UsageError("cannot prepare an empty descriptor list")
+        pinfo = None
+        if peer is None:
+            table = self.table()
+        else:
+            pinfo = self._peer(peer)
+            table = pinfo.regions
+        slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, table)
+        if not ok.all() and peer is not None:
+            # the peer may have registered more since we saw its metadata: refresh once
+            for b in self.backends:
+                fresh = getattr(b, "refresh_regions", None)
+                if fresh is not None and b.name in pinfo.sections.get("_reached", ()):  # type: ignore[union-attr]
+                    rows = fresh(peer)
+                    if rows is not None:
+                        pinfo.regions = rows  # type: ignore[union-attr]
+                        slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, rows)
+                        break
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            where = f"peer {peer!r}" if peer else f"agent {self.name!r}"
+            raise RegistrationError(
+                f"descriptor {bad} ({descs.kind.name} 0x{int(descs.addr[bad]):x}+{int(descs.nbytes[bad])} "
+                f"dev {int(descs.dev[bad])}) is outside the live registrations of {where}"
+            )
+        genof = {r[4]: r[5] for r in table} if peer is None else {r[4]: r[5] for r in pinfo.regions}  # type: ignore[union-attr]
+        used = np.unique(slots)
+        gens = {int(s): int(genof[int(s)]) for s in used}
+        pl = PreparedList(self, peer, descs, slots, gens, pinfo)
+        for b in self.backends:
+            if descs.kind in b.kinds and (peer is None or b.name in pinfo.sections.get("_reached", ())):  # type: ignore[union-attr]
+                try:
+                    pl.bdata[b.name] = b.prepare(pl)
+                except KVXError:
+                    log.debug("backend %s cannot prepare %r", b.name, pl, exc_info=True)
+        return pl
+
+    def _check_live(self, pl: PreparedList) -> None:
+        if pl.peer is None:
+            g = self._gens
+            for s, gen in pl.gens.items():
+                if g[s] != gen:
+                    raise UsageError("a registration under this prepared list was released; prepare again")
+
+    def _select(self, local: PreparedList, remote: PreparedList, backend: str | None) -> Backend:
+        key = (id(local), id(remote))
+        if backend is None:
+            b = self._pair_cache.get(key)
+            if b is not None:
+                return b
+        loopback = remote.peer is None
+        cands = [self.backend(backend)] if backend else self.backends
+        for b in cands:
+            if b.name not in local.bdata or b.name not in remote.bdata:
+                continue
+            if b.serves(local.kind, remote.kind, loopback):
+                if backend is None:
+                    if len(self._pair_cache) > 4096:
+                        self._pair_cache.clear()
+                    self._pair_cache[key] = b
+                return b
+        raise BackendUnavailable(
+            f"no backend moves {local.kind.name} -> {remote.kind.name}"
+            + (" locally" if loopback else f" to peer {remote.peer!r}")
+            + (f" (asked for {backend!r})" if backend else "")
+        )
+
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+              notify: bytes | None, backend: str | None) -> Transfer:
+        self._check()
+        if not isinstance(local, PreparedList) or not isinstance(remote, PreparedList):
+            raise UsageError("read/write take PreparedList objects from prepare()")
+        if local.agent is not self or remote.agent is not self:
+            raise UsageError("prepared lists belong to another agent")
+        if local.peer is not None:
+            raise UsageError("the first list must be local (prepared without peer=)")
+        if notify is not None and not isinstance(notify, (bytes, bytearray)):
+            raise UsageError("notify must be bytes")
+        self._check_live(local)
+        if remote.peer is None:
+            self._check_live(remote)
+        elif remote.peer not in self._peers:
+            raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+        b = self._select(local, remote, backend)
+        try:
+            req = b.post(op, local, lidx, remote, ridx, bytes(notify) if notify is not None else None)
+        except (IndexError, ValueError, TypeError) as exc:
+            raise UsageError(f"bad transfer request: {exc}") from exc
+        return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
+
+    def read(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
+             notify: bytes | None = None, backend: str | None = None) -> Transfer:
+        """Copy ``remote[remote_idx]`` into ``local[local_idx]``; nonblocking.
+
+        Parameters
+        ----------
+        local, remote
+            Prepared lists (``remote`` from ``prepare(..., peer=...)``, or local for loopback
+            and storage).
+        local_idx, remote_idx
+            Equal-length index lists or integer arrays; paired descriptors must have equal
+            lengths.
+        notify
+            Bytes delivered to the peer's ``notifications()`` after the data has landed.
+        backend
+            Force a backend by name.
+        """
+        return self._post(Op.READ, local, local_idx, remote, remote_idx, notify, backend)
+
+    def write(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
+              notify: bytes | None = None, backend: str | None = None) -> Transfer:
+        """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
+        return self._post(Op.WRITE, local, local_idx, remote, remote_idx, notify, backend)
+
+    # ------------------------------------------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer``'s notification queue."""
+        self._check()
+        if not isinstance(message, (bytes, bytearray)):
+            raise UsageError("notification must be bytes")
+        info = self._peer(peer)
+        for b in self.backends:
+            if b.notifications and b.name in info.sections.get("_reached", ()):
+                b.notify(peer, bytes(message))
+                return
+        raise BackendUnavailable(f"no backend carries notifications to {peer!r}")
+
+    def notifications(self, timeout: float | None = None) -> dict[str, list[bytes]]:
+        """Drain received notifications: ``{peer_name: [bytes, ...]}``.
+
+        With ``timeout``, wait up to that long for at least one to arrive.
+        """
+        self._check()
+        with self._notif_cv:
+            if timeout is not None and not self._notifs:
+                self._notif_cv.wait_for(lambda: bool(self._notifs) or self.closed, timeout)
+            out = dict(self._notifs)
+            self._notifs = defaultdict(list)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _shutdown(backends: list[Backend]) -> None:
+        for b in backends:
+            try:
+                b.close()
+            except Exception:
+                log.exception("closing backend %s", b.name)
+
+    def close(self) -> None:
+        """Disconnect peers, release registrations, stop backends. Idempotent."""
+        if self.closed:
+            return
+        with self._lock:
+            for p in list(self._peers):
+                self.remove_peer(p)
+            for slot in list(self._regions):
+                r, _ = self._regions.pop(slot)
+                for b, h in self._handles.pop(slot, []):
+                    try:
+                        b.deregister(r, h)
+                    except Exception:
+                        log.debug("deregister at close", exc_info=True)
+            self._gens[:] = 0
+            self.closed = True
+        with self._notif_cv:
+            self._notif_cv.notify_all()
+        self._finalizer()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.name!r} backends={[b.name for b in self.backends]}{' closed' if self.closed else ''}>"
+
+
+class _StorageRegion:
+    """A registered file or object, as the agent and storage backends see it."""
+
+    __slots__ = ("kind", "nbytes", "path", "bucket", "key", "slot", "spec")
+
+    def __init__(self, kind: MemoryKind, nbytes: int, slot: int, spec: Any, path: str | None = None,
+                 bucket: str | None = None, key: str | None = None) -> None:
+        self.kind = kind
+        self.nbytes = nbytes
+        self.slot = slot
+        self.spec = spec
+        self.path = path
+        self.bucket = bucket
+        self.key = key
+
+    @classmethod
+    def of(cls, r: FileRegion | ObjectRegion, slot: int) -> "_StorageRegion":
+        if isinstance(r, FileRegion):
+            return cls(MemoryKind.FILE, r.nbytes, slot, r, path=os.path.realpath(r.path))
+        return cls(MemoryKind.OBJECT, r.nbytes, slot, r, bucket=r.bucket, key=r.key)
+
+    @property
+    def dev(self) -> int:
+        return self.slot
+
+
+def as_index(idx: Any) -> Any:
+    """Normalize an index argument for the native layer (list/tuple/int pass through)."""
+    if isinstance(idx, (list, tuple, int)):
+        return idx
+    a = np.asarray(idx)
+    if a.dtype.kind not in "iu":
+        raise UsageError("indices must be integers")
+    return np.ascontiguousarray(a, dtype=np.int64)

@@ -1,0 +1,239 @@
+"""The south-bound contract: one small abstract class every backend implements.
+
+Modelled on NIXL's backend engine. The agent owns registrations, peers and validation of
+descriptor lists; a backend moves bytes between *prepared* lists it has accepted.
+
+Life of a transfer::
+
+    agent.read/write -> backend.post(op, local, lidx, remote, ridx, notify) -> Request
+    Transfer.status  -> Request.test()   (True when finished; raises TransferError on failure)
+    Transfer.cancel  -> Request.cancel()
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import numpy as np
+
+from ..errors import TransferTimeout
+from ..memory import MemoryKind, Region
+
+if TYPE_CHECKING:
+    from ..agent import PreparedList
+    from ..config import AgentConfig
+
+__all__ = ["Backend", "BackendContext", "Op", "Request", "DoneRequest", "PeerInfo", "ThreadRequest"]
+
+log = logging.getLogger(__name__)
+
+
+class Op(enum.Enum):
+    """Direction of a transfer, seen from the initiator's local list."""
+
+    READ = "read"  # remote -> local
+    WRITE = "write"  # local -> remote
+
+
+@dataclass(frozen=True, slots=True)
+class BackendContext:
+    """What the agent hands each backend it creates."""
+
+    agent_name: str
+    agent_id: str
+    config: "AgentConfig"
+    #: deliver(peer_name, message) queues a notification for the user.
+    deliver: Callable[[str, bytes], None]
+    #: lookup(addr_array, nbytes_array, kind) -> (region slot array, ok mask): validates local
+    #: descriptors against the agent's live registrations (used by two-sided targets).
+    validate_local: Callable[[MemoryKind, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    #: current local registrations table (for one-sided publication).
+    regions: Callable[[], dict[int, tuple[Region, int]]]
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    """A peer as the agent knows it: its name, id, and each backend's metadata section."""
+
+    name: str
+    agent_id: str
+    sections: dict[str, Any]
+    regions: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # (kind, addr, nbytes, dev, slot, generation) per live registration region
+
+
+class Request(ABC):
+    """A posted transfer inside a backend."""
+
+    nbytes: int = 0
+
+    @abstractmethod
+    def test(self) -> bool:
+        """Return True when finished; raise a TransferError subclass if it failed."""
+
+    def cancel(self) -> bool:
+        """Try to stop it; return True if it will not complete. Default: cannot."""
+        return False
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; True when finished (raises on failure)."""
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while not self.test():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 2e-3)
+        return True
+
+
+class DoneRequest(Request):
+    """A request that completed while it was posted (small inline transfers)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        return True
+
+
+class ThreadRequest(Request):
+    """A request completed by another thread calling :meth:`finish`."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._ev = threading.Event()
+        self._err: BaseException | None = None
+        self.cancelled = False
+
+    def finish(self, err: BaseException | None = None) -> None:
+        if not self._ev.is_set():
+            self._err = err
+            self._ev.set()
+
+    def test(self) -> bool:
+        if not self._ev.is_set():
+            return False
+        if self._err is not None:
+            raise self._err
+        return True
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return not self._ev.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        if not self._ev.wait(timeout):
+            return False
+        return self.test()
+
+
+class Backend(ABC):
+    """A way of moving bytes. Subclasses set the class attributes and implement the methods.
+
+    Attributes
+    ----------
+    name
+        Registry name (``"host"``, ``"tcp"``, ...).
+    kinds
+        Memory kinds this backend can serve on either side.
+    remote
+        Whether it reaches other agents.
+    local
+        Whether it serves loopback transfers within one agent (storage backends).
+    notifications
+        Whether it carries notifications to peers.
+    """
+
+    name: ClassVar[str] = ""
+    kinds: ClassVar[frozenset[MemoryKind]] = frozenset()
+    remote: ClassVar[bool] = False
+    local: ClassVar[bool] = False
+    notifications: ClassVar[bool] = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    # ---- capability ------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run here (a missing dependency, no device), or None."""
+        return None
+
+    def serves(self, local: MemoryKind, remote: MemoryKind, loopback: bool) -> bool:
+        """Whether a transfer between these kinds can go through this backend."""
+        if loopback and not self.local:
+            return False
+        if not loopback and not self.remote:
+            return False
+        return local in self.kinds and remote in self.kinds
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        """Accept a region (published as ``slot`` at generation ``gen``); return a private handle.
+
+        Raise RegistrationError if the backend cannot serve it.
+        """
+        return None
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        """Forget a region; after return no peer reaches it through this backend."""
+
+    # ---- peers -----------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any] | None:
+        """This backend's section of the agent's metadata (msgpack-able), or None."""
+        return None
+
+    def connect(self, peer: PeerInfo) -> bool:
+        """Make ``peer`` reachable; return False if this backend cannot reach it."""
+        return False
+
+    def disconnect(self, peer_name: str) -> None:
+        """Drop a peer; pending transfers to it fail with PeerDisconnected."""
+
+    def prepare(self, plist: "PreparedList") -> Any:
+        """Per-backend preparation of a validated list (e.g. address translation); may return None."""
+        return None
+
+    # ---- transfers -------------------------------------------------------------------------
+    @abstractmethod
+    def post(
+        self,
+        op: Op,
+        local: "PreparedList",
+        lidx: np.ndarray,
+        remote: "PreparedList",
+        ridx: np.ndarray,
+        notify: bytes | None,
+    ) -> Request:
+        """Start moving ``local[lidx]`` <-> ``remote[ridx]`` (lengths already checked equal).
+
+        Must not block for long: large work goes to threads or the device.
+        """
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        """Send a notification to a peer (backends with ``notifications = True``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release everything; pending requests fail."""
+
+
+def wait_all(reqs: list[Request], timeout: float) -> None:
+    """Wait for several requests; raise TransferTimeout if they are not done in time."""
+    deadline = time.monotonic() + timeout
+    for r in reqs:
+        if not r.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"request not finished within {timeout:.1f} s")

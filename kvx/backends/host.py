@@ -1,0 +1,650 @@
+"""``host``: host memory between processes of one machine (and within one process).
+
+Paths, chosen per prepared remote list (``KVX_HOST_PATH=auto``) or forced:
+
+- **shm** -- the target's ``alloc_host`` memory is a memfd; the initiator receives the fd over
+  an AF_UNIX socket (SCM_RIGHTS), maps it once, and copies one-sided with native threads.
+- **cma** -- any other memory: ``process_vm_readv/writev`` with batched iovecs, one-sided.
+- **uds** -- where CMA is not permitted: two-sided over the AF_UNIX socket; the target checks
+  every descriptor against its live registrations before it touches memory.
+
+One-sided safety: each agent publishes a control table (a memfd the peers map) holding, per
+registration slot, ``state = generation << 1 | live`` and the region's bounds, and gives each
+peer a page of in-flight counters. A copy increments the counters of the slots it touches,
+checks their states, copies, and decrements; ``release`` clears the live bit and waits for the
+counters to drain before it returns, so after release no peer reaches the memory.
+Only processes of the same user may connect (SO_PEERCRED), plus the HMAC token if configured.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _native, auth, wire
+from ..agent import MAX_SLOTS, BOOT_ID, PreparedList
+from ..channel import Channel
+from ..errors import (
+    AuthError,
+    BackendUnavailable,
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    RemoteError,
+    TransferError,
+    UsageError,
+)
+from ..memory import MemoryKind, Region
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+
+__all__ = ["HostBackend"]
+
+log = logging.getLogger(__name__)
+
+_ENTRY = 32  # bytes per control-table entry: state, addr, nbytes, flags
+_F_SHM = 1
+_CTRL_BYTES = MAX_SLOTS * _ENTRY
+_INFL_BYTES = MAX_SLOTS * 4
+
+
+def _u64view(addr: int, n: int) -> np.ndarray:
+    import ctypes
+
+    return np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
+
+
+def translate_oserror(exc: OSError, peer: str | None) -> TransferError:
+    """Map a native copy error to the kvx error tree."""
+    e = exc.errno
+    who = f"peer {peer!r}" if peer else "local memory"
+    if e == errno.ESTALE:
+        return RemoteError(f"{who}: the target released (or re-registered) the memory")
+    if e == errno.ESRCH:
+        return PeerDisconnected(f"{who}: the process is gone")
+    if e in (errno.EFAULT, errno.EPERM):
+        return RemoteError(f"{who}: memory not accessible ({os.strerror(e)})")
+    if e == errno.ECANCELED:
+        return TransferError("transfer cancelled")
+    return TransferError(f"{who}: copy failed: {os.strerror(e or errno.EIO)}")
+
+
+@dataclass(slots=True)
+class _Prep:
+    mode: str  # local, shm, cma, uds
+    addr: np.ndarray  # addresses to use with the native layer (translated for shm)
+    nbytes: np.ndarray
+    guards: np.ndarray | None = None
+    raw: np.ndarray | None = None  # target-side addresses (uds)
+
+
+class _JobRequest(Request):
+    __slots__ = ("job", "nbytes", "peer", "after", "_fired")
+
+    def __init__(self, job: Any, peer: str | None, after: Any = None) -> None:
+        self.job = job
+        self.nbytes = job.nbytes
+        self.peer = peer
+        self.after = after
+        self._fired = False
+
+    def _done(self) -> None:
+        if not self._fired:
+            self._fired = True
+            if self.after is not None:
+                self.after()
+
+    def test(self) -> bool:
+        try:
+            ok = self.job.test()
+        except OSError as exc:
+            raise translate_oserror(exc, self.peer) from exc
+        if ok:
+            self._done()
+        return bool(ok)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            ok = self.job.wait(timeout)
+        except OSError as exc:
+            raise translate_oserror(exc, self.peer) from exc
+        if ok:
+            self._done()
+        return bool(ok)
+
+    def cancel(self) -> bool:
+        self.job.cancel()
+        return True
+
+
+class _Peer:
+    """An initiated connection to a same-node peer, with its mapped control table."""
+
+    def __init__(self, name: str, chan: Channel, pid: int, ctrl: int, infl: int, cma: bool) -> None:
+        self.name = name
+        self.chan = chan
+        self.pid = pid
+        self.ctrl = ctrl  # mapped address of the peer's control table
+        self.infl = infl  # mapped address of our in-flight counters in the peer
+        self.cma = cma
+        self.maps: dict[tuple[int, int], tuple[int, int, int]] = {}  # (slot, gen) -> (base, size, off)
+        self.lock = threading.Lock()
+
+    def table(self) -> list[tuple[int, int, int, int, int, int]]:
+        t = _u64view(self.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        st = t[:, 0].copy()
+        live = np.nonzero(st & 1)[0]
+        rows = []
+        for s in live.tolist():
+            state, addr, nb, _fl = (int(x) for x in t[s])
+            if state != int(st[s]):  # changed while reading
+                continue
+            rows.append((int(MemoryKind.HOST), addr, nb, 0, s, state >> 1))
+        return rows
+
+    def unmap_all(self) -> None:
+        with self.lock:
+            for base, size, _off in self.maps.values():
+                try:
+                    _native.unmap(base, size)
+                except OSError:
+                    pass
+            self.maps.clear()
+
+
+class HostBackend(Backend):
+    """Host memory on one machine: shared mappings, CMA, AF_UNIX; see the module docstring."""
+
+    name = "host"
+    kinds = frozenset({MemoryKind.HOST})
+    remote = True
+    local = True
+    notifications = True
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.cfg = ctx.config
+        self.max_msg = int(_max_message())
+        self.threads = int(self.cfg.copy_threads)
+        self.inline = int(self.cfg.inline_bytes)
+        self._lock = threading.RLock()
+        self._closed = False
+        # control table
+        self._ctrl_fd = os.memfd_create("kvx-ctrl", os.MFD_CLOEXEC)
+        os.ftruncate(self._ctrl_fd, _CTRL_BYTES)
+        self._ctrl = _native.map_fd(self._ctrl_fd, _CTRL_BYTES, 0, True)
+        self._table = _u64view(self._ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        self._slots: dict[int, tuple[Region, int]] = {}
+        # listener
+        self._addr = f"\0kvx-{ctx.agent_id}"
+        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._lsock.bind(self._addr)
+        self._lsock.listen(64)
+        self._accepted: list[Channel] = []  # connections peers opened to us
+        self._peers: dict[str, _Peer] = {}  # connections we opened
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-host-{ctx.agent_name}", daemon=True)
+        self._acceptor.start()
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if not isinstance(region, Region) or region.kind != MemoryKind.HOST:
+            raise RegistrationError("host backend registers HOST memory only")
+        with self._lock:
+            e = self._table[slot]
+            e[1] = region.addr
+            e[2] = region.nbytes
+            e[3] = _F_SHM if region.shm is not None else 0
+            _native.store64(self._ctrl + slot * _ENTRY, (gen << 1) | 1)
+            self._slots[slot] = (region, gen)
+        return gen
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        gen = int(handle)
+        slot = None
+        with self._lock:
+            for s, (r, g) in self._slots.items():
+                if r is region and g == gen:
+                    slot = s
+                    break
+            if slot is None:
+                return
+            del self._slots[slot]
+            _native.store64(self._ctrl + slot * _ENTRY, gen << 1)  # not live: new copies fail
+            counters = [int(c.extra["infl"]) + 4 * slot for c in self._accepted if c.alive and "infl" in c.extra]
+            chans = [c for c in self._accepted if c.alive]
+        if counters and not _native.drain(np.array(counters, dtype=np.uint64), float(self.cfg.peer_timeout)):
+            # a peer is stuck inside a copy: cut it off so it can start no more
+            for c in chans:
+                if _native.load32(int(c.extra["infl"]) + 4 * slot):
+                    log.error("peer %s did not finish copying from a released region within %.1f s; disconnecting",
+                              c.peer_name, self.cfg.peer_timeout)
+                    c.close()
+        for c in chans:
+            try:
+                c.send(wire.pack("revoke", slot=slot, gen=gen))
+            except PeerDisconnected:
+                pass
+
+    # ---- peers -----------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"uds": self._addr[1:], "pid": os.getpid(), "uid": os.getuid(), "ctrl": self._ctrl}
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                s, _ = self._lsock.accept()
+            except OSError:
+                return
+            if self._closed:
+                s.close()
+                return
+            threading.Thread(target=self._handshake_in, args=(s,), daemon=True).start()
+
+    def _handshake_in(self, s: socket.socket) -> None:
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() and os.getuid() != 0:
+                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
+            chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{pid}")
+            nonce = auth.new_nonce()
+            chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
+            msg, _, fds = chan.recv_one()
+            for fd in fds:
+                os.close(fd)
+            wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes})
+            auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
+            infl_fd = os.memfd_create("kvx-inflight", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(infl_fd, _INFL_BYTES)
+                chan.extra["infl"] = _native.map_fd(infl_fd, _INFL_BYTES, 0, True)
+                chan.peer_name = msg["name"]
+                chan.peer_id = msg["id"]
+                chan.send(wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id),
+                          fds=[self._ctrl_fd, infl_fd])
+            finally:
+                os.close(infl_fd)
+        except (KVXError, OSError) as exc:
+            log.warning("refused a same-node connection: %s", exc)
+            try:
+                s.close()
+            except OSError:
+                pass
+            return
+        s.settimeout(None)
+        with self._lock:
+            if self._closed:
+                chan.close()
+                return
+            self._accepted.append(chan)
+        chan.start()
+
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if not isinstance(sec, dict) or peer.sections.get("_boot") != BOOT_ID:
+            return False
+        try:
+            wire.check(dict(sec, t="host"), "host", {"uds": str, "pid": int, "uid": int, "ctrl": int})
+        except ProtocolError:
+            raise ProtocolError(f"malformed host section in {peer.name!r} metadata") from None
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            s.connect("\0" + sec["uds"])
+        except OSError as exc:
+            s.close()
+            raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
+        chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
+        fds: list[int] = []
+        try:
+            msg, _, fds0 = chan.recv_one()
+            fds += fds0
+            wire.check(msg, "challenge", {"nonce": bytes, "id": str})
+            if msg["id"] != peer.agent_id:
+                raise ProtocolError(f"{peer.name!r} answered with another agent id")
+            mac = auth.prove(self.cfg.auth_token, msg["nonce"], self.ctx.agent_id, peer.agent_id)
+            chan.send(wire.pack("hello", name=self.ctx.agent_name, id=self.ctx.agent_id, mac=mac))
+            msg, _, fds1 = chan.recv_one()
+            fds += fds1
+            wire.check(msg, "welcome", {"name": str, "id": str})
+            if len(fds) != 2:
+                raise ProtocolError("handshake did not carry the control table")
+            ctrl = _native.map_fd(fds[0], _CTRL_BYTES, 0, False)
+            infl = _native.map_fd(fds[1], _INFL_BYTES, 0, True)
+        except PeerDisconnected as exc:
+            s.close()
+            raise AuthError(f"{peer.name!r} closed the handshake (wrong KVX_AUTH_TOKEN or other user?)") from exc
+        except (OSError, KVXError):
+            s.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        s.settimeout(None)
+        cma = False
+        if self.cfg.host_path in ("auto", "cma"):
+            try:
+                _native.cma_probe(sec["pid"], sec["ctrl"])
+                cma = True
+            except OSError as exc:
+                log.info("CMA to %s not permitted (%s); using %s", peer.name, exc,
+                         "shared mappings/AF_UNIX" if self.cfg.host_path == "auto" else "nothing")
+        p = _Peer(peer.name, chan, sec["pid"], ctrl, infl, cma)
+        chan.extra["peer"] = p
+        with self._lock:
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = p
+        if old is not None:
+            self._drop(old)
+        chan.start()
+        return True
+
+    def path_to(self, peer_name: str) -> str:
+        """The default path this backend takes to ``peer_name`` for non-alloc_host memory."""
+        p = self._peers.get(peer_name)
+        if p is None:
+            raise UsageError(f"not connected to {peer_name!r}")
+        if self.cfg.host_path in ("shm", "uds"):
+            return self.cfg.host_path
+        return "cma" if p.cma else "uds"
+
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        p = self._peers.get(peer_name)
+        return p.table() if p is not None else None
+
+    def _drop(self, p: _Peer) -> None:
+        p.chan.close()
+        p.unmap_all()
+        for addr, size in ((p.ctrl, _CTRL_BYTES), (p.infl, _INFL_BYTES)):
+            try:
+                _native.unmap(addr, size)
+            except OSError:
+                pass
+
+    def disconnect(self, peer_name: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer_name, None)
+        if p is not None:
+            self._drop(p)
+
+    def _on_close(self, chan: Channel) -> None:
+        with self._lock:
+            if chan in self._accepted:
+                self._accepted.remove(chan)
+                infl = chan.extra.pop("infl", None)
+                if infl is not None:
+                    # the peer is gone: its counters no longer hold releases back
+                    threading.Thread(target=_native.unmap, args=(infl, _INFL_BYTES), daemon=True).start()
+
+    # ---- messages --------------------------------------------------------------------------
+    def _on_message(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        t = msg["t"]
+        if t == "notif":
+            wire.check(msg, "notif", {"msg": bytes})
+            self.ctx.deliver(chan.peer_name, msg["msg"])
+        elif t == "revoke":
+            wire.check(msg, "revoke", {"slot": int, "gen": int})
+            p = chan.extra.get("peer")
+            if p is not None:
+                with p.lock:
+                    m = p.maps.pop((msg["slot"], msg["gen"]), None)
+                if m is not None:
+                    _native.unmap(m[0], m[1])
+        elif t == "getfd":
+            self._serve_getfd(chan, msg)
+        elif t == "xfer":
+            self._serve_xfer(chan, msg, payload)
+        else:
+            rid = msg.get("rid")
+            if isinstance(rid, int):
+                chan.reply_error(rid, f"unknown request {t!r}")
+
+    def _serve_getfd(self, chan: Channel, msg: dict[str, Any]) -> None:
+        wire.check(msg, "getfd", {"rid": int, "slot": int, "gen": int})
+        with self._lock:
+            ent = self._slots.get(msg["slot"])
+        if ent is None or ent[1] != msg["gen"]:
+            chan.reply_error(msg["rid"], "region is not registered (released?)")
+            return
+        region, _ = ent
+        if region.shm is None:
+            chan.reply_error(msg["rid"], "region is not shareable (not from kvx.alloc_host)")
+            return
+        fd, off, size = region.shm
+        chan.reply(msg["rid"], "fd", off=off, size=size, fds=[fd])
+
+    def _serve_xfer(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None) -> None:
+        wire.check(msg, "xfer", {"rid": int, "op": str, "addr": bytes, "nbytes": bytes})
+        rid = msg["rid"]
+        addr = np.frombuffer(msg["addr"], dtype=np.uint64)
+        nb = np.frombuffer(msg["nbytes"], dtype=np.uint64)
+        if addr.shape != nb.shape or msg["op"] not in ("read", "write"):
+            chan.reply_error(rid, "malformed transfer request")
+            return
+        # the target checks what it serves: every descriptor inside a live registration
+        slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
+        if (slots < 0).any():
+            bad = int(np.argmax(slots < 0))
+            chan.reply_error(rid, f"descriptor {bad} (0x{int(addr[bad]):x}+{int(nb[bad])}) is outside registered memory")
+            return
+        total = int(nb.sum())
+        offs = np.concatenate(([0], np.cumsum(nb)[:-1])).astype(np.uint64) if len(nb) else nb
+        if msg["op"] == "write":
+            if payload is None or len(payload) != total:
+                chan.reply_error(rid, "payload length does not match the descriptors")
+                return
+            base = np.frombuffer(payload, dtype=np.uint8).ctypes.data
+            _native.submit(0, 0, addr, nb, np.arange(len(addr), dtype=np.int64), offs + np.uint64(base), nb,
+                           np.arange(len(addr), dtype=np.int64), None, None, 1, 1 << 62, 0)
+            chan.reply(rid, "ok")
+        else:
+            buf = bytearray(total)
+            base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+            _native.submit(0, 0, offs + np.uint64(base), nb, np.arange(len(addr), dtype=np.int64), addr, nb,
+                           np.arange(len(addr), dtype=np.int64), None, None, 1, 1 << 62, 0)
+            chan.reply(rid, "ok", payload=buf)
+
+    # ---- preparation -----------------------------------------------------------------------
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        addr = np.ascontiguousarray(d.addr, dtype=np.uint64)
+        nb = np.ascontiguousarray(d.nbytes, dtype=np.uint64)
+        if plist.peer is None:
+            return _Prep("local", addr, nb)
+        p = self._peers.get(plist.peer)
+        if p is None or not p.chan.alive:
+            raise PeerDisconnected(f"not connected to {plist.peer!r}")
+        t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        used = plist.used
+        shareable = bool(np.all(t[used, 3] & _F_SHM))
+        mode = self.cfg.host_path
+        if mode == "auto":
+            mode = "shm" if shareable else ("cma" if p.cma else "uds")
+        if mode == "shm" and not shareable:
+            raise BackendUnavailable("KVX_HOST_PATH=shm needs target memory from kvx.alloc_host")
+        if mode == "cma" and not p.cma:
+            raise BackendUnavailable("KVX_HOST_PATH=cma but process_vm_* is not permitted to this peer")
+        guards = np.empty((len(used), 3), dtype=np.uint64)
+        for i, s in enumerate(used.tolist()):
+            guards[i] = (p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + 4 * s)
+        guards = guards.reshape(-1)
+        if mode == "uds":
+            return _Prep("uds", addr, nb, None, raw=addr)
+        if mode == "cma":
+            return _Prep("cma", addr, nb, guards)
+        delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
+        for s in used.tolist():
+            base, _size, off = self._map(p, s, plist.gens[s])
+            # translated = addr - region_start + base + off (mod 2**64)
+            delta[s] = np.uint64((base + off - int(t[s, 1])) % (1 << 64))
+        xaddr = addr + delta[plist.slots]
+        return _Prep("shm", np.ascontiguousarray(xaddr), nb, guards)
+
+    def _map(self, p: _Peer, slot: int, gen: int) -> tuple[int, int, int]:
+        with p.lock:
+            m = p.maps.get((slot, gen))
+        if m is not None:
+            return m
+        msg, _, fds = p.chan.request("getfd", self.cfg.handshake_timeout, slot=slot, gen=gen)
+        try:
+            wire.check(msg, "fd", {"off": int, "size": int})
+            if len(fds) != 1:
+                raise ProtocolError("getfd reply without a descriptor")
+            size = msg["size"]
+            if os.fstat(fds[0]).st_size < size or msg["off"] >= size:
+                raise ProtocolError("getfd reply with inconsistent sizes")
+            base = _native.map_fd(fds[0], size, 0, True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        m = (base, size, msg["off"])
+        with p.lock:
+            if (slot, gen) in p.maps:
+                _native.unmap(base, size)
+                return p.maps[(slot, gen)]
+            p.maps[(slot, gen)] = m
+        return m
+
+    # ---- transfers -------------------------------------------------------------------------
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request:
+        lp: _Prep = local.bdata["host"]
+        rp: _Prep = remote.bdata["host"]
+        peer = None
+        pid = 0
+        code = 0  # memcpy
+        if rp.mode != "local":
+            peer = self._peers.get(remote.peer)  # type: ignore[arg-type]
+            if peer is None or not peer.chan.alive:
+                raise PeerDisconnected(f"peer {remote.peer!r} is not connected")
+            if rp.mode == "uds":
+                return self._post_uds(op, lp, lidx, rp, ridx, peer, notify)
+            if rp.mode == "cma":
+                code = 1 if op is Op.WRITE else 2
+                pid = peer.pid
+        if op is Op.WRITE:
+            args = (rp.addr, rp.nbytes, ridx, lp.addr, lp.nbytes, lidx)
+        else:
+            args = (lp.addr, lp.nbytes, lidx, rp.addr, rp.nbytes, ridx)
+        try:
+            job = _native.submit(code, pid, *args, None, rp.guards, self.threads, self.inline, 0)
+        except OSError as exc:
+            raise translate_oserror(exc, remote.peer) from exc
+        send_notif: Any = None
+        if notify is not None:
+            if peer is None:  # loopback: the agent notifies itself
+
+                def send_notif() -> None:
+                    self.ctx.deliver(self.ctx.agent_name, notify)
+            else:
+                chan = peer.chan
+
+                def send_notif() -> None:
+                    chan.send(wire.pack("notif", msg=notify))
+        if job is None:
+            if send_notif is not None:
+                send_notif()
+            nb = int(lp.nbytes[lidx].sum()) if not isinstance(lidx, int) else int(lp.nbytes[lidx])
+            return DoneRequest(nb)
+        req = _JobRequest(job, remote.peer)
+        if send_notif is not None:
+            # deliver the notification once the data has landed, even if nobody polls
+            def waiter() -> None:
+                try:
+                    if job.wait(float(self.cfg.transfer_timeout)):
+                        req._fired = True
+                        send_notif()
+                except (OSError, KVXError):
+                    pass
+
+            threading.Thread(target=waiter, daemon=True).start()
+        return req
+
+    def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
+                  notify: bytes | None) -> Request:
+        li = np.atleast_1d(np.asarray(lidx, dtype=np.int64))
+        ri = np.atleast_1d(np.asarray(ridx, dtype=np.int64))
+        if li.shape != ri.shape:
+            raise ValueError("index lists differ in length")
+        if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
+            raise IndexError("descriptor index out of range")
+        ln = lp.nbytes[li]
+        if not np.array_equal(ln, rp.nbytes[ri]):
+            raise ValueError("paired descriptors differ in length")
+        total = int(ln.sum())
+        offs = np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.uint64)
+        ar = np.arange(len(li), dtype=np.int64)
+        raddr = rp.raw[ri].tobytes()  # type: ignore[index]
+        from .base import ThreadRequest
+
+        req = ThreadRequest(total)
+        buf = bytearray(total)
+        base = np.uint64(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+        def run() -> None:
+            try:
+                if op is Op.WRITE:
+                    _native.submit(0, 0, offs + base, ln, ar, lp.addr, lp.nbytes, li, None, None, self.threads, 1 << 62, 0)
+                    peer.chan.request("xfer", self.cfg.transfer_timeout, payload=buf, op="write", addr=raddr,
+                                      nbytes=ln.tobytes())
+                else:
+                    _, pl, _ = peer.chan.request("xfer", self.cfg.transfer_timeout, op="read", addr=raddr,
+                                                 nbytes=ln.tobytes())
+                    if pl is None or len(pl) != total:
+                        raise ProtocolError("read reply of the wrong size")
+                    src = np.uint64(np.frombuffer(pl, dtype=np.uint8).ctypes.data)
+                    _native.submit(0, 0, lp.addr, lp.nbytes, li, offs + src, ln, ar, None, None, self.threads, 1 << 62, 0)
+                if notify is not None:
+                    peer.chan.send(wire.pack("notif", msg=notify))
+                req.finish()
+            except KVXError as exc:
+                req.finish(exc if isinstance(exc, TransferError) else TransferError(str(exc)))
+            except OSError as exc:
+                req.finish(translate_oserror(exc, peer.name))
+
+        threading.Thread(target=run, daemon=True).start()
+        return req
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        p = self._peers.get(peer_name)
+        if p is None:
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected")
+        p.chan.send(wire.pack("notif", msg=message))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            acc = list(self._accepted)
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        for p in peers:
+            self._drop(p)
+        for c in acc:
+            c.close()
+        # leave the control mapping in place: peers may still hold it; the fd goes
+        for s in list(self._slots):
+            _native.store64(self._ctrl + s * _ENTRY, 0)
+        os.close(self._ctrl_fd)
+
+
+def _max_message() -> int:
+    from .. import config
+
+    return int(config.get("KVX_MAX_MESSAGE"))

@@ -1,0 +1,78 @@
+"""The one exception tree of kvx (DESIGN section 5).
+
+Backends translate their native errors (OSError, CUDA, botocore, UCX) into these at their
+boundary and keep the cause with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVXError",
+    "UsageError",
+    "RegistrationError",
+    "BackendUnavailable",
+    "ProtocolError",
+    "AuthError",
+    "TransferError",
+    "TransferTimeout",
+    "PeerDisconnected",
+    "RemoteError",
+    "TierError",
+    "BlockNotFound",
+    "TierFull",
+]
+
+
+class KVXError(Exception):
+    """Base class of every error kvx raises on purpose."""
+
+
+class UsageError(KVXError, RuntimeError):
+    """The caller misused the API (a released handle, a closed agent, bad arguments)."""
+
+
+class RegistrationError(KVXError):
+    """Memory cannot be registered, or a descriptor lies outside registered memory."""
+
+
+class BackendUnavailable(KVXError):
+    """No backend serves this memory pair, or a backend's optional dependency is missing."""
+
+
+class ProtocolError(KVXError):
+    """Malformed, oversized or incompatible metadata or message."""
+
+
+class AuthError(KVXError):
+    """A peer failed authentication."""
+
+
+class TransferError(KVXError):
+    """A transfer failed."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer, handshake or notification did not finish within its bound."""
+
+
+class PeerDisconnected(TransferError):
+    """The peer died, closed, or was cut off."""
+
+
+class RemoteError(TransferError):
+    """The target refused the request (for example an out-of-bounds descriptor)."""
+
+
+class TierError(KVXError):
+    """A tiered-store operation failed."""
+
+
+class BlockNotFound(TierError, KeyError):
+    """The requested block is in no tier (or failed its checksum)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return Exception.__str__(self)
+
+
+class TierFull(TierError):
+    """A tier has no room and nothing can be evicted (everything is pinned)."""

@@ -1,0 +1,421 @@
+"""What memory is and how it is described: MemoryKind, regions, DescList, alloc_host."""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
+
+import msgpack
+import numpy as np
+
+from .errors import BackendUnavailable, ProtocolError, RegistrationError, UsageError
+
+if TYPE_CHECKING:
+    from .agent import Registration
+
+__all__ = [
+    "MemoryKind",
+    "DescList",
+    "FileRegion",
+    "ObjectRegion",
+    "RawRegion",
+    "Region",
+    "alloc_host",
+    "regions_of",
+]
+
+_U64 = np.dtype("<u8")
+WIRE_VERSION = 1
+
+
+class MemoryKind(enum.IntEnum):
+    """The kinds of memory kvx moves between."""
+
+    HOST = 0
+    CUDA = 1
+    FILE = 2
+    OBJECT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FileRegion:
+    """A file (created if absent, preallocated to ``nbytes``) registered as storage.
+
+    Blocks may sit at any offset inside it.
+    """
+
+    path: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
+            raise RegistrationError(f"FileRegion nbytes must be a positive int, not {self.nbytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRegion:
+    """One object in an object store; written whole, read whole or by byte range."""
+
+    bucket: str
+    key: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not self.bucket or not self.key:
+            raise RegistrationError("ObjectRegion needs a bucket and a key")
+        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
+            raise RegistrationError(f"ObjectRegion nbytes must be a positive int, not {self.nbytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RawRegion:
+    """Memory given by address: ``RawRegion(addr, nbytes, MemoryKind.CUDA, dev=1)``.
+
+    The caller keeps the memory alive for as long as it is registered.
+    """
+
+    addr: int
+    nbytes: int
+    kind: MemoryKind = MemoryKind.HOST
+    dev: int = 0
+
+    def __post_init__(self) -> None:
+        if self.addr <= 0 or self.nbytes <= 0:
+            raise RegistrationError("RawRegion needs a positive address and length")
+        if self.kind not in (MemoryKind.HOST, MemoryKind.CUDA):
+            raise RegistrationError("RawRegion describes HOST or CUDA memory; use FileRegion/ObjectRegion")
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One contiguous piece of registered memory, as the agent keeps it.
+
+    ``addr`` is a virtual address (HOST, CUDA) or 0 (FILE, OBJECT: offsets start at 0);
+    ``dev`` is the CUDA device, or the file/object id the agent assigned.
+    """
+
+    kind: MemoryKind
+    addr: int
+    nbytes: int
+    dev: int
+    owner: Any = None  # keeps the memory alive; not compared
+    shm: tuple[int, int, int] | None = None  # (fd, offset inside the memfd, memfd size) if shareable
+    path: str | None = None  # FILE
+    bucket: str | None = None  # OBJECT
+    key: str | None = None  # OBJECT
+
+
+# ---------------------------------------------------------------------------------------------
+# alloc_host: memfd-backed memory that other local processes can map.
+
+_ALLOCS_LOCK = threading.Lock()
+_ALLOCS: dict[int, tuple[int, int]] = {}  # start address -> (fd, size)
+_ALLOC_STARTS: list[int] = []
+
+
+def _forget_alloc(addr: int, fd: int, mm: mmap.mmap) -> None:
+    with _ALLOCS_LOCK:
+        _ALLOCS.pop(addr, None)
+        try:
+            _ALLOC_STARTS.remove(addr)
+        except ValueError:
+            pass
+    try:
+        mm.close()
+    except (BufferError, ValueError):
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
+    """Allocate host memory that other local processes can map (the fast same-node path).
+
+    Parameters
+    ----------
+    nbytes
+        Size in bytes (> 0). The memory is zero-filled and page aligned.
+    pinned
+        Also page-lock it and register it with CUDA so GPUs reach it directly. Needs a CUDA
+        runtime (``pip install kvx[cuda]``).
+
+    Returns
+    -------
+    numpy.ndarray
+        A writable ``uint8`` array of ``nbytes`` elements. Keep it (or a view of it) alive while
+        it is in use; views of it registered with an agent share the fast path too.
+    """
+    if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
+        raise UsageError(f"alloc_host needs a positive size, not {nbytes!r}")
+    nbytes = int(nbytes)
+    if pinned:
+        from .backends import cuda as _cuda
+
+        _cuda.require_runtime("alloc_host(pinned=True)")
+    fd = os.memfd_create("kvx-host", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        os.close(fd)
+        raise RegistrationError(f"cannot allocate {nbytes} bytes of shareable host memory: {exc}") from exc
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(arr.ctypes.data)
+    with _ALLOCS_LOCK:
+        _ALLOCS[addr] = (fd, nbytes)
+        import bisect
+
+        bisect.insort(_ALLOC_STARTS, addr)
+    weakref.finalize(mm, _forget_alloc, addr, fd, mm)
+    if pinned:
+        from .backends import cuda as _cuda
+
+        _cuda.pin_host(addr, nbytes)
+        weakref.finalize(mm, _cuda.unpin_host, addr)
+    return arr
+
+
+def shm_of(addr: int, nbytes: int) -> tuple[int, int, int] | None:
+    """Return ``(fd, offset, size)`` if ``[addr, addr+nbytes)`` lies inside one alloc_host block."""
+    import bisect
+
+    with _ALLOCS_LOCK:
+        i = bisect.bisect_right(_ALLOC_STARTS, addr) - 1
+        if i < 0:
+            return None
+        start = _ALLOC_STARTS[i]
+        fd, size = _ALLOCS[start]
+    if addr + nbytes <= start + size:
+        return fd, addr - start, size
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning user objects into regions.
+
+Registrable = Union[np.ndarray, memoryview, bytearray, FileRegion, ObjectRegion, RawRegion, Any]
+
+
+def _host_region(addr: int, nbytes: int, owner: Any) -> Region:
+    return Region(MemoryKind.HOST, addr, nbytes, 0, owner=owner, shm=shm_of(addr, nbytes))
+
+
+def _one_region(obj: Any) -> Region:
+    if isinstance(obj, (FileRegion, ObjectRegion)):
+        raise AssertionError("handled by the agent")
+    if isinstance(obj, RawRegion):
+        if obj.kind == MemoryKind.HOST:
+            return _host_region(obj.addr, obj.nbytes, obj)
+        return Region(MemoryKind.CUDA, obj.addr, obj.nbytes, obj.dev, owner=obj)
+    mod = type(obj).__module__ or ""
+    if mod.startswith("torch") and hasattr(obj, "data_ptr"):
+        if not obj.is_contiguous():
+            raise RegistrationError("cannot register a non-contiguous torch tensor")
+        nbytes = obj.numel() * obj.element_size()
+        if nbytes == 0:
+            raise RegistrationError("cannot register an empty tensor")
+        if obj.device.type == "cpu":
+            return _host_region(int(obj.data_ptr()), nbytes, obj)
+        if obj.device.type == "cuda":
+            return Region(MemoryKind.CUDA, int(obj.data_ptr()), nbytes, int(obj.device.index or 0), owner=obj)
+        raise RegistrationError(f"cannot register a tensor on device {obj.device}")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        from .backends import cuda as _cuda
+
+        return _cuda.region_from_cai(obj, cai)
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        try:
+            mv = memoryview(obj)
+        except TypeError:
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: expected an array, buffer, tensor, "
+                "FileRegion, ObjectRegion, RawRegion or a list of these"
+            ) from None
+        if not mv.contiguous:
+            raise RegistrationError("cannot register a non-contiguous buffer")
+        if mv.readonly:
+            raise RegistrationError("cannot register read-only memory (peers may write to it)")
+        arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
+    if not arr.flags.c_contiguous:
+        raise RegistrationError("cannot register a non-contiguous array")
+    if not arr.flags.writeable:
+        raise RegistrationError("cannot register a read-only array (peers may write to it)")
+    if arr.nbytes == 0:
+        raise RegistrationError("cannot register empty memory")
+    return _host_region(int(arr.ctypes.data), int(arr.nbytes), obj)
+
+
+def regions_of(obj: Registrable) -> list[Any]:
+    """Flatten ``obj`` (one registrable or a list/tuple of them) into Regions / storage regions."""
+    items: Sequence[Any] = obj if isinstance(obj, (list, tuple)) else [obj]
+    if len(items) == 0:
+        raise RegistrationError("nothing to register: empty list")
+    out: list[Any] = []
+    for it in items:
+        if isinstance(it, (list, tuple)):
+            raise RegistrationError("nested lists cannot be registered; pass a flat list")
+        if isinstance(it, (FileRegion, ObjectRegion)):
+            out.append(it)
+        else:
+            out.append(_one_region(it))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DescList
+
+
+def _as_u64(a: Any, name: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise UsageError(f"{name} must be one-dimensional")
+    if arr.dtype != _U64:
+        if arr.size and arr.dtype.kind in "iu" and arr.dtype.kind == "i" and (arr < 0).any():
+            raise UsageError(f"{name} has negative values")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise UsageError(f"{name} must hold integers, not {arr.dtype}")
+        arr = arr.astype(_U64)
+    return arr
+
+
+class DescList:
+    """Descriptors of one memory kind: three parallel ``uint64`` arrays.
+
+    ``addr`` is the address (HOST, CUDA) or byte offset (FILE, OBJECT), ``nbytes`` the length,
+    ``dev`` the CUDA device or the file/object id. Indexing by slices gives views; by integer
+    arrays, gathered copies.
+    """
+
+    __slots__ = ("kind", "addr", "nbytes", "dev")
+
+    def __init__(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> None:
+        self.kind = MemoryKind(kind)
+        self.addr = addr
+        self.nbytes = nbytes
+        self.dev = dev
+
+    @classmethod
+    def from_arrays(cls, *, kind: MemoryKind, addr: Any, nbytes: Any, dev: Any = 0) -> "DescList":
+        """Build a DescList from array-likes; ``nbytes`` and ``dev`` may be scalars."""
+        a = _as_u64(addr, "addr")
+        n = np.broadcast_to(_as_u64(np.atleast_1d(nbytes), "nbytes"), a.shape)
+        d = np.broadcast_to(_as_u64(np.atleast_1d(dev), "dev"), a.shape)
+        if n.size and int(n.min()) == 0:
+            raise UsageError("descriptors must have nbytes > 0")
+        if a.size and (int(a.max()) > (1 << 63) or int(n.max()) > (1 << 62)):
+            raise UsageError("descriptor address or length out of range")
+        return cls(kind, a, np.ascontiguousarray(n), np.ascontiguousarray(d))
+
+    @classmethod
+    def blocks(cls, reg: "Registration | DescList", block_bytes: int) -> "DescList":
+        """Carve equal blocks of ``block_bytes`` from every region of a registration.
+
+        Each region contributes ``region_bytes // block_bytes`` blocks, in address order; a tail
+        shorter than a block is left out. Vectorized: a million blocks take milliseconds.
+        """
+        if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
+            raise UsageError(f"block_bytes must be a positive int, not {block_bytes!r}")
+        base = reg if isinstance(reg, DescList) else reg.descs
+        counts = (base.nbytes // np.uint64(block_bytes)).astype(np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            raise UsageError(f"no region of the registration holds a whole block of {block_bytes} bytes")
+        starts = np.repeat(base.addr, counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        offs = (np.arange(total, dtype=np.int64) - first).astype(_U64) * np.uint64(block_bytes)
+        return cls(base.kind, starts + offs, np.full(total, block_bytes, dtype=_U64), np.repeat(base.dev, counts))
+
+    def __len__(self) -> int:
+        return int(self.addr.shape[0])
+
+    def __getitem__(self, idx: Any) -> "DescList":
+        if isinstance(idx, (int, np.integer)):
+            idx = slice(int(idx), int(idx) + 1) if idx != -1 else slice(-1, None)
+        elif not isinstance(idx, slice):
+            idx = np.asarray(idx)
+            if idx.dtype == bool:
+                raise UsageError("index a DescList with integers or slices, not booleans")
+            if idx.size and idx.dtype.kind not in "iu":
+                raise UsageError("DescList indices must be integers")
+            n = len(self)
+            if idx.size and (int(idx.max()) >= n or int(idx.min()) < -n):
+                raise IndexError(f"descriptor index out of range for a list of {n}")
+        return DescList(self.kind, self.addr[idx], self.nbytes[idx], self.dev[idx])
+
+    def __iter__(self) -> Iterable[tuple[int, int, int]]:  # type: ignore[override]
+        return iter(zip(self.addr.tolist(), self.nbytes.tolist(), self.dev.tolist()))
+
+    def __repr__(self) -> str:
+        tot = int(self.nbytes.sum()) if len(self) else 0
+        return f"DescList({self.kind.name}, n={len(self)}, bytes={tot})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DescList):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and np.array_equal(self.addr, other.addr)
+            and np.array_equal(self.nbytes, other.nbytes)
+            and np.array_equal(self.dev, other.dev)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the descriptor lengths."""
+        return int(self.nbytes.sum())
+
+    def to_bytes(self) -> bytes:
+        """Serialize for a peer (versioned msgpack; see :meth:`from_bytes`)."""
+        return msgpack.packb(
+            {
+                "v": WIRE_VERSION,
+                "t": "descs",
+                "kind": int(self.kind),
+                "n": len(self),
+                "addr": np.ascontiguousarray(self.addr, _U64).tobytes(),
+                "nbytes": np.ascontiguousarray(self.nbytes, _U64).tobytes(),
+                "dev": np.ascontiguousarray(self.dev, _U64).tobytes(),
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, max_bytes: int | None = None) -> "DescList":
+        """Parse :meth:`to_bytes` output; anything malformed raises ``ProtocolError``."""
+        from . import wire
+
+        msg = wire.unpack(data, max_bytes=max_bytes)
+        wire.check(msg, "descs", {"kind": int, "n": int, "addr": bytes, "nbytes": bytes, "dev": bytes})
+        n = msg["n"]
+        try:
+            kind = MemoryKind(msg["kind"])
+        except ValueError:
+            raise ProtocolError(f"unknown memory kind {msg['kind']!r}") from None
+        if n < 0 or any(len(msg[k]) != 8 * n for k in ("addr", "nbytes", "dev")):
+            raise ProtocolError("descriptor arrays do not match the declared count")
+        arrs = [np.frombuffer(msg[k], dtype=_U64).copy() for k in ("addr", "nbytes", "dev")]
+        if n and (int(arrs[1].min()) == 0 or int(arrs[0].max()) > (1 << 63) or int(arrs[1].max()) > (1 << 62)):
+            raise ProtocolError("descriptor with zero length or out-of-range address")
+        return cls(kind, *arrs)
+
+
+def require_torch(feature: str) -> Any:
+    """Import torch or raise BackendUnavailable naming the extra."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendUnavailable(f"{feature} needs PyTorch: pip install kvx[torch]") from exc
+    return torch

@@ -1,0 +1,1 @@
+"""Test support for kvx: conformance suites and fixtures (a pytest plugin)."""

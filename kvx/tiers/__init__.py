@@ -1,0 +1,1 @@
+"""Tiered KV block store."""

@@ -1,0 +1,171 @@
+"""Transfer handles returned by ``Agent.read`` / ``Agent.write``."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import TYPE_CHECKING, Any, Callable, Generator
+
+from .errors import KVXError, TransferError, TransferTimeout, UsageError
+
+if TYPE_CHECKING:
+    from .backends.base import Request
+
+__all__ = ["Status", "Transfer"]
+
+
+class Status(enum.Enum):
+    """State of a transfer."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Transfer:
+    """A posted transfer. Poll with :attr:`status` or :meth:`done`, block with :meth:`wait`,
+    or ``await`` it.
+
+    Every transfer has a deadline (``AgentConfig.transfer_timeout``); past it the transfer is
+    cancelled and turns FAILED with :class:`~kvx.errors.TransferTimeout`.
+    """
+
+    __slots__ = ("_req", "_status", "_error", "nbytes", "backend", "_deadline", "_on_end")
+
+    def __init__(
+        self,
+        req: "Request",
+        nbytes: int,
+        backend: str,
+        timeout: float,
+        on_end: Callable[["Transfer"], None] | None = None,
+    ) -> None:
+        self._req: Request | None = req
+        self._status = Status.PENDING
+        self._error: BaseException | None = None
+        self.nbytes = nbytes
+        self.backend = backend
+        self._deadline = time.monotonic() + timeout
+        self._on_end = on_end
+        self._poll()
+
+    @classmethod
+    def _completed(cls, nbytes: int, backend: str) -> "Transfer":
+        t = cls.__new__(cls)
+        t._req = None
+        t._status = Status.DONE
+        t._error = None
+        t.nbytes = nbytes
+        t.backend = backend
+        t._deadline = 0.0
+        t._on_end = None
+        return t
+
+    def _end(self, status: Status, err: BaseException | None) -> None:
+        self._status = status
+        self._error = err
+        self._req = None
+        cb, self._on_end = self._on_end, None
+        if cb is not None:
+            cb(self)
+
+    def _poll(self) -> None:
+        req = self._req
+        if req is None:
+            return
+        try:
+            finished = req.test()
+        except TransferError as exc:
+            self._end(Status.FAILED, exc)
+            return
+        except KVXError as exc:
+            self._end(Status.FAILED, TransferError(str(exc)).with_traceback(exc.__traceback__))
+            return
+        if finished:
+            self._end(Status.DONE, None)
+        elif time.monotonic() > self._deadline:
+            req.cancel()
+            self._end(Status.FAILED, TransferTimeout(f"transfer of {self.nbytes} bytes did not finish in time"))
+
+    @property
+    def status(self) -> Status:
+        """Current state (polls the backend)."""
+        if self._status is Status.PENDING:
+            self._poll()
+        return self._status
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that failed the transfer, or None."""
+        if self._status is Status.PENDING:
+            self._poll()
+        return self._error
+
+    def done(self) -> bool:
+        """True once the transfer is no longer pending (DONE, FAILED or CANCELLED)."""
+        return self.status is not Status.PENDING
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        """Block until the transfer ends; raise its error if it failed.
+
+        Parameters
+        ----------
+        timeout
+            Seconds to wait at most (default: until the transfer's own deadline).
+
+        Raises
+        ------
+        TransferTimeout
+            If it is still pending after ``timeout`` (the transfer keeps going).
+        TransferError
+            If it failed or was cancelled.
+        """
+        if self._status is Status.PENDING:
+            now = time.monotonic()
+            limit = self._deadline - now if timeout is None else min(timeout, max(0.0, self._deadline - now))
+            req = self._req
+            if req is not None:
+                try:
+                    req.wait(max(0.0, limit))
+                except TransferError:
+                    pass
+            self._poll()
+            if self._status is Status.PENDING:
+                if timeout is not None and timeout < self._deadline - now:
+                    raise TransferTimeout(f"transfer still pending after {timeout} s")
+                self._poll()
+        if self._status is Status.FAILED:
+            assert self._error is not None
+            raise self._error
+        if self._status is Status.CANCELLED:
+            raise TransferError("transfer was cancelled")
+        return self
+
+    def cancel(self) -> bool:
+        """Cancel if still pending. Returns True if it ends CANCELLED."""
+        if self.status is not Status.PENDING:
+            return False
+        req = self._req
+        assert req is not None
+        if req.cancel():
+            self._end(Status.CANCELLED, None)
+            return True
+        return False
+
+    def __await__(self) -> Generator[Any, None, "Transfer"]:
+        delay = 5e-5
+        while self.status is Status.PENDING:
+            yield from asyncio.sleep(delay).__await__()
+            delay = min(delay * 2, 2e-3)
+        return self.wait(0)
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.status.name} {self.nbytes} bytes via {self.backend}>"
+
+
+def ensure_open(closed: bool, what: str) -> None:
+    """Raise UsageError if ``closed``."""
+    if closed:
+        raise UsageError(f"{what} is closed")

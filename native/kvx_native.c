@@ -1,0 +1,727 @@
+/*
+ * kvx._native: batched copies for kvx (memcpy between mapped memory, CMA between processes,
+ * positional vectored file I/O), run with the GIL released on a small pthread pool.
+ *
+ * One entry point builds a job from descriptor arrays and index lists (bounds and lengths are
+ * checked here, so Python never loops over descriptors), optionally guards it with the
+ * target's published region generations, then runs it inline (small jobs) or on the pool.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4 };
+
+typedef struct {
+    uint64_t dst, src, len; /* for file ops: dst/src is the file offset on the file side */
+    int64_t fd;             /* file ops only */
+} triplet_t;
+
+typedef struct {
+    _Atomic uint64_t *state;
+    uint64_t expected;
+    _Atomic uint32_t *inflight;
+} guard_t;
+
+typedef struct job_s {
+    int op;
+    pid_t pid;
+    triplet_t *t;
+    size_t nt;
+    uint64_t nbytes;
+    guard_t *g;
+    size_t ng;
+    int sync; /* 0 none, 1 fdatasync, 2 fsync after file writes */
+    /* completion */
+    _Atomic int pending;
+    _Atomic int err;
+    _Atomic int cancelled;
+    int done;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    _Atomic int refs; /* python object + each pending chunk */
+} job_t;
+
+typedef struct chunk_s {
+    job_t *job;
+    size_t lo, hi;
+    struct chunk_s *next;
+} chunk_t;
+
+/* ------------------------------------------------------------------------------------------ */
+/* pool */
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static chunk_t *q_head = NULL, *q_tail = NULL;
+static int pool_threads = 0;
+static pid_t pool_pid = 0;
+
+static void job_release(job_t *j) {
+    if (atomic_fetch_sub(&j->refs, 1) == 1) {
+        free(j->t);
+        free(j->g);
+        pthread_mutex_destroy(&j->mu);
+        pthread_cond_destroy(&j->cv);
+        free(j);
+    }
+}
+
+static int run_range(job_t *j, size_t lo, size_t hi) {
+    triplet_t *t = j->t;
+    switch (j->op) {
+    case OP_MEMCPY:
+        for (size_t i = lo; i < hi; i++) {
+            if ((i & 255) == 0 && atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+            memcpy((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+        }
+        return 0;
+    case OP_CMA_WRITE:
+    case OP_CMA_READ: {
+        struct iovec liov[IOV_MAX], riov[IOV_MAX];
+        size_t i = lo;
+        while (i < hi) {
+            if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+            size_t n = hi - i;
+            if (n > IOV_MAX) n = IOV_MAX;
+            ssize_t want = 0;
+            for (size_t k = 0; k < n; k++) {
+                triplet_t *x = &t[i + k];
+                if (j->op == OP_CMA_WRITE) {
+                    liov[k].iov_base = (void *)(uintptr_t)x->src;
+                    riov[k].iov_base = (void *)(uintptr_t)x->dst;
+                } else {
+                    liov[k].iov_base = (void *)(uintptr_t)x->dst;
+                    riov[k].iov_base = (void *)(uintptr_t)x->src;
+                }
+                liov[k].iov_len = riov[k].iov_len = x->len;
+                want += (ssize_t)x->len;
+            }
+            ssize_t got = j->op == OP_CMA_WRITE ? process_vm_writev(j->pid, liov, n, riov, n, 0)
+                                               : process_vm_readv(j->pid, liov, n, riov, n, 0);
+            if (got < 0) return errno ? errno : EIO;
+            if (got != want) {
+                /* partial: retry the rest one descriptor at a time to find the fault */
+                ssize_t acc = 0;
+                size_t k = 0;
+                while (k < n && acc + (ssize_t)t[i + k].len <= got) acc += (ssize_t)t[i + k++].len;
+                if (k == 0) return EFAULT;
+                i += k;
+                continue;
+            }
+            i += n;
+        }
+        return 0;
+    }
+    case OP_PWRITE:
+    case OP_PREAD: {
+        /* coalesce runs where both the file offsets and memory addresses are adjacent */
+        struct iovec iov[IOV_MAX];
+        size_t i = lo;
+        while (i < hi) {
+            if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+            int64_t fd = t[i].fd;
+            uint64_t off = j->op == OP_PWRITE ? t[i].dst : t[i].src;
+            size_t n = 0;
+            uint64_t want = 0;
+            while (i + n < hi && n < IOV_MAX) {
+                triplet_t *x = &t[i + n];
+                uint64_t xo = j->op == OP_PWRITE ? x->dst : x->src;
+                if (x->fd != fd || xo != off + want) break;
+                iov[n].iov_base = (void *)(uintptr_t)(j->op == OP_PWRITE ? x->src : x->dst);
+                iov[n].iov_len = x->len;
+                want += x->len;
+                n++;
+            }
+            uint64_t doneb = 0;
+            struct iovec *v = iov;
+            int nv = (int)n;
+            while (doneb < want) {
+                ssize_t r = j->op == OP_PWRITE ? pwritev((int)fd, v, nv, (off_t)(off + doneb))
+                                               : preadv((int)fd, v, nv, (off_t)(off + doneb));
+                if (r < 0) {
+                    if (errno == EINTR) continue;
+                    return errno;
+                }
+                if (r == 0) return j->op == OP_PREAD ? ENODATA : EIO; /* short file */
+                doneb += (uint64_t)r;
+                /* advance iovecs */
+                size_t rr = (size_t)r;
+                while (nv > 0 && rr >= v->iov_len) { rr -= v->iov_len; v++; nv--; }
+                if (nv > 0 && rr) { v->iov_base = (char *)v->iov_base + rr; v->iov_len -= rr; }
+            }
+            i += n;
+        }
+        return 0;
+    }
+    }
+    return EINVAL;
+}
+
+static void guards_exit(job_t *j) {
+    for (size_t k = 0; k < j->ng; k++) atomic_fetch_sub(j->g[k].inflight, 1);
+}
+
+static int guards_enter(guard_t *g, size_t ng) {
+    for (size_t k = 0; k < ng; k++) {
+        atomic_fetch_add(g[k].inflight, 1);
+        if (atomic_load(g[k].state) != g[k].expected) {
+            for (size_t m = 0; m <= k; m++) atomic_fetch_sub(g[m].inflight, 1);
+            return ESTALE;
+        }
+    }
+    return 0;
+}
+
+static void sync_fds(job_t *j) {
+    if (!j->sync || (j->op != OP_PWRITE)) return;
+    int64_t last = -1;
+    for (size_t i = 0; i < j->nt; i++) {
+        if (j->t[i].fd == last) continue;
+        last = j->t[i].fd;
+        int r = j->sync == 1 ? fdatasync((int)last) : fsync((int)last);
+        if (r < 0) { int e = errno; int z = 0; atomic_compare_exchange_strong(&j->err, &z, e); }
+    }
+}
+
+static void chunk_finish(job_t *j, int e) {
+    if (e) {
+        int z = 0;
+        atomic_compare_exchange_strong(&j->err, &z, e);
+    }
+    if (atomic_fetch_sub(&j->pending, 1) == 1) {
+        if (!atomic_load(&j->err)) sync_fds(j);
+        guards_exit(j);
+        pthread_mutex_lock(&j->mu);
+        j->done = 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+    job_release(j);
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    for (;;) {
+        pthread_mutex_lock(&pool_mu);
+        while (!q_head) pthread_cond_wait(&pool_cv, &pool_mu);
+        chunk_t *c = q_head;
+        q_head = c->next;
+        if (!q_head) q_tail = NULL;
+        pthread_mutex_unlock(&pool_mu);
+        int e = atomic_load(&c->job->cancelled) ? ECANCELED : run_range(c->job, c->lo, c->hi);
+        chunk_finish(c->job, e);
+        free(c);
+    }
+    return NULL;
+}
+
+static int pool_ensure(int n) {
+    pthread_mutex_lock(&pool_mu);
+    if (pool_pid != getpid()) { /* after fork the threads are gone */
+        pool_threads = 0;
+        q_head = q_tail = NULL;
+        pool_pid = getpid();
+    }
+    while (pool_threads < n) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        int r = pthread_create(&th, &at, worker, NULL);
+        pthread_attr_destroy(&at);
+        if (r) { pthread_mutex_unlock(&pool_mu); return r; }
+        pool_threads++;
+    }
+    pthread_mutex_unlock(&pool_mu);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Python side */
+
+typedef struct {
+    PyObject_HEAD
+    job_t *job;
+} JobObject;
+
+static PyTypeObject JobType;
+
+static PyObject *raise_errno(int e) {
+    errno = e;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *Job_test(JobObject *self, PyObject *unused) {
+    (void)unused;
+    job_t *j = self->job;
+    pthread_mutex_lock(&j->mu);
+    int d = j->done;
+    pthread_mutex_unlock(&j->mu);
+    if (!d) Py_RETURN_FALSE;
+    int e = atomic_load(&j->err);
+    if (e) return raise_errno(e);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Job_wait(JobObject *self, PyObject *arg) {
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    job_t *j = self->job;
+    int d;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (timeout < 0) timeout = 0;
+    time_t sec = (time_t)timeout;
+    long nsec = (long)((timeout - (double)sec) * 1e9);
+    ts.tv_sec += sec;
+    ts.tv_nsec += nsec;
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    pthread_mutex_lock(&j->mu);
+    while (!j->done) {
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT) break;
+    }
+    d = j->done;
+    pthread_mutex_unlock(&j->mu);
+    Py_END_ALLOW_THREADS
+    if (!d) Py_RETURN_FALSE;
+    int e = atomic_load(&j->err);
+    if (e) return raise_errno(e);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Job_cancel(JobObject *self, PyObject *unused) {
+    (void)unused;
+    atomic_store(&self->job->cancelled, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Job_get_nbytes(JobObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLongLong(self->job->nbytes);
+}
+
+static void Job_dealloc(JobObject *self) {
+    if (self->job) {
+        atomic_store(&self->job->cancelled, 1);
+        job_release(self->job);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Job_methods[] = {
+    {"test", (PyCFunction)Job_test, METH_NOARGS, "True when finished; raises OSError on failure."},
+    {"wait", (PyCFunction)Job_wait, METH_O, "wait(timeout) -> bool; raises OSError on failure."},
+    {"cancel", (PyCFunction)Job_cancel, METH_NOARGS, "Stop remaining work; the job ends with ECANCELED."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Job_getset[] = {{"nbytes", (getter)Job_get_nbytes, NULL, "bytes moved", NULL},
+                                   {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject JobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvx._native.Job",
+    .tp_basicsize = sizeof(JobObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Job_dealloc,
+    .tp_methods = Job_methods,
+    .tp_getset = Job_getset,
+    .tp_doc = "A batched copy running on the native pool.",
+};
+
+/* index source: a list/tuple of ints, an int, or a contiguous int64/uint64 buffer */
+typedef struct {
+    PyObject *seq;
+    Py_buffer buf;
+    int has_buf;
+    long long scalar;
+    int is_scalar;
+    Py_ssize_t n;
+} idx_t;
+
+static int idx_open(PyObject *o, idx_t *ix) {
+    memset(ix, 0, sizeof(*ix));
+    if (PyLong_Check(o)) {
+        ix->scalar = PyLong_AsLongLong(o);
+        if (ix->scalar == -1 && PyErr_Occurred()) return -1;
+        ix->is_scalar = 1;
+        ix->n = 1;
+        return 0;
+    }
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        ix->seq = o;
+        ix->n = PySequence_Fast_GET_SIZE(o);
+        return 0;
+    }
+    if (PyObject_GetBuffer(o, &ix->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    ix->has_buf = 1;
+    if (ix->buf.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "index arrays must be 64-bit integers");
+        PyBuffer_Release(&ix->buf);
+        ix->has_buf = 0;
+        return -1;
+    }
+    ix->n = ix->buf.len / 8;
+    return 0;
+}
+
+static int idx_get(idx_t *ix, Py_ssize_t i, long long *out) {
+    if (ix->is_scalar) { *out = ix->scalar; return 0; }
+    if (ix->has_buf) { *out = ((long long *)ix->buf.buf)[i]; return 0; }
+    PyObject *it = PySequence_Fast_ITEMS(ix->seq)[i];
+    long long v = PyLong_AsLongLong(it);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "index %zd is not an int", i);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static void idx_close(idx_t *ix) {
+    if (ix->has_buf) PyBuffer_Release(&ix->buf);
+}
+
+static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (b->len % 8) {
+        PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * submit(op, pid, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, fds, guards,
+ *        nthreads, inline_bytes, sync) -> Job | None
+ *
+ * dst_* and src_*: uint64 arrays of a prepared list (address or file offset, length);
+ * *_idx: indices into them (list, int, or int64 array). fds: int64 array parallel to the FILE
+ * side's descriptors (or None). guards: uint64 array of (state_ptr, expected, inflight_ptr)
+ * triples or None. Returns None when the job ran inline and succeeded.
+ */
+static PyObject *py_submit(PyObject *self, PyObject *args) {
+    (void)self;
+    int op, nthreads, sync;
+    long long pid;
+    unsigned long long inline_bytes;
+    PyObject *da, *dl, *di, *sa, *sl, *si, *fds_o, *guards_o;
+    if (!PyArg_ParseTuple(args, "iLOOOOOOOOiKi", &op, &pid, &da, &dl, &di, &sa, &sl, &si, &fds_o, &guards_o,
+                          &nthreads, &inline_bytes, &sync))
+        return NULL;
+    if (op < OP_MEMCPY || op > OP_PREAD) {
+        PyErr_SetString(PyExc_ValueError, "bad op");
+        return NULL;
+    }
+    Py_buffer bda, bdl, bsa, bsl, bfd, bg;
+    int have_fd = 0, have_g = 0;
+    idx_t ixd, ixs;
+    job_t *j = NULL;
+    PyObject *ret = NULL;
+    if (get_u64(da, &bda, "dst_addr") < 0) return NULL;
+    if (get_u64(dl, &bdl, "dst_len") < 0) goto e1;
+    if (get_u64(sa, &bsa, "src_addr") < 0) goto e2;
+    if (get_u64(sl, &bsl, "src_len") < 0) goto e3;
+    if (idx_open(di, &ixd) < 0) goto e4;
+    if (idx_open(si, &ixs) < 0) goto e5;
+    if (fds_o != Py_None) {
+        if (get_u64(fds_o, &bfd, "fds") < 0) goto e6;
+        have_fd = 1;
+    }
+    if (guards_o != Py_None) {
+        if (get_u64(guards_o, &bg, "guards") < 0) goto e7;
+        have_g = 1;
+    }
+    Py_ssize_t n = ixd.n;
+    if (ixs.n != n) {
+        PyErr_Format(PyExc_ValueError, "index lists differ in length (%zd vs %zd)", n, ixs.n);
+        goto e8;
+    }
+    Py_ssize_t nd = bda.len / 8, ns = bsa.len / 8;
+    const uint64_t *pda = bda.buf, *pdl = bdl.buf, *psa = bsa.buf, *psl = bsl.buf;
+    const int64_t *pfd = have_fd ? bfd.buf : NULL;
+    j = calloc(1, sizeof(job_t));
+    if (!j) { PyErr_NoMemory(); goto e8; }
+    size_t cap = n ? (size_t)n : 1;
+    j->t = malloc(cap * sizeof(triplet_t));
+    if (!j->t) { PyErr_NoMemory(); goto e9; }
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long a, b;
+        if (idx_get(&ixd, i, &a) < 0 || idx_get(&ixs, i, &b) < 0) goto e9;
+        if (a < 0) a += nd;
+        if (b < 0) b += ns;
+        if (a < 0 || a >= nd) { PyErr_Format(PyExc_IndexError, "destination index %lld out of range (list of %zd)", a, nd); goto e9; }
+        if (b < 0 || b >= ns) { PyErr_Format(PyExc_IndexError, "source index %lld out of range (list of %zd)", b, ns); goto e9; }
+        if (pdl[a] != psl[b]) {
+            PyErr_Format(PyExc_ValueError, "descriptor lengths differ at position %zd (%llu vs %llu bytes)", i,
+                         (unsigned long long)pdl[a], (unsigned long long)psl[b]);
+            goto e9;
+        }
+        triplet_t *x = &j->t[i];
+        x->dst = pda[a];
+        x->src = psa[b];
+        x->len = pdl[a];
+        x->fd = 0;
+        if (pfd) x->fd = op == OP_PWRITE ? pfd[a] : pfd[b];
+        total += x->len;
+    }
+    j->nt = (size_t)n;
+    j->nbytes = total;
+    j->op = op;
+    j->pid = (pid_t)pid;
+    j->sync = sync;
+    if (have_g) {
+        size_t ng = (size_t)(bg.len / 24);
+        j->g = malloc((ng ? ng : 1) * sizeof(guard_t));
+        if (!j->g) { PyErr_NoMemory(); goto e9; }
+        const uint64_t *pg = bg.buf;
+        for (size_t k = 0; k < ng; k++) {
+            j->g[k].state = (_Atomic uint64_t *)(uintptr_t)pg[3 * k];
+            j->g[k].expected = pg[3 * k + 1];
+            j->g[k].inflight = (_Atomic uint32_t *)(uintptr_t)pg[3 * k + 2];
+        }
+        j->ng = ng;
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    int ge = guards_enter(j->g, j->ng);
+    if (ge) {
+        free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); j = NULL;
+        raise_errno(ge);
+        goto e8;
+    }
+    if (total <= inline_bytes) {
+        int e;
+        if (total >= 65536) {
+            Py_BEGIN_ALLOW_THREADS
+            e = run_range(j, 0, j->nt);
+            Py_END_ALLOW_THREADS
+        } else {
+            e = run_range(j, 0, j->nt);
+        }
+        if (!e) { j->err = 0; sync_fds(j); e = atomic_load(&j->err); }
+        guards_exit(j);
+        free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); j = NULL;
+        if (e) { raise_errno(e); goto e8; }
+        Py_INCREF(Py_None);
+        ret = Py_None;
+        goto e8;
+    }
+    /* split into chunks balanced by bytes */
+    if (nthreads < 1) nthreads = 1;
+    if (op == OP_MEMCPY && j->nt < (size_t)nthreads * 4) {
+        /* few large descriptors: cut them into 1 MiB pieces so every thread gets work */
+        size_t extra = 0;
+        const uint64_t piece = 1 << 20;
+        for (size_t i = 0; i < j->nt; i++) extra += j->t[i].len > piece ? (j->t[i].len - 1) / piece : 0;
+        if (extra) {
+            triplet_t *nt = malloc((j->nt + extra) * sizeof(triplet_t));
+            if (!nt) { guards_exit(j); PyErr_NoMemory(); goto e9; }
+            size_t m = 0;
+            for (size_t i = 0; i < j->nt; i++) {
+                uint64_t off = 0;
+                while (off < j->t[i].len) {
+                    uint64_t l = j->t[i].len - off < piece ? j->t[i].len - off : piece;
+                    nt[m].dst = j->t[i].dst + off; nt[m].src = j->t[i].src + off; nt[m].len = l; nt[m].fd = 0;
+                    m++; off += l;
+                }
+            }
+            free(j->t);
+            j->t = nt;
+            j->nt = m;
+        }
+    }
+    int nch = nthreads;
+    if ((size_t)nch > j->nt) nch = (int)j->nt;
+    if (nch < 1) nch = 1;
+    if (pool_ensure(nthreads) != 0) { guards_exit(j); PyErr_SetString(PyExc_OSError, "cannot start copy threads"); goto e9; }
+    JobObject *jo = PyObject_New(JobObject, &JobType);
+    if (!jo) { guards_exit(j); goto e9; }
+    jo->job = j;
+    atomic_store(&j->refs, 1 + nch);
+    atomic_store(&j->pending, nch);
+    uint64_t per = total / (uint64_t)nch + 1, acc = 0;
+    size_t lo = 0;
+    chunk_t *first = NULL, *last = NULL;
+    for (int c = 0; c < nch; c++) {
+        size_t hi = lo;
+        if (c == nch - 1) hi = j->nt;
+        else {
+            uint64_t lim = per * (uint64_t)(c + 1);
+            while (hi < j->nt && (acc < lim || hi == lo)) acc += j->t[hi++].len;
+            /* keep at least one triplet for each remaining chunk */
+            size_t remain = (size_t)(nch - c - 1);
+            if (j->nt - hi < remain) hi = j->nt - remain;
+        }
+        chunk_t *ch = malloc(sizeof(chunk_t));
+        ch->job = j; ch->lo = lo; ch->hi = hi; ch->next = NULL;
+        if (last) last->next = ch; else first = ch;
+        last = ch;
+        lo = hi;
+    }
+    pthread_mutex_lock(&pool_mu);
+    if (q_tail) q_tail->next = first; else q_head = first;
+    q_tail = last;
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    ret = (PyObject *)jo;
+    j = NULL;
+    goto e8;
+e9:
+    if (j) { free(j->t); free(j->g); free(j); }
+e8:
+    if (have_g) PyBuffer_Release(&bg);
+e7:
+    if (have_fd) PyBuffer_Release(&bfd);
+e6:
+    idx_close(&ixs);
+e5:
+    idx_close(&ixd);
+e4:
+    PyBuffer_Release(&bsl);
+e3:
+    PyBuffer_Release(&bsa);
+e2:
+    PyBuffer_Release(&bdl);
+e1:
+    PyBuffer_Release(&bda);
+    return ret;
+}
+
+/* map_fd(fd, size, offset, writable) -> address */
+static PyObject *py_map_fd(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd, writable;
+    unsigned long long size, off;
+    if (!PyArg_ParseTuple(args, "iKKp", &fd, &size, &off, &writable)) return NULL;
+    void *p = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, (off_t)off);
+    if (p == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
+}
+
+static PyObject *py_unmap(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long addr, size;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &size)) return NULL;
+    if (munmap((void *)(uintptr_t)addr, size) < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* store64(addr, value) / load64(addr) / load32(addr): atomic accesses to shared control pages */
+static PyObject *py_store64(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long addr, v;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &v)) return NULL;
+    atomic_store((_Atomic uint64_t *)(uintptr_t)addr, (uint64_t)v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_load64(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load((_Atomic uint64_t *)(uintptr_t)addr));
+}
+
+static PyObject *py_load32(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLong(atomic_load((_Atomic uint32_t *)(uintptr_t)addr));
+}
+
+/* drain(addrs: uint64 array of inflight counters, timeout) -> True if all reached zero */
+static PyObject *py_drain(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Od", &o, &timeout)) return NULL;
+    Py_buffer b;
+    if (get_u64(o, &b, "counters") < 0) return NULL;
+    const uint64_t *p = b.buf;
+    Py_ssize_t n = b.len / 8;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long spins = 0;
+        while (atomic_load((_Atomic uint32_t *)(uintptr_t)p[i]) != 0) {
+            if (++spins > 1000) {
+                struct timespec s = {0, 50000};
+                nanosleep(&s, NULL);
+                clock_gettime(CLOCK_MONOTONIC, &t1);
+                if ((double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec) > timeout) {
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        if (!ok) break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *py_cma_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    long long pid;
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "LK", &pid, &addr)) return NULL;
+    uint64_t v = 0;
+    struct iovec l = {&v, sizeof v}, r = {(void *)(uintptr_t)addr, sizeof v};
+    ssize_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = process_vm_readv((pid_t)pid, &l, 1, &r, 1, 0);
+    Py_END_ALLOW_THREADS
+    if (got < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyMethodDef methods[] = {
+    {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job."},
+    {"map_fd", py_map_fd, METH_VARARGS, "mmap a file descriptor shared; returns the address."},
+    {"unmap", py_unmap, METH_VARARGS, "munmap(addr, size)."},
+    {"store64", py_store64, METH_VARARGS, "Atomic 64-bit store."},
+    {"load64", py_load64, METH_O, "Atomic 64-bit load."},
+    {"load32", py_load32, METH_O, "Atomic 32-bit load."},
+    {"drain", py_drain, METH_VARARGS, "Wait until 32-bit counters reach zero, bounded."},
+    {"cma_probe", py_cma_probe, METH_VARARGS, "Read 8 bytes of another process with process_vm_readv."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._native", "Native copy engine of kvx.", -1, methods,
+                                 NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&JobType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod);
+    if (!m) return NULL;
+    Py_INCREF(&JobType);
+    PyModule_AddObject(m, "Job", (PyObject *)&JobType);
+    PyModule_AddIntConstant(m, "OP_MEMCPY", OP_MEMCPY);
+    PyModule_AddIntConstant(m, "OP_CMA_WRITE", OP_CMA_WRITE);
+    PyModule_AddIntConstant(m, "OP_CMA_READ", OP_CMA_READ);
+    PyModule_AddIntConstant(m, "OP_PWRITE", OP_PWRITE);
+    PyModule_AddIntConstant(m, "OP_PREAD", OP_PREAD);
+    return m;
+}

@@ -1,0 +1,14 @@
+"""Build the native extension kvx._native (metadata lives in pyproject.toml)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvx._native",
+            sources=["native/kvx_native.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
+            extra_link_args=["-pthread"],
+        )
+    ]
+)
