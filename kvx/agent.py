@@ -606,7 +606,8 @@ class Agent:
             raise PeerDisconnected(f"peer {remote.peer!r} was removed")
         b = self._select(local, remote, backend)
         try:
-            req = b.post(op, local, lidx, remote, ridx, bytes(notify) if notify is not None else None)
+            req = b.post(op, local, as_index(lidx), remote, as_index(ridx),
+                         bytes(notify) if notify is not None else None)
         except (IndexError, ValueError, TypeError) as exc:
             raise UsageError(f"bad transfer request: {exc}") from exc
         return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
@@ -728,9 +729,15 @@ class _StorageRegion:
 
 def as_index(idx: Any) -> Any:
     """Normalize an index argument for the native layer (list/tuple/int pass through)."""
-    if isinstance(idx, (list, tuple, int)):
+    if isinstance(idx, (list, tuple)) or type(idx) is int:
         return idx
+    if isinstance(idx, np.integer):
+        return int(idx)
     a = np.asarray(idx)
     if a.dtype.kind not in "iu":
-        raise UsageError("indices must be integers")
-    return np.ascontiguousarray(a, dtype=np.int64)
+        raise UsageError(f"indices must be integers, not {a.dtype}")
+    if a.dtype != np.int64:
+        if a.size and a.dtype.kind == "u" and int(a.max()) >= (1 << 63):
+            raise UsageError("index out of range")
+        a = a.astype(np.int64)
+    return np.ascontiguousarray(a.reshape(-1))

@@ -572,8 +572,7 @@ class HostBackend(Backend):
 
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
-        li = np.atleast_1d(np.asarray(lidx, dtype=np.int64))
-        ri = np.atleast_1d(np.asarray(ridx, dtype=np.int64))
+        li, ri = _i64(lidx), _i64(ridx)
         if li.shape != ri.shape:
             raise ValueError("index lists differ in length")
         if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
@@ -642,6 +641,13 @@ class HostBackend(Backend):
         for s in list(self._slots):
             _native.store64(self._ctrl + s * _ENTRY, 0)
         os.close(self._ctrl_fd)
+
+
+def _i64(x: Any) -> np.ndarray:
+    a = np.atleast_1d(np.asarray(x))
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, not {a.dtype}")
+    return a.astype(np.int64).reshape(-1)
 
 
 def _max_message() -> int:

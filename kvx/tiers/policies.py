@@ -213,10 +213,6 @@ class EvictionPolicy(abc.ABC):
     def _attach_front(self, key: Hashable) -> None: ...
 
 
-def _first(od: OrderedDict) -> Hashable:
-    return next(iter(od))
-
-
 # -------------------------------------------------------------------- classics
 class LRUPolicy(EvictionPolicy):
     """Least recently used leaf first."""
@@ -408,20 +404,175 @@ class ARCPolicy(EvictionPolicy):
 
 
 # -------------------------------------------------------------------- default
-AdaptivePolicy = None  # defined below
+class _MiniCache:
+    """Metadata-only block cache used as a shadow: ARC with long ghosts, optionally behind a
+    doorkeeper (admit a block on its second sighting only).  No chains: it sees a sample of
+    keys and counts block-level hits."""
+
+    __slots__ = ("cap", "ghost_cap", "door_cap", "filter", "t1", "t2", "b1", "b2", "door", "p")
+
+    def __init__(self, cap: int, ghost_mult: float, door_mult: float, filter_: bool) -> None:
+        self.cap = max(1, cap)
+        self.ghost_cap = max(1, int(self.cap * ghost_mult))
+        self.door_cap = max(1, int(self.cap * door_mult))
+        self.filter = filter_
+        self.t1: OrderedDict = OrderedDict()
+        self.t2: OrderedDict = OrderedDict()
+        self.b1: OrderedDict = OrderedDict()
+        self.b2: OrderedDict = OrderedDict()
+        self.door: OrderedDict = OrderedDict()
+        self.p = 0.0
+
+    def access(self, key: Hashable) -> bool:
+        t1, t2 = self.t1, self.t2
+        if key in t1:
+            del t1[key]
+            t2[key] = None
+            return True
+        if key in t2:
+            t2.move_to_end(key)
+            return True
+        b1, b2 = self.b1, self.b2
+        if key in b1:
+            self.p = min(self.cap, self.p + max(1.0, len(b2) / len(b1)))
+            del b1[key]
+            target = t2
+        elif key in b2:
+            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+            del b2[key]
+            target = t2
+        else:
+            if self.filter:
+                door = self.door
+                if key in door:
+                    del door[key]
+                else:
+                    door[key] = None
+                    if len(door) > self.door_cap:
+                        door.popitem(last=False)
+                    return False
+            target = t1
+        if len(t1) + len(t2) >= self.cap:
+            if t1 and (len(t1) > self.p or not t2):
+                k, _ = t1.popitem(last=False)
+                b1[k] = None
+                if len(b1) > self.ghost_cap:
+                    b1.popitem(last=False)
+            else:
+                k, _ = t2.popitem(last=False)
+                b2[k] = None
+                if len(b2) > self.ghost_cap:
+                    b2.popitem(last=False)
+        target[key] = None
+        return False
+
+
+class AdaptivePolicy(ARCPolicy):
+    """Default policy: chain-aware ARC with long ghosts and a self-tuning admission gate.
+
+    * Eviction: ARC (recency list T1 / frequency list T2, target split ``p`` moved by hits in
+      the ghost lists B1 / B2), leaves first, a chosen candidate's subtree tail first.  The
+      ghosts remember ``ghost_mult`` x capacity evicted keys, so reuse at distances a bit
+      longer than the cache itself still counts as evidence of frequency.
+    * Admission: a block never seen before is either admitted at once (classic) or only on its
+      second sighting within ``door_mult`` x capacity first sightings (a doorkeeper: one-shot
+      blocks, e.g. unique tails of prompts, never displace anything).  Keys in the ghosts are
+      always admitted (they proved reuse).  A block whose parent is not stored is not admitted
+      (prefix semantics: it cannot be hit before its parent returns).
+    * Which admission rule is in force is decided online by two miniature shadow caches
+      (spatially sampled keys, capacity scaled by the sampling rate), one per rule; a
+      saturating counter moves toward the rule whose shadow hit where the other missed.
+    """
+
+    name = "adaptive"
+    ghost_mult: ClassVar[float] = 2.0
+    door_mult: ClassVar[float] = 4.0
+    shadow_blocks: ClassVar[int] = 256  # target shadow capacity (sets the sampling rate)
+    min_rate: ClassVar[float] = 1 / 64
+    psel_max: ClassVar[int] = 256
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        rate = min(1.0, max(self.min_rate, self.shadow_blocks / capacity))
+        self._thresh = int(rate * 65536)
+        scap = max(1, round(capacity * rate))
+        self._shadow_admit = _MiniCache(scap, self.ghost_mult, self.door_mult, False)
+        self._shadow_filter = _MiniCache(scap, self.ghost_mult, self.door_mult, True)
+        self._psel = 0  # > 0: the doorkeeper rule wins
+        self._door: OrderedDict[Hashable, None] = OrderedDict()
+        self._door_cap = max(1, int(capacity * self.door_mult))
+        self._ghost_cap = max(1, int(capacity * self.ghost_mult))
+
+    @property
+    def filtering(self) -> bool:
+        """True while new blocks are admitted on their second sighting only."""
+        return self._psel > 0
+
+    def _observe(self, key: Hashable) -> None:
+        if ((hash(key) * 2654435761) & 0xFFFFFFFF) >> 16 < self._thresh:
+            a = self._shadow_admit.access(key)
+            f = self._shadow_filter.access(key)
+            if a != f:
+                if f:
+                    if self._psel < self.psel_max:
+                        self._psel += 1
+                elif self._psel > -self.psel_max:
+                    self._psel -= 1
+
+    def hit(self, key: Hashable) -> None:
+        self._observe(key)
+        super().hit(key)
+
+    def miss(self, key: Hashable) -> None:
+        self._observe(key)
+        super().miss(key)
+
+    def admit(self, key: Hashable, parent: Hashable | None) -> bool:
+        door = self._door
+        if parent is not None and parent not in self._parent:
+            # useless until its parent is back; remember the sighting all the same
+            door[key] = None
+            door.move_to_end(key)
+            if len(door) > self._door_cap:
+                door.popitem(last=False)
+            return False
+        if key in self._b1 or key in self._b2:
+            return True
+        if key in door:
+            del door[key]
+            return True
+        if self._psel <= 0:
+            return True
+        door[key] = None
+        if len(door) > self._door_cap:
+            door.popitem(last=False)
+        return False
+
+    def _on_remove(self, key):
+        c = self._ghost_cap
+        if self._in_t2.pop(key):
+            del self._t2[key]
+            self._b2[key] = None
+            if len(self._b2) > c:
+                self._b2.popitem(last=False)
+        else:
+            del self._t1[key]
+            self._b1[key] = None
+            if len(self._b1) > c:
+                self._b1.popitem(last=False)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
 def _register() -> None:
-    for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, ARCPolicy):
+    for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, ARCPolicy, AdaptivePolicy):
         POLICIES[cls.name] = cls
 
 
 _register()
 
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = AdaptivePolicy.name
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

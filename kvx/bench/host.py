@@ -1,0 +1,154 @@
+"""``kvx bench --backend host``: two processes on one machine, permuted blocks, plus the
+single-threaded memcpy ceiling and the post-to-completion latency of one 4 KiB write."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import kvx
+
+from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
+from .target import alloc, digest, pattern
+
+
+class Target:
+    """A bench target process (``python -m kvx.bench.target``), bounded by timeouts."""
+
+    def __init__(self, opts: BenchOptions, env: dict[str, str] | None = None, extra_args: list[str] | None = None):
+        cmd = [sys.executable, "-m", "kvx.bench.target", "--mem", opts.mem, "--total", str(opts.total)]
+        cmd += extra_args or []
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        hello = self._read(60.0)
+        self.meta = base64.b64decode(hello["meta"])
+        self.descs = kvx.DescList.from_bytes(base64.b64decode(hello["descs"]))
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            self.close()
+            raise RuntimeError("bench target did not answer in time")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench target exited with {self.proc.wait(5)}")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def call(self, timeout: float = 120.0, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def sweep(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, local_buf: np.ndarray, target: Target,
+          opts: BenchOptions, prog: Progress, impl: str = "kvx", backend: str | None = None) -> list[dict[str, Any]]:
+    """Time every (op, block size) and verify the bytes; return rows."""
+    rows = []
+    for op in opts.ops:
+        for bs, n in iter_sizes(opts):
+            prog.step(f"{impl} {op} {bs >> 10}K")
+            local = agent.prepare(kvx.DescList.blocks(local_reg, bs))
+            remote = agent.prepare(kvx.DescList.blocks(target.descs, bs), peer=peer)
+            lidx = np.arange(n, dtype=np.int64)
+            ridx = permutation(n, opts)
+            fn = agent.write if op == "write" else agent.read
+            if op == "write":
+                local_buf[: n * bs] = pattern(n * bs, opts.seed + bs)
+                target.call(cmd="zero")
+            else:
+                target.call(cmd="fill", seed=opts.seed + bs)
+                local_buf[:] = 0
+
+            def once() -> None:
+                fn(local, lidx, remote, ridx, backend=backend).wait()
+
+            med, mn = timed(once, opts.iters)
+            # verify what the timed transfers moved
+            src = pattern(n * bs, opts.seed + bs) if op == "read" else local_buf[: n * bs]
+            exp = np.zeros(opts.total if op == "write" else n * bs, dtype=np.uint8)
+            if op == "write":
+                exp[: n * bs].reshape(n, bs)[ridx] = src.reshape(n, bs)
+                ok = target.call(cmd="digest")["digest"] == digest(exp)
+            else:
+                exp.reshape(n, bs)[:] = src.reshape(n, bs)[ridx]
+                ok = digest(local_buf[: n * bs]) == digest(exp)
+            if not ok:
+                raise RuntimeError(f"{impl} {op} at {bs} bytes: destination bytes do not match")
+            rows.append(row(impl, op, bs, n, opts.iters, med, mn, verified=True))
+    return rows
+
+
+def latency(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, target: Target, samples: int,
+            impl: str = "kvx", backend: str | None = None) -> dict[str, Any]:
+    """Post-to-completion time of one 4 KiB write, at the initiator."""
+    bs = 4096
+    local = agent.prepare(kvx.DescList.blocks(local_reg, bs))
+    remote = agent.prepare(kvx.DescList.blocks(target.descs, bs), peer=peer)
+    n = len(remote)
+    rng = np.random.default_rng(1)
+    ks = rng.integers(0, n, samples).tolist()
+    ts = []
+    for _ in range(50):
+        agent.write(local, [0], remote, [0], backend=backend).wait()
+    pc = time.perf_counter_ns
+    for k in ks:
+        t0 = pc()
+        agent.write(local, [0], remote, [k], backend=backend).wait()
+        ts.append(pc() - t0)
+    ts.sort()
+    return {"impl": impl, "op": "write", "block_bytes": bs, "samples": samples,
+            "lat_us_median": statistics.median(ts) / 1e3, "lat_us_p99": ts[int(0.99 * (len(ts) - 1))] / 1e3}
+
+
+def memcpy_ceiling(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
+    """Single-threaded memcpy of the same bytes (one contiguous copy), per op and block size."""
+    prog.step("memcpy ceiling")
+    a = alloc(opts.mem, opts.total)
+    b = alloc(opts.mem, opts.total)
+    a[:] = 1
+    b[:] = 2
+    med, mn = timed(lambda: np.copyto(b, a), max(opts.iters, 5))
+    return [row("memcpy", op, bs, n, opts.iters, med * (n * bs) / opts.total, mn * (n * bs) / opts.total)
+            for op in opts.ops for bs, n in iter_sizes(opts)]
+
+
+def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
+    target = Target(opts)
+    try:
+        with kvx.Agent("bench-initiator") as agent:
+            buf = alloc(opts.mem, opts.total)
+            reg = agent.register(buf)
+            peer = agent.add_peer(target.meta)
+            rows = sweep(agent, peer, reg, buf, target, opts, prog)
+            prog.step("latency")
+            rows.append(latency(agent, peer, reg, target, opts.latency_samples))
+            mode = agent.backend("host").path_to(peer)
+            for r in rows:
+                r["path"] = "shm" if opts.mem == "alloc" and os.environ.get("KVX_HOST_PATH", "auto") in (
+                    "auto", "shm") else mode
+    finally:
+        target.close()
+    return rows + memcpy_ceiling(opts, prog)

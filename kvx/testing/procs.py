@@ -1,0 +1,93 @@
+"""Drive a :mod:`kvx.testing.peer` process from a test, with bounded waits."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import kvx
+
+__all__ = ["PeerProcess"]
+
+
+class PeerProcess:
+    """A kvx agent in another process. Every call is bounded by ``timeout`` seconds."""
+
+    def __init__(self, name: str, config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 30.0, prefix: list[str] | None = None) -> None:
+        self.name = name
+        self.timeout = timeout
+        cmd = (prefix or []) + [sys.executable, "-m", "kvx.testing.peer", "--name", name,
+                                "--config", json.dumps(config or {})]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        hello = self._read(timeout)
+        self.meta = base64.b64decode(hello["meta"])
+        self.pid = int(hello["pid"])
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError(f"peer process {self.name!r} did not answer within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError(f"peer process {self.name!r} exited ({self.proc.poll()})")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, timeout: float | None = None, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        res = self._read(self.timeout if timeout is None else timeout)
+        if "error" in res:
+            raise RuntimeError(f"peer {self.name!r}: {res['error']}")
+        return res
+
+    def register(self, mem: str, nbytes: int, **kw: Any) -> tuple[int, kvx.DescList]:
+        res = self.call(cmd="register", mem=mem, nbytes=nbytes, **kw)
+        return int(res["id"]), kvx.DescList.from_bytes(base64.b64decode(res["descs"]))
+
+    def digest(self, rid: int) -> str:
+        return str(self.call(cmd="digest", id=rid)["digest"])
+
+    def peek(self, rid: int, off: int, n: int) -> bytes:
+        return base64.b64decode(self.call(cmd="peek", id=rid, off=off, n=n)["data"])
+
+    def notifs(self, timeout: float = 0.0) -> dict[str, list[bytes]]:
+        res = self.call(cmd="notifs", wait=timeout, timeout=timeout + self.timeout)
+        return {k: [base64.b64decode(m) for m in v] for k, v in res["notifs"].items()}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="quit", timeout=10)
+                self.proc.wait(10)
+            except (TimeoutError, EOFError, OSError, subprocess.TimeoutExpired, RuntimeError):
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
