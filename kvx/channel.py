@@ -21,6 +21,8 @@ __all__ = ["Channel", "recv_exact"]
 
 log = logging.getLogger(__name__)
 
+MessageHandler = Callable[["Channel", dict[str, Any], "memoryview | None", list[int]], None]
+
 K_MSG = 1
 K_DATA = 2
 _MAX_FDS = 8
@@ -67,7 +69,7 @@ class Channel:
     notifications); replies (messages with ``re``) wake the matching :meth:`request`.
     """
 
-    def __init__(self, sock: socket.socket, max_bytes: int, on_message: Callable[["Channel", dict[str, Any], memoryview | None, list[int]], None],
+    def __init__(self, sock: socket.socket, max_bytes: int, on_message: MessageHandler,
                  on_close: Callable[["Channel"], None] | None = None, name: str = "?") -> None:
         self.sock = sock
         self.max_bytes = max_bytes

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from .. import _native, auth, wire
-from ..agent import MAX_SLOTS, BOOT_ID, PreparedList
+from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
 from ..channel import Channel
+from ..copy import copy_blocking, staging_offsets
 from ..errors import (
     AuthError,
     BackendUnavailable,
@@ -44,7 +45,7 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request, ThreadRequest
 
 __all__ = ["HostBackend"]
 
@@ -87,7 +88,7 @@ class _Prep:
 
 
 class _JobRequest(Request):
-    __slots__ = ("job", "nbytes", "peer", "after", "_fired")
+    __slots__ = ("_fired", "after", "job", "nbytes", "peer")
 
     def __init__(self, job: Any, peer: str | None, after: Any = None) -> None:
         self.job = job
@@ -435,23 +436,22 @@ class HostBackend(Backend):
         slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
         if (slots < 0).any():
             bad = int(np.argmax(slots < 0))
-            chan.reply_error(rid, f"descriptor {bad} (0x{int(addr[bad]):x}+{int(nb[bad])}) is outside registered memory")
+            chan.reply_error(rid, f"descriptor {bad} (0x{int(addr[bad]):x}+{int(nb[bad])}) is outside "
+                                  "registered memory")
             return
         total = int(nb.sum())
-        offs = np.concatenate(([0], np.cumsum(nb)[:-1])).astype(np.uint64) if len(nb) else nb
+        ar = np.arange(len(addr), dtype=np.int64)
         if msg["op"] == "write":
             if payload is None or len(payload) != total:
                 chan.reply_error(rid, "payload length does not match the descriptors")
                 return
-            base = np.frombuffer(payload, dtype=np.uint8).ctypes.data
-            _native.submit(0, 0, addr, nb, np.arange(len(addr), dtype=np.int64), offs + np.uint64(base), nb,
-                           np.arange(len(addr), dtype=np.int64), None, None, 1, 1 << 62, 0)
+            staged = staging_offsets(nb, np.frombuffer(payload, dtype=np.uint8).ctypes.data)
+            copy_blocking(addr, nb, ar, staged, nb, ar, self.threads)
             chan.reply(rid, "ok")
         else:
             buf = bytearray(total)
-            base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-            _native.submit(0, 0, offs + np.uint64(base), nb, np.arange(len(addr), dtype=np.int64), addr, nb,
-                           np.arange(len(addr), dtype=np.int64), None, None, 1, 1 << 62, 0)
+            staged = staging_offsets(nb, np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+            copy_blocking(staged, nb, ar, addr, nb, ar, self.threads)
             chan.reply(rid, "ok", payload=buf)
 
     # ---- preparation -----------------------------------------------------------------------
@@ -581,19 +581,16 @@ class HostBackend(Backend):
         if not np.array_equal(ln, rp.nbytes[ri]):
             raise ValueError("paired descriptors differ in length")
         total = int(ln.sum())
-        offs = np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.uint64)
         ar = np.arange(len(li), dtype=np.int64)
         raddr = rp.raw[ri].tobytes()  # type: ignore[index]
-        from .base import ThreadRequest
-
         req = ThreadRequest(total)
         buf = bytearray(total)
-        base = np.uint64(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
         def run() -> None:
             try:
                 if op is Op.WRITE:
-                    _native.submit(0, 0, offs + base, ln, ar, lp.addr, lp.nbytes, li, None, None, self.threads, 1 << 62, 0)
+                    staged = staging_offsets(ln, np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+                    copy_blocking(staged, ln, ar, lp.addr, lp.nbytes, li, self.threads)
                     peer.chan.request("xfer", self.cfg.transfer_timeout, payload=buf, op="write", addr=raddr,
                                       nbytes=ln.tobytes())
                 else:
@@ -601,8 +598,8 @@ class HostBackend(Backend):
                                                  nbytes=ln.tobytes())
                     if pl is None or len(pl) != total:
                         raise ProtocolError("read reply of the wrong size")
-                    src = np.uint64(np.frombuffer(pl, dtype=np.uint8).ctypes.data)
-                    _native.submit(0, 0, lp.addr, lp.nbytes, li, offs + src, ln, ar, None, None, self.threads, 1 << 62, 0)
+                    staged = staging_offsets(ln, np.frombuffer(pl, dtype=np.uint8).ctypes.data)
+                    copy_blocking(lp.addr, lp.nbytes, li, staged, ln, ar, self.threads)
                 if notify is not None:
                     peer.chan.send(wire.pack("notif", msg=notify))
                 req.finish()

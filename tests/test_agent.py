@@ -1,0 +1,140 @@
+"""Agent API: registration, selection, loopback transfers, errors, config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx import config
+
+
+@pytest.fixture
+def agent() -> kvx.Agent:
+    a = kvx.Agent("a", kvx.AgentConfig(backends=("host",)))
+    yield a
+    a.close()
+
+
+def test_public_names_match_design() -> None:
+    for name in ["Agent", "AgentConfig", "Registration", "DescList", "MemoryKind", "Transfer", "Status",
+                 "alloc_host", "FileRegion", "ObjectRegion", "KVXError", "UsageError", "RegistrationError",
+                 "BackendUnavailable", "ProtocolError", "AuthError", "TransferError", "TransferTimeout",
+                 "PeerDisconnected", "RemoteError", "TierError", "BlockNotFound", "TierFull"]:
+        assert name in kvx.__all__ and hasattr(kvx, name)
+    assert issubclass(kvx.UsageError, RuntimeError) and issubclass(kvx.BlockNotFound, KeyError)
+    for sub in (kvx.TransferTimeout, kvx.PeerDisconnected, kvx.RemoteError):
+        assert issubclass(sub, kvx.TransferError)
+    assert {m.name for m in kvx.MemoryKind} == {"HOST", "CUDA", "FILE", "OBJECT"}
+    assert {s.name for s in kvx.Status} == {"PENDING", "DONE", "FAILED", "CANCELLED"}
+
+
+def test_loopback_copy(agent: kvx.Agent) -> None:
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    a, b = agent.register(src), agent.register(dst)
+    la = agent.prepare(kvx.DescList.blocks(a, 256))
+    lb = agent.prepare(kvx.DescList.blocks(b, 256))
+    perm = np.random.default_rng(0).permutation(256)
+    agent.write(la, np.arange(256), lb, perm, notify=b"self").wait(5)
+    assert np.array_equal(dst.reshape(256, 256)[perm], src.reshape(256, 256))
+    assert agent.notifications() == {"a": [b"self"]}
+    dst[:] = 0
+    agent.read(lb, perm, la, np.arange(256)).wait(5)  # read: lb <- la
+    assert np.array_equal(dst.reshape(256, 256)[perm], src.reshape(256, 256))
+
+
+def test_big_loopback_uses_threads(agent: kvx.Agent) -> None:
+    src = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    la = agent.prepare(kvx.DescList.blocks(agent.register(src), 1 << 20))
+    lb = agent.prepare(kvx.DescList.blocks(agent.register(dst), 1 << 20))
+    x = agent.write(la, np.arange(64), lb, np.arange(64))
+    assert x.wait(30).status is kvx.Status.DONE
+    assert np.array_equal(src, dst)
+
+
+def test_overlap_and_kinds(agent: kvx.Agent) -> None:
+    buf = np.zeros(4096, np.uint8)
+    agent.register(buf[:2048])
+    with pytest.raises(kvx.RegistrationError, match="overlaps"):
+        agent.register(buf[1024:3000])
+    with pytest.raises(kvx.RegistrationError):
+        agent.register([np.zeros(8, np.uint8), kvx.FileRegion("/tmp/kvx-x", 8)])
+    r = agent.register(buf[2048:])
+    r.release()
+    r.release()
+    agent.register(buf[2048:])  # the range is free again
+    with pytest.raises(kvx.BackendUnavailable):
+        kvx.Agent("b", kvx.AgentConfig(backends=("host",))).register(kvx.FileRegion("/tmp/kvx-y", 8))
+
+
+def test_prepare_refuses_unregistered(agent: kvx.Agent) -> None:
+    x = np.zeros(1024, np.uint8)
+    d = kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[x.ctypes.data], nbytes=[64])
+    with pytest.raises(kvx.RegistrationError):
+        agent.prepare(d)
+    with pytest.raises(kvx.UsageError):
+        agent.prepare("nope")  # type: ignore[arg-type]
+    with pytest.raises(kvx.UsageError):
+        agent.prepare(d[0:0])
+    with pytest.raises(kvx.UsageError):
+        agent.prepare(d, peer="ghost")
+
+
+def test_add_self_and_unknown_backend(agent: kvx.Agent) -> None:
+    with pytest.raises(kvx.UsageError):
+        agent.add_peer(agent.metadata())
+    with pytest.raises(kvx.BackendUnavailable):
+        kvx.Agent("x", kvx.AgentConfig(backends=("nope",)))
+    with pytest.raises(kvx.UsageError):
+        kvx.Agent("")
+
+
+def test_two_agents_one_process_notify_and_refresh() -> None:
+    with kvx.Agent("p", kvx.AgentConfig(backends=("host",))) as p, kvx.Agent("q", kvx.AgentConfig(
+            backends=("host",))) as q:
+        name = p.add_peer(q.metadata())
+        assert p.add_peer(q.metadata()) == name  # idempotent
+        late = kvx.alloc_host(8192)
+        reg = q.register(late)  # registered after p saw q's metadata
+        rl = p.prepare(kvx.DescList.blocks(reg, 4096), peer=name)  # refreshed from q's control table
+        src = np.full(8192, 7, np.uint8)
+        ll = p.prepare(kvx.DescList.blocks(p.register(src), 4096))
+        p.write(ll, [0, 1], rl, [1, 0]).wait(5)
+        assert (late == 7).all()
+        p.notify(name, b"n1")
+        assert q.notifications(timeout=5) == {"p": [b"n1"]}
+        p.remove_peer(name)
+        with pytest.raises(kvx.PeerDisconnected):
+            p.write(ll, [0], rl, [0])
+
+
+def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVX_PEER_TIMEOUT", "2.5")
+    monkeypatch.setenv("KVX_BACKENDS", "host, tcp")
+    monkeypatch.setenv("KVX_POSIX_DIRECT", "yes")
+    c = kvx.AgentConfig()
+    assert c.peer_timeout == 2.5 and c.backends == ("host", "tcp")
+    assert config.get("KVX_POSIX_DIRECT") is True
+    monkeypatch.setenv("KVX_PEER_TIMEOUT", "soon")
+    with pytest.raises(kvx.UsageError):
+        kvx.AgentConfig()
+    with pytest.raises(kvx.UsageError):
+        kvx.AgentConfig(host_path="teleport")
+    with pytest.raises(kvx.UsageError):
+        kvx.AgentConfig(transfer_timeout=0)
+    with pytest.raises(kvx.UsageError):
+        config.get("KVX_NOPE")
+
+
+def test_every_setting_is_documented() -> None:
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "settings.md").read_text()
+    for name in config.SETTINGS:
+        assert f"`{name}`" in doc, f"{name} missing from docs/settings.md"
+    import re
+
+    for name in re.findall(r"`(KVX_[A-Z0-9_]+)`", doc):
+        assert name in config.SETTINGS, f"docs/settings.md documents unknown {name}"

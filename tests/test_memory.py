@@ -1,0 +1,99 @@
+"""DescList, regions, alloc_host."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.memory import regions_of, shm_of
+
+
+def test_blocks_carves_every_region() -> None:
+    with kvx.Agent("m", kvx.AgentConfig(backends=("host",))) as a:
+        x = np.zeros(10_000, np.uint8)
+        y = np.zeros(4096 * 3, np.uint8)
+        reg = a.register([x, y])
+        b = kvx.DescList.blocks(reg, 4096)
+        assert len(b) == 2 + 3
+        assert b.kind is kvx.MemoryKind.HOST
+        assert b.addr.tolist() == [x.ctypes.data, x.ctypes.data + 4096] + [y.ctypes.data + i * 4096 for i in range(3)]
+        assert set(b.nbytes.tolist()) == {4096}
+        with pytest.raises(kvx.UsageError):
+            kvx.DescList.blocks(reg, 0)
+        with pytest.raises(kvx.UsageError):
+            kvx.DescList.blocks(reg, 1 << 20)
+
+
+def test_million_blocks_prepare() -> None:
+    with kvx.Agent("m", kvx.AgentConfig(backends=("host",))) as a:
+        buf = kvx.alloc_host(1 << 30)  # memfd pages are not touched
+        reg = a.register(buf)
+        blocks = kvx.DescList.blocks(reg, 1024)
+        assert len(blocks) == 1 << 20
+        pl = a.prepare(blocks)
+        assert len(pl) == 1 << 20 and pl.used.tolist() == reg.slots
+        assert int(blocks.addr[-1]) == buf.ctypes.data + (1 << 30) - 1024
+
+
+def test_indexing_and_views() -> None:
+    d = kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=np.arange(10) * 16 + 16, nbytes=16)
+    s = d[2:5]
+    assert len(s) == 3 and np.shares_memory(s.addr, d.addr)
+    g = d[np.array([9, 0])]
+    assert g.addr.tolist() == [160, 16]
+    assert len(d[3]) == 1 and d[3].addr.tolist() == [64]
+    with pytest.raises(IndexError):
+        d[np.array([10])]
+    with pytest.raises(kvx.UsageError):
+        d[np.array([True, False])]
+    with pytest.raises(kvx.UsageError):
+        kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[1, 2], nbytes=[0, 1])
+    with pytest.raises(kvx.UsageError):
+        kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[-1], nbytes=[1])
+    assert "n=10" in repr(d)
+    assert list(d[0:1]) == [(16, 16, 0)]
+
+
+def test_regions_of_rejects_bad_memory() -> None:
+    for bad in [np.zeros(0, np.uint8), np.zeros((4, 4))[:, 0], b"readonly", [], [[np.zeros(4)]], object()]:
+        with pytest.raises(kvx.RegistrationError):
+            regions_of(bad)
+    ro = np.zeros(8)
+    ro.flags.writeable = False
+    with pytest.raises(kvx.RegistrationError):
+        regions_of(ro)
+    r = regions_of([bytearray(16), memoryview(bytearray(8)), np.zeros(3)])
+    assert [x.nbytes for x in r] == [16, 8, 24]
+
+
+def test_alloc_host_is_shareable_and_views_are_too() -> None:
+    a = kvx.alloc_host(3 * mmap.PAGESIZE)
+    assert a.dtype == np.uint8 and a.nbytes == 3 * mmap.PAGESIZE and a.ctypes.data % mmap.PAGESIZE == 0
+    assert (a == 0).all()
+    fd, off, size = shm_of(a.ctypes.data + 100, 50)  # type: ignore[misc]
+    assert off == 100 and size == a.nbytes and fd >= 0
+    assert shm_of(np.zeros(8).ctypes.data, 8) is None
+    assert shm_of(a.ctypes.data + a.nbytes - 4, 8) is None
+    with pytest.raises(kvx.UsageError):
+        kvx.alloc_host(0)
+
+
+def test_alloc_host_pinned_without_gpu_is_clear() -> None:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(kvx.BackendUnavailable, match="kvx\\[cuda\\]"):
+            kvx.alloc_host(4096, pinned=True)
+
+
+def test_file_and_object_region_validation() -> None:
+    with pytest.raises(kvx.RegistrationError):
+        kvx.FileRegion("/tmp/x", 0)
+    with pytest.raises(kvx.RegistrationError):
+        kvx.ObjectRegion("", "k", 1)
+    with pytest.raises(kvx.RegistrationError):
+        kvx.RawRegion(0, 10)
+    assert kvx.FileRegion(__import__("pathlib").Path("/tmp/y"), 5).path == "/tmp/y"
