@@ -9,6 +9,11 @@ setup(
             sources=["native/kvx_native.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            "kvx._net",
+            sources=["native/kvx_net.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
+        ),
     ]
 )

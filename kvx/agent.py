@@ -26,7 +26,7 @@ from .errors import (
     UsageError,
 )
 from .memory import DescList, FileRegion, MemoryKind, ObjectRegion, Region, regions_of
-from .transfer import Transfer
+from .transfer import Transfer, TransferPlan
 
 __all__ = ["Agent", "Registration", "PreparedList", "MAX_SLOTS"]
 
@@ -101,7 +101,7 @@ class PreparedList:
         Per descriptor, the registration slot (region) that contains it.
     """
 
-    __slots__ = ("agent", "peer", "descs", "slots", "used", "gens", "bdata", "pinfo", "__weakref__")
+    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "slots", "used")
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
@@ -113,6 +113,7 @@ class PreparedList:
         self.used = np.fromiter(gens.keys(), dtype=np.int64, count=len(gens))
         self.bdata: dict[str, Any] = {}
         self.pinfo = pinfo
+        self.epoch = agent._epoch
 
     @property
     def kind(self) -> MemoryKind:
@@ -218,6 +219,7 @@ class Agent:
         self._notif_lock = threading.Lock()
         self._notif_cv = threading.Condition(self._notif_lock)
         self._pair_cache: dict[tuple[int, int], Backend] = {}
+        self._epoch = 0  # bumped by every release: prepared lists re-check liveness only then
         self._handles: dict[int, list[tuple[Backend, Any]]] = {}
         ctx = BackendContext(
             agent_name=name,
@@ -391,6 +393,7 @@ class Agent:
 
     def _release(self, reg: Registration) -> None:
         with self._lock:
+            self._epoch += 1
             for slot in reg.slots:
                 entry = self._regions.pop(slot, None)
                 if entry is None:
@@ -559,11 +562,27 @@ class Agent:
         return pl
 
     def _check_live(self, pl: PreparedList) -> None:
+        if pl.epoch == self._epoch:
+            return
+        epoch = self._epoch
         if pl.peer is None:
             g = self._gens
             for s, gen in pl.gens.items():
                 if g[s] != gen:
                     raise UsageError("a registration under this prepared list was released; prepare again")
+        pl.epoch = epoch
+
+    def _check_post(self, local: PreparedList, remote: PreparedList) -> None:
+        """Checks every post makes: open agent, live local registrations, connected peer."""
+        if self.closed:
+            raise UsageError(f"agent {self.name!r} is closed")
+        if local.epoch != self._epoch:
+            self._check_live(local)
+        if remote.peer is None:
+            if remote.epoch != self._epoch:
+                self._check_live(remote)
+        elif remote.peer not in self._peers:
+            raise PeerDisconnected(f"peer {remote.peer!r} was removed")
 
     def _select(self, local: PreparedList, remote: PreparedList, backend: str | None) -> Backend:
         key = (id(local), id(remote))
@@ -588,10 +607,8 @@ class Agent:
             + (f" (asked for {backend!r})" if backend else "")
         )
 
-    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-              notify: bytes | None, backend: str | None) -> Transfer:
-        self._check()
-        if not isinstance(local, PreparedList) or not isinstance(remote, PreparedList):
+    def _args(self, local: PreparedList, remote: PreparedList, notify: bytes | None) -> None:
+        if type(local) is not PreparedList or type(remote) is not PreparedList:
             raise UsageError("read/write take PreparedList objects from prepare()")
         if local.agent is not self or remote.agent is not self:
             raise UsageError("prepared lists belong to another agent")
@@ -599,18 +616,50 @@ class Agent:
             raise UsageError("the first list must be local (prepared without peer=)")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise UsageError("notify must be bytes")
-        self._check_live(local)
-        if remote.peer is None:
-            self._check_live(remote)
-        elif remote.peer not in self._peers:
-            raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+              notify: bytes | None, backend: str | None) -> Transfer:
+        self._args(local, remote, notify)
+        self._check_post(local, remote)
         b = self._select(local, remote, backend)
         try:
             req = b.post(op, local, as_index(lidx), remote, as_index(ridx),
                          bytes(notify) if notify is not None else None)
         except (IndexError, ValueError, TypeError) as exc:
             raise UsageError(f"bad transfer request: {exc}") from exc
+        if type(req) is int:
+            return Transfer._completed(req, b.name)
         return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
+
+    def make_transfer(self, op: str, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any,
+                      *, notify: bytes | None = None, backend: str | None = None) -> TransferPlan:
+        """Prepare a transfer once to post it many times (like NIXL's ``make_prepped_xfer``).
+
+        Parameters
+        ----------
+        op
+            ``"read"`` or ``"write"``.
+        local, local_idx, remote, remote_idx, notify, backend
+            As for :meth:`read` / :meth:`write`; indices are checked now, not at each post.
+
+        Returns
+        -------
+        TransferPlan
+            ``plan.post()`` starts the transfer and returns a :class:`Transfer`. Posting still
+            checks that the agent is open, the registrations live and the peer connected.
+        """
+        if op not in ("read", "write"):
+            raise UsageError(f"op must be 'read' or 'write', not {op!r}")
+        self._args(local, remote, notify)
+        self._check_post(local, remote)
+        b = self._select(local, remote, backend)
+        li, ri = as_index(local_idx), as_index(remote_idx)
+        try:
+            post = b.make_plan(Op(op), local, li, remote, ri, bytes(notify) if notify is not None else None)
+        except (IndexError, ValueError, TypeError) as exc:
+            raise UsageError(f"bad transfer request: {exc}") from exc
+        nb = int(local.descs.nbytes[np.atleast_1d(np.asarray(li, dtype=np.int64))].sum())
+        return TransferPlan(self, post, b.name, (local, remote), nb)
 
     def read(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
              notify: bytes | None = None, backend: str | None = None) -> Transfer:
@@ -704,7 +753,7 @@ class Agent:
 class _StorageRegion:
     """A registered file or object, as the agent and storage backends see it."""
 
-    __slots__ = ("kind", "nbytes", "path", "bucket", "key", "slot", "spec")
+    __slots__ = ("bucket", "key", "kind", "nbytes", "path", "slot", "spec")
 
     def __init__(self, kind: MemoryKind, nbytes: int, slot: int, spec: Any, path: str | None = None,
                  bucket: str | None = None, key: str | None = None) -> None:

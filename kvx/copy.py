@@ -21,7 +21,7 @@ def copy_blocking(dst_addr: np.ndarray, dst_len: np.ndarray, dst_idx: Any, src_a
     """
     job = _native.submit(0, 0, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, None, None, threads,
                          1 << 20 if threads > 1 else 1 << 62, 0)
-    if job is not None and not job.wait(timeout):
+    if not isinstance(job, int) and not job.wait(timeout):
         job.cancel()
         raise TimeoutError("native copy did not finish in time")
 

@@ -12,7 +12,7 @@ from .errors import KVXError, TransferError, TransferTimeout, UsageError
 if TYPE_CHECKING:
     from .backends.base import Request
 
-__all__ = ["Status", "Transfer"]
+__all__ = ["Status", "Transfer", "TransferPlan"]
 
 
 class Status(enum.Enum):
@@ -24,6 +24,9 @@ class Status(enum.Enum):
     CANCELLED = "cancelled"
 
 
+_new = object.__new__
+
+
 class Transfer:
     """A posted transfer. Poll with :attr:`status` or :meth:`done`, block with :meth:`wait`,
     or ``await`` it.
@@ -32,7 +35,7 @@ class Transfer:
     cancelled and turns FAILED with :class:`~kvx.errors.TransferTimeout`.
     """
 
-    __slots__ = ("_req", "_status", "_error", "nbytes", "backend", "_deadline", "_on_end")
+    __slots__ = ("_deadline", "_error", "_on_end", "_req", "_status", "backend", "nbytes")
 
     def __init__(
         self,
@@ -53,13 +56,13 @@ class Transfer:
 
     @classmethod
     def _completed(cls, nbytes: int, backend: str) -> "Transfer":
-        t = cls.__new__(cls)
+        """A transfer that finished while it was posted (the small-transfer fast path)."""
+        t = _new(cls)
         t._req = None
-        t._status = Status.DONE
+        t._status = _DONE
         t._error = None
         t.nbytes = nbytes
         t.backend = backend
-        t._deadline = 0.0
         t._on_end = None
         return t
 
@@ -122,6 +125,11 @@ class Transfer:
         TransferError
             If it failed or was cancelled.
         """
+        if self._status is _DONE:
+            return self
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> "Transfer":
         if self._status is Status.PENDING:
             now = time.monotonic()
             limit = self._deadline - now if timeout is None else min(timeout, max(0.0, self._deadline - now))
@@ -163,6 +171,37 @@ class Transfer:
 
     def __repr__(self) -> str:
         return f"<Transfer {self.status.name} {self.nbytes} bytes via {self.backend}>"
+
+
+_DONE = Status.DONE
+
+
+class TransferPlan:
+    """A transfer prepared once and posted many times (``Agent.make_transfer``).
+
+    Posting a plan skips index conversion, descriptor gathering and backend selection: for
+    small transfers this is the lowest-latency way to move bytes.
+    """
+
+    __slots__ = ("_agent", "_backend", "_lists", "_post", "nbytes")
+
+    def __init__(self, agent: Any, post: Callable[[], Any], backend: str, lists: tuple[Any, Any], nbytes: int) -> None:
+        self._agent = agent
+        self._post = post
+        self._backend = backend
+        self._lists = lists
+        self.nbytes = nbytes
+
+    def post(self) -> Transfer:
+        """Start the transfer again; returns a new :class:`Transfer`."""
+        self._agent._check_post(*self._lists)
+        r = self._post()
+        if type(r) is int:
+            return Transfer._completed(r, self._backend)
+        return Transfer(r, self.nbytes, self._backend, self._agent.config.transfer_timeout)
+
+    def __repr__(self) -> str:
+        return f"<TransferPlan {self.nbytes} bytes via {self._backend}>"
 
 
 def ensure_open(closed: bool, what: str) -> None:

@@ -22,9 +22,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #ifndef IOV_MAX
 #define IOV_MAX 1024
 #endif
+
+/* jobs at least this large use non-temporal stores */
+#define STREAM_MIN (4u << 20)
 
 enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4 };
 
@@ -83,10 +90,68 @@ static void job_release(job_t *j) {
     }
 }
 
+/* Copy with non-temporal stores: large copies do not pull the destination into the cache
+ * (no read-for-ownership), which is what makes a plain memcpy of many MiB fast. */
+static void copy_stream(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    if (n < 4096) { memcpy(d, s, n); return; }
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    if (head) { memcpy(d, s, head); d += head; s += head; n -= head; }
+    size_t blocks = n / 64;
+    if (((uintptr_t)s & 15) == 0) {
+        for (size_t i = 0; i < blocks; i++) {
+            __m128i a = _mm_load_si128((const __m128i *)(s + 0));
+            __m128i b = _mm_load_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_load_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_load_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)(d + 0), a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+            s += 64; d += 64;
+        }
+    } else {
+        for (size_t i = 0; i < blocks; i++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)(d + 0), a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+            s += 64; d += 64;
+        }
+    }
+    n -= blocks * 64;
+    if (n) memcpy(d, s, n);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
 static int run_range(job_t *j, size_t lo, size_t hi) {
     triplet_t *t = j->t;
     switch (j->op) {
     case OP_MEMCPY:
+        if (j->nbytes >= STREAM_MIN) {
+            for (size_t i = lo; i < hi; i++) {
+                if ((i & 255) == 0 && atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+#if defined(__x86_64__)
+                if (i + 1 < hi) { /* warm the TLB and first lines of the next block */
+                    _mm_prefetch((const char *)(uintptr_t)t[i + 1].src, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(uintptr_t)t[i + 1].src + 64, _MM_HINT_T0);
+                }
+#endif
+                copy_stream((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+            }
+#if defined(__x86_64__)
+            _mm_sfence();
+#endif
+            return 0;
+        }
         for (size_t i = lo; i < hi; i++) {
             if ((i & 255) == 0 && atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
             memcpy((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
@@ -345,6 +410,156 @@ static PyTypeObject JobType = {
     .tp_doc = "A batched copy running on the native pool.",
 };
 
+static void job_free(job_t *j) {
+    free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j);
+}
+
+/* Run a built job: inline (returns the byte count) or on the pool (returns a Job).
+ * With owned=1 the job is consumed; with owned=0 (a plan's template) only inline runs are
+ * allowed to use it directly and async runs work on a copy. */
+static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned) {
+    uint64_t total = j->nbytes;
+    int ge = guards_enter(j->g, j->ng);
+    if (ge) {
+        if (owned) job_free(j);
+        return raise_errno(ge);
+    }
+    if (total <= inline_bytes) {
+        int e;
+        if (total >= 65536) {
+            Py_BEGIN_ALLOW_THREADS
+            e = run_range(j, 0, j->nt);
+            Py_END_ALLOW_THREADS
+        } else {
+            e = run_range(j, 0, j->nt);
+        }
+        if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
+        guards_exit(j);
+        if (owned) job_free(j);
+        if (e) return raise_errno(e);
+        return PyLong_FromUnsignedLongLong(total);
+    }
+    if (!owned) { /* copy the template */
+        job_t *c = calloc(1, sizeof(job_t));
+        if (!c) { guards_exit(j); return PyErr_NoMemory(); }
+        *c = *j;
+        c->t = malloc((j->nt ? j->nt : 1) * sizeof(triplet_t));
+        c->g = malloc((j->ng ? j->ng : 1) * sizeof(guard_t));
+        if (!c->t || !c->g) { free(c->t); free(c->g); free(c); guards_exit(j); return PyErr_NoMemory(); }
+        memcpy(c->t, j->t, j->nt * sizeof(triplet_t));
+        memcpy(c->g, j->g, j->ng * sizeof(guard_t));
+        atomic_store(&c->pending, 0); atomic_store(&c->err, 0); atomic_store(&c->cancelled, 0); c->done = 0;
+        pthread_mutex_init(&c->mu, NULL);
+        pthread_cond_init(&c->cv, NULL);
+        j = c; /* the guards entered above are now the copy's to exit */
+    }
+    /* split into chunks balanced by bytes */
+    if (nthreads < 1) nthreads = 1;
+    if (j->op == OP_MEMCPY && j->nt < (size_t)nthreads * 4) {
+        /* few large descriptors: cut them into 1 MiB pieces so every thread gets work */
+        size_t extra = 0;
+        const uint64_t piece = 1 << 20;
+        for (size_t i = 0; i < j->nt; i++) extra += j->t[i].len > piece ? (j->t[i].len - 1) / piece : 0;
+        if (extra) {
+            triplet_t *nt = malloc((j->nt + extra) * sizeof(triplet_t));
+            if (!nt) { guards_exit(j); job_free(j); return PyErr_NoMemory(); }
+            size_t m = 0;
+            for (size_t i = 0; i < j->nt; i++) {
+                uint64_t off = 0;
+                while (off < j->t[i].len) {
+                    uint64_t l = j->t[i].len - off < piece ? j->t[i].len - off : piece;
+                    nt[m].dst = j->t[i].dst + off; nt[m].src = j->t[i].src + off; nt[m].len = l; nt[m].fd = 0;
+                    m++; off += l;
+                }
+            }
+            free(j->t);
+            j->t = nt;
+            j->nt = m;
+        }
+    }
+    int nch = nthreads;
+    if ((size_t)nch > j->nt) nch = (int)j->nt;
+    if (nch < 1) nch = 1;
+    if (pool_ensure(nthreads) != 0) {
+        guards_exit(j); job_free(j);
+        PyErr_SetString(PyExc_OSError, "cannot start copy threads");
+        return NULL;
+    }
+    JobObject *jo = PyObject_New(JobObject, &JobType);
+    if (!jo) { guards_exit(j); job_free(j); return NULL; }
+    jo->job = j;
+    atomic_store(&j->refs, 1 + nch);
+    atomic_store(&j->pending, nch);
+    uint64_t per = total / (uint64_t)nch + 1, acc = 0;
+    size_t lo = 0;
+    chunk_t *first = NULL, *last = NULL;
+    for (int c = 0; c < nch; c++) {
+        size_t hi = lo;
+        if (c == nch - 1) hi = j->nt;
+        else {
+            uint64_t lim = per * (uint64_t)(c + 1);
+            while (hi < j->nt && (acc < lim || hi == lo)) acc += j->t[hi++].len;
+            /* keep at least one triplet for each remaining chunk */
+            size_t remain = (size_t)(nch - c - 1);
+            if (j->nt - hi < remain) hi = j->nt - remain;
+        }
+        chunk_t *ch = malloc(sizeof(chunk_t));
+        ch->job = j; ch->lo = lo; ch->hi = hi; ch->next = NULL;
+        if (last) last->next = ch; else first = ch;
+        last = ch;
+        lo = hi;
+    }
+    pthread_mutex_lock(&pool_mu);
+    if (q_tail) q_tail->next = first; else q_head = first;
+    q_tail = last;
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    return (PyObject *)jo;
+}
+
+
+/* ------------------------------------------------------------------------------------------ */
+/* Plan: a built job kept as a template and posted many times (no per-post descriptor work). */
+
+typedef struct {
+    PyObject_HEAD
+    job_t *tpl;
+    int nthreads;
+    unsigned long long inline_bytes;
+} PlanObject;
+
+static PyObject *Plan_start(PlanObject *self, PyObject *unused) {
+    (void)unused;
+    return job_start(self->tpl, self->nthreads, self->inline_bytes, 0);
+}
+
+static PyObject *Plan_get_nbytes(PlanObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLongLong(self->tpl->nbytes);
+}
+
+static void Plan_dealloc(PlanObject *self) {
+    if (self->tpl) job_free(self->tpl);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Plan_methods[] = {
+    {"start", (PyCFunction)Plan_start, METH_NOARGS, "Post once: returns the byte count (ran inline) or a Job."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Plan_getset[] = {{"nbytes", (getter)Plan_get_nbytes, NULL, "bytes per post", NULL},
+                                    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvx._native.Plan",
+    .tp_basicsize = sizeof(PlanObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Plan_dealloc,
+    .tp_methods = Plan_methods,
+    .tp_getset = Plan_getset,
+    .tp_doc = "A prepared batched copy, posted with start().",
+};
+
 /* index source: a list/tuple of ints, an int, or a contiguous int64/uint64 buffer */
 typedef struct {
     PyObject *seq;
@@ -418,8 +633,7 @@ static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
  * side's descriptors (or None). guards: uint64 array of (state_ptr, expected, inflight_ptr)
  * triples or None. Returns None when the job ran inline and succeeded.
  */
-static PyObject *py_submit(PyObject *self, PyObject *args) {
-    (void)self;
+static PyObject *submit_impl(PyObject *args, int as_plan) {
     int op, nthreads, sync;
     long long pid;
     unsigned long long inline_bytes;
@@ -503,87 +717,16 @@ static PyObject *py_submit(PyObject *self, PyObject *args) {
     }
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
-    int ge = guards_enter(j->g, j->ng);
-    if (ge) {
-        free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); j = NULL;
-        raise_errno(ge);
-        goto e8;
+    if (as_plan) {
+        PlanObject *po = PyObject_New(PlanObject, &PlanType);
+        if (!po) { job_free(j); j = NULL; goto e8; }
+        po->tpl = j;
+        po->nthreads = nthreads;
+        po->inline_bytes = inline_bytes;
+        ret = (PyObject *)po;
+    } else {
+        ret = job_start(j, nthreads, inline_bytes, 1);
     }
-    if (total <= inline_bytes) {
-        int e;
-        if (total >= 65536) {
-            Py_BEGIN_ALLOW_THREADS
-            e = run_range(j, 0, j->nt);
-            Py_END_ALLOW_THREADS
-        } else {
-            e = run_range(j, 0, j->nt);
-        }
-        if (!e) { j->err = 0; sync_fds(j); e = atomic_load(&j->err); }
-        guards_exit(j);
-        free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); j = NULL;
-        if (e) { raise_errno(e); goto e8; }
-        Py_INCREF(Py_None);
-        ret = Py_None;
-        goto e8;
-    }
-    /* split into chunks balanced by bytes */
-    if (nthreads < 1) nthreads = 1;
-    if (op == OP_MEMCPY && j->nt < (size_t)nthreads * 4) {
-        /* few large descriptors: cut them into 1 MiB pieces so every thread gets work */
-        size_t extra = 0;
-        const uint64_t piece = 1 << 20;
-        for (size_t i = 0; i < j->nt; i++) extra += j->t[i].len > piece ? (j->t[i].len - 1) / piece : 0;
-        if (extra) {
-            triplet_t *nt = malloc((j->nt + extra) * sizeof(triplet_t));
-            if (!nt) { guards_exit(j); PyErr_NoMemory(); goto e9; }
-            size_t m = 0;
-            for (size_t i = 0; i < j->nt; i++) {
-                uint64_t off = 0;
-                while (off < j->t[i].len) {
-                    uint64_t l = j->t[i].len - off < piece ? j->t[i].len - off : piece;
-                    nt[m].dst = j->t[i].dst + off; nt[m].src = j->t[i].src + off; nt[m].len = l; nt[m].fd = 0;
-                    m++; off += l;
-                }
-            }
-            free(j->t);
-            j->t = nt;
-            j->nt = m;
-        }
-    }
-    int nch = nthreads;
-    if ((size_t)nch > j->nt) nch = (int)j->nt;
-    if (nch < 1) nch = 1;
-    if (pool_ensure(nthreads) != 0) { guards_exit(j); PyErr_SetString(PyExc_OSError, "cannot start copy threads"); goto e9; }
-    JobObject *jo = PyObject_New(JobObject, &JobType);
-    if (!jo) { guards_exit(j); goto e9; }
-    jo->job = j;
-    atomic_store(&j->refs, 1 + nch);
-    atomic_store(&j->pending, nch);
-    uint64_t per = total / (uint64_t)nch + 1, acc = 0;
-    size_t lo = 0;
-    chunk_t *first = NULL, *last = NULL;
-    for (int c = 0; c < nch; c++) {
-        size_t hi = lo;
-        if (c == nch - 1) hi = j->nt;
-        else {
-            uint64_t lim = per * (uint64_t)(c + 1);
-            while (hi < j->nt && (acc < lim || hi == lo)) acc += j->t[hi++].len;
-            /* keep at least one triplet for each remaining chunk */
-            size_t remain = (size_t)(nch - c - 1);
-            if (j->nt - hi < remain) hi = j->nt - remain;
-        }
-        chunk_t *ch = malloc(sizeof(chunk_t));
-        ch->job = j; ch->lo = lo; ch->hi = hi; ch->next = NULL;
-        if (last) last->next = ch; else first = ch;
-        last = ch;
-        lo = hi;
-    }
-    pthread_mutex_lock(&pool_mu);
-    if (q_tail) q_tail->next = first; else q_head = first;
-    q_tail = last;
-    pthread_cond_broadcast(&pool_cv);
-    pthread_mutex_unlock(&pool_mu);
-    ret = (PyObject *)jo;
     j = NULL;
     goto e8;
 e9:
@@ -605,6 +748,16 @@ e2:
 e1:
     PyBuffer_Release(&bda);
     return ret;
+}
+
+static PyObject *py_submit(PyObject *self, PyObject *args) {
+    (void)self;
+    return submit_impl(args, 0);
+}
+
+static PyObject *py_plan(PyObject *self, PyObject *args) {
+    (void)self;
+    return submit_impl(args, 1);
 }
 
 /* map_fd(fd, size, offset, writable) -> address */
@@ -699,7 +852,8 @@ static PyObject *py_cma_probe(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job."},
+    {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job (int bytes if done inline, else Job)."},
+    {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
     {"map_fd", py_map_fd, METH_VARARGS, "mmap a file descriptor shared; returns the address."},
     {"unmap", py_unmap, METH_VARARGS, "munmap(addr, size)."},
     {"store64", py_store64, METH_VARARGS, "Atomic 64-bit store."},
@@ -714,10 +868,13 @@ static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._native", "Native c
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&JobType) < 0) return NULL;
+    if (PyType_Ready(&PlanType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m) return NULL;
     Py_INCREF(&JobType);
     PyModule_AddObject(m, "Job", (PyObject *)&JobType);
+    Py_INCREF(&PlanType);
+    PyModule_AddObject(m, "Plan", (PyObject *)&PlanType);
     PyModule_AddIntConstant(m, "OP_MEMCPY", OP_MEMCPY);
     PyModule_AddIntConstant(m, "OP_CMA_WRITE", OP_CMA_WRITE);
     PyModule_AddIntConstant(m, "OP_CMA_READ", OP_CMA_READ);

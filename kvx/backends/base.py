@@ -223,6 +223,23 @@ class Backend(ABC):
         Must not block for long: large work goes to threads or the device.
         """
 
+    def make_plan(
+        self,
+        op: Op,
+        local: "PreparedList",
+        lidx: Any,
+        remote: "PreparedList",
+        ridx: Any,
+        notify: bytes | None,
+    ) -> Callable[[], "Request | int"]:
+        """Return a function that posts this same transfer again and again.
+
+        The result of each call is a Request, or an int (bytes moved) for a transfer that
+        already finished. The default just calls :meth:`post`; backends override it to do
+        the descriptor work once.
+        """
+        return lambda: self.post(op, local, lidx, remote, ridx, notify)
+
     def notify(self, peer_name: str, message: bytes) -> None:
         """Send a notification to a peer (backends with ``notifications = True``)."""
         raise NotImplementedError

@@ -45,7 +45,7 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request, ThreadRequest
+from .base import Backend, BackendContext, Op, PeerInfo, Request, ThreadRequest
 
 __all__ = ["HostBackend"]
 
@@ -516,8 +516,8 @@ class HostBackend(Backend):
         return m
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
+    def _route(self, op: Op, local: PreparedList, remote: PreparedList
+               ) -> tuple[_Prep, _Prep, _Peer | None, int, int]:
         lp: _Prep = local.bdata["host"]
         rp: _Prep = remote.bdata["host"]
         peer = None
@@ -527,41 +527,31 @@ class HostBackend(Backend):
             peer = self._peers.get(remote.peer)  # type: ignore[arg-type]
             if peer is None or not peer.chan.alive:
                 raise PeerDisconnected(f"peer {remote.peer!r} is not connected")
-            if rp.mode == "uds":
-                return self._post_uds(op, lp, lidx, rp, ridx, peer, notify)
             if rp.mode == "cma":
                 code = 1 if op is Op.WRITE else 2
                 pid = peer.pid
-        if op is Op.WRITE:
-            args = (rp.addr, rp.nbytes, ridx, lp.addr, lp.nbytes, lidx)
-        else:
-            args = (lp.addr, lp.nbytes, lidx, rp.addr, rp.nbytes, ridx)
-        try:
-            job = _native.submit(code, pid, *args, None, rp.guards, self.threads, self.inline, 0)
-        except OSError as exc:
-            raise translate_oserror(exc, remote.peer) from exc
-        send_notif: Any = None
-        if notify is not None:
-            if peer is None:  # loopback: the agent notifies itself
+        return lp, rp, peer, code, pid
 
-                def send_notif() -> None:
-                    self.ctx.deliver(self.ctx.agent_name, notify)
-            else:
-                chan = peer.chan
+    def _notifier(self, peer: _Peer | None, notify: bytes | None) -> Any:
+        if notify is None:
+            return None
+        if peer is None:  # loopback: the agent notifies itself
+            return lambda: self.ctx.deliver(self.ctx.agent_name, notify)
+        chan = peer.chan
+        msg = wire.pack("notif", msg=notify)
+        return lambda: chan.send(msg)
 
-                def send_notif() -> None:
-                    chan.send(wire.pack("notif", msg=notify))
-        if job is None:
+    def _finish(self, res: Any, remote: PreparedList, send_notif: Any) -> Request | int:
+        if type(res) is int:
             if send_notif is not None:
                 send_notif()
-            nb = int(lp.nbytes[lidx].sum()) if not isinstance(lidx, int) else int(lp.nbytes[lidx])
-            return DoneRequest(nb)
-        req = _JobRequest(job, remote.peer)
+            return res  # type: ignore[no-any-return]
+        req = _JobRequest(res, remote.peer)
         if send_notif is not None:
             # deliver the notification once the data has landed, even if nobody polls
             def waiter() -> None:
                 try:
-                    if job.wait(float(self.cfg.transfer_timeout)):
+                    if res.wait(float(self.cfg.transfer_timeout)):
                         req._fired = True
                         send_notif()
                 except (OSError, KVXError):
@@ -569,6 +559,55 @@ class HostBackend(Backend):
 
             threading.Thread(target=waiter, daemon=True).start()
         return req
+
+    @staticmethod
+    def _args(op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any) -> tuple[Any, ...]:
+        if op is Op.WRITE:
+            return (rp.addr, rp.nbytes, ridx, lp.addr, lp.nbytes, lidx)
+        return (lp.addr, lp.nbytes, lidx, rp.addr, rp.nbytes, ridx)
+
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request | int:  # type: ignore[override]
+        lp, rp, peer, code, pid = self._route(op, local, remote)
+        if rp.mode == "uds":
+            assert peer is not None
+            return self._post_uds(op, lp, lidx, rp, ridx, peer, notify)
+        try:
+            res = _native.submit(code, pid, *self._args(op, lp, lidx, rp, ridx), None, rp.guards, self.threads,
+                                 self.inline, 0)
+        except OSError as exc:
+            raise translate_oserror(exc, remote.peer) from exc
+        return self._finish(res, remote, self._notifier(peer, notify))
+
+    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+                  notify: bytes | None) -> Any:
+        lp, rp, peer, code, pid = self._route(op, local, remote)
+        if rp.mode == "uds":
+            return super().make_plan(op, local, lidx, remote, ridx, notify)
+        plan = _native.plan(code, pid, *self._args(op, lp, lidx, rp, ridx), None, rp.guards, self.threads,
+                            self.inline, 0)
+        send_notif = self._notifier(peer, notify)
+        start, finish, name = plan.start, self._finish, remote.peer
+        if send_notif is None and code == 0:
+            def post_fast() -> Request | int:
+                try:
+                    res = start()
+                except OSError as exc:
+                    raise translate_oserror(exc, name) from exc
+                return res if type(res) is int else _JobRequest(res, name)
+
+            return post_fast
+
+        def post() -> Request | int:
+            if peer is not None and not peer.chan.alive:
+                raise PeerDisconnected(f"peer {name!r} is not connected")
+            try:
+                res = start()
+            except OSError as exc:
+                raise translate_oserror(exc, name) from exc
+            return finish(res, remote, send_notif)
+
+        return post
 
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:

@@ -102,25 +102,39 @@ def sweep(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, local_buf: n
 
 
 def latency(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, target: Target, samples: int,
-            impl: str = "kvx", backend: str | None = None) -> dict[str, Any]:
-    """Post-to-completion time of one 4 KiB write, at the initiator."""
+            impl: str = "kvx", backend: str | None = None) -> list[dict[str, Any]]:
+    """Post-to-completion time of one 4 KiB write at the initiator, two ways: ``agent.write``
+    with index lists (impl "kvx"), and a prepared ``make_transfer`` plan re-posted (impl
+    "kvx-plan", what NIXL's figure measures with ``make_prepped_xfer``)."""
     bs = 4096
     local = agent.prepare(kvx.DescList.blocks(local_reg, bs))
     remote = agent.prepare(kvx.DescList.blocks(target.descs, bs), peer=peer)
     n = len(remote)
-    rng = np.random.default_rng(1)
-    ks = rng.integers(0, n, samples).tolist()
-    ts = []
-    for _ in range(50):
-        agent.write(local, [0], remote, [0], backend=backend).wait()
+    ks = np.random.default_rng(1).integers(0, n, samples).tolist()
     pc = time.perf_counter_ns
+    write = agent.write
+    for _ in range(100):
+        write(local, [0], remote, [0], backend=backend).wait()
+    ts = []
     for k in ks:
         t0 = pc()
-        agent.write(local, [0], remote, [k], backend=backend).wait()
+        write(local, [0], remote, [k], backend=backend).wait()
         ts.append(pc() - t0)
-    ts.sort()
-    return {"impl": impl, "op": "write", "block_bytes": bs, "samples": samples,
-            "lat_us_median": statistics.median(ts) / 1e3, "lat_us_p99": ts[int(0.99 * (len(ts) - 1))] / 1e3}
+    plan = agent.make_transfer("write", local, [0], remote, [ks[0]], backend=backend)
+    post = plan.post
+    for _ in range(100):
+        post().wait()
+    tp = []
+    for _ in ks:
+        t0 = pc()
+        post().wait()
+        tp.append(pc() - t0)
+    out = []
+    for name, t in ((impl, ts), (f"{impl}-plan", tp)):
+        t.sort()
+        out.append({"impl": name, "op": "write", "block_bytes": bs, "samples": samples,
+                    "lat_us_median": statistics.median(t) / 1e3, "lat_us_p99": t[int(0.99 * (len(t) - 1))] / 1e3})
+    return out
 
 
 def memcpy_ceiling(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
@@ -144,7 +158,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             peer = agent.add_peer(target.meta)
             rows = sweep(agent, peer, reg, buf, target, opts, prog)
             prog.step("latency")
-            rows.append(latency(agent, peer, reg, target, opts.latency_samples))
+            rows += latency(agent, peer, reg, target, opts.latency_samples)
             mode = agent.backend("host").path_to(peer)
             for r in rows:
                 r["path"] = "shm" if opts.mem == "alloc" and os.environ.get("KVX_HOST_PATH", "auto") in (

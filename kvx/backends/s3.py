@@ -1,0 +1,670 @@
+"""``s3``: OBJECT registrations on an S3-compatible object store (boto3).
+
+An :class:`~kvx.ObjectRegion` ``(bucket, key, nbytes)`` is one object. Transfers are loopback:
+the local list is HOST memory of this agent, the other list is OBJECT descriptors (one per
+object; ``addr`` is a byte offset inside the object, ``dev`` the registration slot).
+
+- **Writes** (memory -> object) are whole-object only: each descriptor must cover its object
+  exactly (offset 0, ``nbytes`` == registered size), checked vectorized at post. Objects up to
+  :data:`MULTIPART_THRESHOLD` go as one ``PutObject`` (atomic); larger ones as a multipart
+  upload of :data:`PART_BYTES` parts uploaded in parallel, made visible atomically by
+  ``CompleteMultipartUpload`` and aborted on any failure or cancel. A reader therefore sees the
+  old object, the new object, or no object -- never a torn one.
+- **Reads** (object -> memory) are whole or ranged ``GetObject`` calls that stream the body
+  straight into the destination memory (``readinto`` on a ``ctypes`` view of the address; no
+  intermediate ``bytes``). Reads larger than :data:`MULTIPART_THRESHOLD` are split into
+  :data:`PART_BYTES` ranges fetched in parallel.
+- **Concurrency**: a pool of ``KVX_S3_THREADS`` worker threads; every object operation (PUT,
+  part, ranged GET) is one queued unit. ``post`` only queues and returns; the request completes
+  when every unit of the transfer has finished. ``cancel`` drops queued units (in-flight ones
+  run to their end; multipart uploads are aborted).
+- **Bounds**: botocore ``standard`` retry mode (3 attempts, exponential backoff with jitter),
+  connect timeout ``min(5, peer_timeout)`` s, read timeout ``peer_timeout`` s per socket read.
+  A dead endpoint fails a transfer in a few seconds; a silent one within the retry budget of
+  read timeouts; the agent's ``transfer_timeout`` bounds everything.
+- **Buckets** are checked (``HeadBucket``) at ``register`` and created when missing; objects are
+  not created by ``register``: reading a never-written object fails the transfer with
+  :class:`~kvx.errors.RemoteError` naming the key.
+
+Endpoint and credentials: ``KVX_S3_ENDPOINT`` (overrides), else ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``; credentials, profile and region from the standard AWS chain
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``; region defaults to ``us-east-1``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import importlib.util
+import io
+import logging
+import os
+import queue
+import socket
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import config as _config
+from ..errors import (
+    AuthError,
+    KVXError,
+    PeerDisconnected,
+    RegistrationError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    UsageError,
+)
+from ..memory import MemoryKind, Region
+from .base import Backend, BackendContext, DoneRequest, Op, Request
+
+if TYPE_CHECKING:
+    from ..agent import PreparedList
+
+__all__ = ["S3Backend", "S3Settings", "MULTIPART_THRESHOLD", "PART_BYTES", "settings_from_env"]
+
+log = logging.getLogger(__name__)
+
+#: Objects larger than this are written by multipart upload and read by parallel ranged GETs.
+MULTIPART_THRESHOLD = 16 << 20
+#: Part size of multipart uploads and of split reads (S3 needs parts >= 5 MiB but the last).
+PART_BYTES = 8 << 20
+#: Bytes per ``readinto`` call while streaming a body (release and cancel are checked between).
+_READ_CHUNK = 4 << 20
+#: Bytes handed to the socket per ``read`` of a request body (urllib3 asks for 16 KiB).
+_SEND_CHUNK = 1 << 20
+#: ClientError codes that mean the credentials were refused.
+_AUTH_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+                         "ExpiredToken", "AuthorizationHeaderMalformed", "InvalidSecurity", "403", "Forbidden"})
+_MISSING_KEY = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """Where and how the backend talks to the object store.
+
+    Parameters
+    ----------
+    endpoint
+        Endpoint URL (``http://127.0.0.1:8333``), or None for AWS's own endpoints.
+    region
+        Signing region.
+    threads
+        Worker threads (concurrent requests).
+    connect_timeout, read_timeout
+        Seconds per connection attempt and per socket read.
+    max_attempts
+        Attempts per request (botocore ``standard`` retry mode).
+    """
+
+    endpoint: str | None
+    region: str
+    threads: int
+    connect_timeout: float
+    read_timeout: float
+    max_attempts: int = 3
+
+
+def settings_from_env(peer_timeout: float = 10.0) -> S3Settings:
+    """Resolve :class:`S3Settings` from ``KVX_S3_*`` and the standard AWS variables."""
+    endpoint = (_config.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or None)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    threads = int(_config.get("KVX_S3_THREADS"))
+    if threads < 1:
+        raise UsageError(f"KVX_S3_THREADS must be >= 1, not {threads}")
+    return S3Settings(endpoint=endpoint, region=region, threads=threads,
+                      connect_timeout=min(5.0, float(peer_timeout)), read_timeout=float(peer_timeout))
+
+
+def make_client(s: S3Settings, pool: int) -> Any:
+    """A boto3 S3 client for ``s`` with bounded timeouts, standard retries, ``pool`` connections."""
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(
+        region_name=s.region,
+        connect_timeout=s.connect_timeout,
+        read_timeout=s.read_timeout,
+        retries={"mode": "standard", "max_attempts": s.max_attempts},
+        max_pool_connections=max(pool, 1),
+        tcp_keepalive=True,
+        # kvx moves opaque blocks: no per-request CRC over the body unless an API requires one,
+        # and no SHA-256 of the payload in the signature (botocore does it over plain http).
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path" if s.endpoint else "auto", "payload_signing_enabled": False},
+    )
+    return boto3.session.Session().client("s3", endpoint_url=s.endpoint, config=cfg)
+
+
+def translate(exc: BaseException, what: str, endpoint: str | None) -> KVXError:
+    """Map a botocore / socket error of an operation on ``what`` to the kvx error tree."""
+    if isinstance(exc, KVXError):
+        return exc
+    try:
+        from botocore import exceptions as bx
+    except ImportError:  # pragma: no cover - boto3 is there if we got this far
+        return TransferError(f"{what}: {exc}")
+    where = endpoint or "AWS S3"
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {}) or {}
+        code = str(err.get("Code", ""))
+        status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+        msg = err.get("Message", "") or ""
+        if code in _MISSING_KEY:
+            return RemoteError(f"{what}: no such object (never written, or deleted)")
+        if code == "NoSuchBucket":
+            return RemoteError(f"{what}: no such bucket")
+        if code in _AUTH_CODES or status == 403:
+            return RemoteError(f"{what}: {where} refused the credentials ({code or status}): check "
+                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if code == "InvalidRange" or status == 416:
+            return RemoteError(f"{what}: byte range outside the stored object (shorter than registered?)")
+        if status is not None and status >= 500:
+            return TransferError(f"{what}: {where} failed with {code or status} after retries: {msg}")
+        return RemoteError(f"{what}: {where} refused the request: {code or status}: {msg}")
+    if isinstance(exc, (bx.ReadTimeoutError, socket.timeout, TimeoutError)):
+        return TransferTimeout(f"{what}: no answer from {where} in time ({exc})")
+    if isinstance(exc, bx.NoCredentialsError):
+        return RemoteError(f"{what}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectTimeoutError,
+                        bx.ResponseStreamingError, bx.HTTPClientError, http.client.HTTPException,
+                        ConnectionError, OSError)):
+        return PeerDisconnected(f"{what}: object store at {where} unreachable or dropped the connection: {exc}")
+    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _view(addr: int, n: int) -> memoryview:
+    """A writable byte view of ``n`` bytes of process memory at ``addr`` (no copy)."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+
+class _MemReader(io.RawIOBase):
+    """A seekable file over process memory whose ``read`` returns views, not copies.
+
+    botocore takes request bodies as bytes or files; this lets the HTTP layer ``sendall``
+    slices of the registered memory directly, and rewind it for a retry.
+    """
+
+    def __init__(self, addr: int, n: int) -> None:
+        super().__init__()
+        self._mv = _view(addr, n)
+        self._n = n
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._n)[whence]
+        self._pos = max(0, min(self._n, base + off))
+        return self._pos
+
+    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+        end = self._n if size is None or size < 0 else min(self._n, self._pos + max(size, _SEND_CHUNK))
+        out = self._mv[self._pos:end]
+        self._pos = end
+        return out
+
+    def readinto(self, b: Any) -> int:  # pragma: no cover - the HTTP layer uses read()
+        k = min(len(b), self._n - self._pos)
+        b[:k] = self._mv[self._pos:self._pos + k]
+        self._pos += k
+        return k
+
+
+# ---------------------------------------------------------------------------------------------
+class _S3Request(Request):
+    """A transfer: completes when its last unit finishes; the first error wins."""
+
+    __slots__ = ("nbytes", "_left", "_lock", "_ev", "_err", "stop", "_user_cancel", "_on_done")
+
+    def __init__(self, nbytes: int, units: int, on_done: Any) -> None:
+        self.nbytes = nbytes
+        self._left = units
+        self._lock = threading.Lock()
+        self._ev = threading.Event()
+        self._err: BaseException | None = None
+        self.stop = False  # queued units skip themselves (cancel, or an earlier unit failed)
+        self._user_cancel = False
+        self._on_done = on_done
+
+    def unit_done(self, err: BaseException | None) -> None:
+        with self._lock:
+            if err is not None and self._err is None:
+                self._err = err
+                self.stop = True
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            if self._err is None and not self._user_cancel and self._on_done is not None:
+                try:
+                    self._on_done()
+                except Exception:  # pragma: no cover - delivery never raises in practice
+                    log.exception("delivering a notification")
+            self._ev.set()
+
+    def test(self) -> bool:
+        if not self._ev.is_set():
+            return False
+        if self._err is not None:
+            raise self._err
+        if self._user_cancel:
+            raise TransferError("transfer was cancelled")
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        if not self._ev.wait(timeout):
+            return False
+        return self.test()
+
+    def cancel(self) -> bool:
+        self._user_cancel = True
+        self.stop = True
+        return not self._ev.is_set()
+
+
+class _Multipart:
+    """State of one multipart upload shared by its part units."""
+
+    __slots__ = ("bucket", "key", "upload_id", "parts", "left", "lock", "err", "lslot", "rslot")
+
+    def __init__(self, bucket: str, key: str, nparts: int, lslot: int, rslot: int) -> None:
+        self.bucket = bucket
+        self.key = key
+        self.upload_id = ""
+        self.parts: list[dict[str, Any] | None] = [None] * nparts
+        self.left = nparts
+        self.lock = threading.Lock()
+        self.err: BaseException | None = None
+        self.lslot = lslot
+        self.rslot = rslot
+
+
+@dataclass(slots=True)
+class _ObjPrep:
+    """Per prepared OBJECT list: which descriptors cover their whole object."""
+
+    whole: np.ndarray
+
+
+# unit kinds
+_PUT, _MPU, _PART, _GET = 0, 1, 2, 3
+
+
+class S3Backend(Backend):
+    """HOST memory <-> OBJECT registrations through boto3; see the module docstring."""
+
+    name = "s3"
+    kinds = frozenset({MemoryKind.HOST, MemoryKind.OBJECT})
+    remote = False
+    local = True
+    notifications = False
+
+    #: one boto3 client per worker thread (True) or one shared client with a pool (False).
+    per_thread_clients: bool = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.settings = settings_from_env(float(ctx.config.peer_timeout))
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._live: dict[int, int] = {}  # slot -> gen of every region registered with us
+        self._objs: dict[int, tuple[str, str, int]] = {}  # slot -> (bucket, key, nbytes)
+        self._busy: Counter[int] = Counter()  # slot -> units touching it right now
+        self._buckets: set[str] = set()  # buckets known to exist
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._client: Any = None
+        self._tls = threading.local()
+        self._closed = False
+
+    # ---- capability ------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("boto3") is None or importlib.util.find_spec("botocore") is None:
+            return "boto3 not importable: pip install kvx[s3]"
+        return None
+
+    def serves(self, local: MemoryKind, remote: MemoryKind, loopback: bool) -> bool:
+        return loopback and local == MemoryKind.HOST and remote == MemoryKind.OBJECT
+
+    # ---- clients and workers ---------------------------------------------------------------
+    def client(self) -> Any:
+        """The boto3 client of the calling thread (created on first use)."""
+        if self.per_thread_clients:
+            c = getattr(self._tls, "client", None)
+            if c is None:
+                with self._lock:  # boto3 session/client creation is not thread-safe
+                    c = make_client(self.settings, 2)
+                self._tls.client = c
+            return c
+        c = self._client
+        if c is None:
+            with self._lock:
+                if self._client is None:
+                    try:
+                        self._client = make_client(self.settings, self.settings.threads + 4)
+                    except ImportError as exc:
+                        raise RegistrationError("boto3 not importable: pip install kvx[s3]") from exc
+                c = self._client
+        return c
+
+    def _start_workers(self) -> None:
+        with self._lock:
+            if self._workers or self._closed:
+                return
+            for i in range(self.settings.threads):
+                t = threading.Thread(target=self._worker, name=f"kvx-s3-{self.ctx.agent_name}-{i}", daemon=True)
+                t.start()
+                self._workers.append(t)
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if isinstance(region, Region):
+            if region.kind != MemoryKind.HOST:
+                raise RegistrationError("s3 backend registers HOST memory and OBJECT regions only")
+        elif getattr(region, "kind", None) == MemoryKind.OBJECT:
+            self._ensure_bucket(region.bucket)
+            with self._lock:
+                self._objs[slot] = (region.bucket, region.key, int(region.nbytes))
+        else:
+            raise RegistrationError("s3 backend registers HOST memory and OBJECT regions only")
+        with self._lock:
+            self._live[slot] = gen
+        return slot
+
+    def _ensure_bucket(self, bucket: str) -> None:
+        """HeadBucket, and CreateBucket when missing (once per bucket per backend)."""
+        if bucket in self._buckets:
+            return
+        from botocore import exceptions as bx
+
+        c = self.client()
+        what = f"bucket {bucket!r}"
+        try:
+            try:
+                c.head_bucket(Bucket=bucket)
+            except bx.ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+                log.info("creating bucket %s at %s", bucket, self.settings.endpoint or "AWS")
+                kw: dict[str, Any] = {}
+                if self.settings.region != "us-east-1" and not self.settings.endpoint:
+                    kw["CreateBucketConfiguration"] = {"LocationConstraint": self.settings.region}
+                try:
+                    c.create_bucket(Bucket=bucket, **kw)
+                except bx.ClientError as exc2:
+                    if exc2.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                        raise
+        except bx.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _AUTH_CODES or status == 403:
+                raise AuthError(f"{what}: {self.settings.endpoint or 'AWS S3'} refused the credentials "
+                                f"({code or status}): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY") from exc
+            raise RegistrationError(f"{what}: cannot check or create it: {translate(exc, what, self.settings.endpoint)}"
+                                    ) from exc
+        except bx.NoCredentialsError as exc:
+            raise AuthError(f"{what}: no S3 credentials found: set AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY") from exc
+        except (bx.BotoCoreError, OSError) as exc:
+            raise RegistrationError(f"{what}: {translate(exc, what, self.settings.endpoint)}") from exc
+        self._buckets.add(bucket)
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        slot = int(handle)
+        bound = self.settings.read_timeout * self.settings.max_attempts + 5.0
+        with self._cv:
+            self._live.pop(slot, None)
+            self._objs.pop(slot, None)
+            # units that touch this slot stop at their next chunk; wait for them to let go
+            if not self._cv.wait_for(lambda: self._busy[slot] == 0, bound):
+                log.error("s3: units still touching released slot %d after %.1f s", slot, bound)
+            self._busy.pop(slot, None)
+
+    def prepare(self, plist: "PreparedList") -> Any:
+        if plist.kind != MemoryKind.OBJECT:
+            return None
+        slots = np.asarray(plist.slots, dtype=np.int64)
+        with self._lock:
+            sizes = np.array([self._objs.get(int(s), ("", "", -1))[2] for s in np.unique(slots)], dtype=np.int64)
+            uniq = np.unique(slots)
+        size = sizes[np.searchsorted(uniq, slots)]
+        d = plist.descs
+        whole = (d.addr == 0) & (d.nbytes.astype(np.int64) == size)
+        return _ObjPrep(whole=whole)
+
+    # ---- transfers -------------------------------------------------------------------------
+    def post(self, op: Op, local: "PreparedList", lidx: Any, remote: "PreparedList", ridx: Any,
+             notify: bytes | None) -> Request:
+        if self._closed:
+            raise UsageError("s3 backend is closed")
+        li = _index(lidx, len(local))
+        ri = _index(ridx, len(remote))
+        if li.shape != ri.shape:
+            raise ValueError(f"{li.shape[0]} local vs {ri.shape[0]} remote indices")
+        ld, rd = local.descs, remote.descs
+        n = ld.nbytes[li]
+        if not np.array_equal(n, rd.nbytes[ri]):
+            bad = int(np.argmax(n != rd.nbytes[ri]))
+            raise ValueError(f"pair {bad}: local descriptor of {int(n[bad])} bytes vs object range of "
+                             f"{int(rd.nbytes[ri][bad])} bytes")
+        if op is Op.WRITE:
+            prep = remote.bdata.get(self.name)
+            whole = prep.whole[ri] if isinstance(prep, _ObjPrep) else np.zeros(len(ri), bool)
+            if not whole.all():
+                bad = int(np.argmin(whole))
+                raise UsageError(f"object writes are whole-object: descriptor {int(ri[bad])} covers bytes "
+                                 f"{int(rd.addr[ri[bad]])}+{int(rd.nbytes[ri[bad]])}, not the whole object")
+        total = int(n.sum())
+        if len(li) == 0:
+            return DoneRequest(0)
+        on_done = None
+        if notify is not None:
+            name = self.ctx.agent_name
+            on_done = lambda: self.ctx.deliver(name, notify)  # noqa: E731
+        addr = ld.addr[li].tolist()
+        nb = n.tolist()
+        off = rd.addr[ri].tolist()
+        lslot = np.asarray(local.slots, dtype=np.int64)[li].tolist()
+        rslot = np.asarray(remote.slots, dtype=np.int64)[ri].tolist()
+        units: list[tuple[Any, ...]] = []
+        big = MULTIPART_THRESHOLD
+        for a, k, o, ls, rs in zip(addr, nb, off, lslot, rslot):
+            if op is Op.WRITE:
+                units.append((_MPU if k > big else _PUT, a, k, o, ls, rs))
+            elif k > big:
+                for p in range(0, k, PART_BYTES):
+                    units.append((_GET, a + p, min(PART_BYTES, k - p), o + p, ls, rs))
+            else:
+                units.append((_GET, a, k, o, ls, rs))
+        req = _S3Request(total, len(units), on_done)
+        self._start_workers()
+        put = self._q.put
+        for u in units:
+            put((req, u))
+        return req
+
+    # ---- workers ---------------------------------------------------------------------------
+    def _worker(self) -> None:
+        q = self._q
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            req, u = item
+            if req.stop or self._closed:
+                if u[0] == _PART:
+                    self._part_done(req, u[6], u[7], TransferError("transfer cancelled"))
+                else:
+                    req.unit_done(TransferError("transfer cancelled") if not self._closed
+                                  else TransferError("s3 backend closed"))
+                continue
+            kind = u[0]
+            if kind == _PART:
+                mp = u[6]
+                err = self._guarded(req, u, mp.lslot, mp.rslot)
+                self._part_done(req, mp, u[7], err)
+            else:
+                err = self._guarded(req, u, u[4], u[5])
+                if kind != _MPU or err is not None:
+                    req.unit_done(err)
+
+    def _guarded(self, req: _S3Request, u: tuple[Any, ...], lslot: int, rslot: int) -> BaseException | None:
+        """Run one unit with both slots pinned live; return its error (None when it worked)."""
+        with self._lock:
+            if lslot not in self._live or rslot not in self._live:
+                return RemoteError("a registration of this transfer was released")
+            bucket, key, _size = self._objs[rslot]
+            self._busy[lslot] += 1
+            self._busy[rslot] += 1
+        what = f"s3://{bucket}/{key}"
+        try:
+            kind = u[0]
+            if kind == _GET:
+                self._get(req, bucket, key, u[1], u[2], u[3], u[2] != _size or u[3] != 0, (lslot, rslot))
+            elif kind == _PUT:
+                self.client().put_object(Bucket=bucket, Key=key, Body=_MemReader(u[1], u[2]))
+            elif kind == _MPU:
+                self._start_multipart(req, bucket, key, u)
+            else:  # _PART
+                mp, pno = u[6], u[7]
+                r = self.client().upload_part(Bucket=bucket, Key=key, UploadId=mp.upload_id, PartNumber=pno + 1,
+                                              Body=_MemReader(u[1], u[2]))
+                mp.parts[pno] = {"PartNumber": pno + 1, "ETag": r["ETag"]}
+            return None
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes the unit's error
+            err = translate(exc, what, self.settings.endpoint)
+            if err is not exc:
+                err.__cause__ = exc
+            log.debug("s3 unit on %s failed: %s", what, err)
+            return err
+        finally:
+            with self._cv:
+                self._busy[lslot] -= 1
+                self._busy[rslot] -= 1
+                self._cv.notify_all()
+
+    def _get(self, req: _S3Request, bucket: str, key: str, addr: int, n: int, off: int, ranged: bool,
+             slots: tuple[int, int]) -> None:
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if ranged:
+            kw["Range"] = f"bytes={off}-{off + n - 1}"
+        resp = self.client().get_object(**kw)
+        body = resp["Body"]
+        raw = getattr(body, "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)
+        ok = False
+        try:
+            clen = int(resp.get("ContentLength", -1))
+            if clen != n:
+                raise RemoteError(f"s3://{bucket}/{key}: the store returned {clen} bytes where {n} were expected "
+                                  "(object size differs from the registration)")
+            mv = _view(addr, n)
+            # stream straight into the destination: http.client's readinto fills our view
+            readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else body.readinto
+            got = 0
+            live = self._live
+            while got < n:
+                if req.stop or slots[0] not in live or slots[1] not in live:
+                    raise TransferError("transfer cancelled or registration released while reading")
+                k = readinto(mv[got:min(n, got + _READ_CHUNK)])
+                if not k:
+                    raise PeerDisconnected(f"s3://{bucket}/{key}: connection closed after {got} of {n} bytes")
+                got += k
+            ok = True
+        finally:
+            if ok and raw is not None and hasattr(raw, "release_conn"):
+                raw.release_conn()  # body fully read: the connection goes back to the pool
+            else:
+                body.close()  # drop the connection: its stream is in an unknown state
+
+    def _start_multipart(self, req: _S3Request, bucket: str, key: str, u: tuple[Any, ...]) -> None:
+        _k, a, n, _o, ls, rs = u
+        nparts = -(-n // PART_BYTES)
+        mp = _Multipart(bucket, key, nparts, ls, rs)
+        r = self.client().create_multipart_upload(Bucket=bucket, Key=key)
+        mp.upload_id = r["UploadId"]
+        for p in range(nparts):
+            o = p * PART_BYTES
+            self._q.put((req, (_PART, a + o, min(PART_BYTES, n - o), o, ls, rs, mp, p)))
+
+    def _part_done(self, req: _S3Request, mp: _Multipart, pno: int, err: BaseException | None) -> None:
+        with mp.lock:
+            if err is not None and mp.err is None:
+                mp.err = err
+            mp.left -= 1
+            last = mp.left == 0
+        if err is not None:
+            req.stop = True  # the remaining parts of a failing upload skip themselves
+        if not last:
+            return
+        c = None
+        try:
+            c = self.client()
+            if mp.err is None:
+                c.complete_multipart_upload(Bucket=mp.bucket, Key=mp.key, UploadId=mp.upload_id,
+                                            MultipartUpload={"Parts": mp.parts})
+                req.unit_done(None)
+                return
+        except BaseException as exc:  # noqa: BLE001
+            mp.err = translate(exc, f"s3://{mp.bucket}/{mp.key}", self.settings.endpoint)
+            mp.err.__cause__ = exc
+        try:
+            if c is not None:
+                c.abort_multipart_upload(Bucket=mp.bucket, Key=mp.key, UploadId=mp.upload_id)
+        except Exception:  # the server may be gone; its lifecycle rules clean up the parts
+            log.warning("s3: could not abort multipart upload of s3://%s/%s", mp.bucket, mp.key, exc_info=True)
+        req.unit_done(mp.err)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers, self._workers = self._workers, []
+        for _ in workers:
+            self._q.put(None)
+        for t in workers:
+            t.join(self.settings.read_timeout + 5.0)
+        # anything still queued (behind the sentinels) fails
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                req, u = item
+                if u[0] == _PART:
+                    self._part_done(req, u[6], u[7], TransferError("s3 backend closed"))
+                else:
+                    req.unit_done(TransferError("s3 backend closed"))
+
+
+def _index(idx: Any, n: int) -> np.ndarray:
+    """Indices as an int64 array, bounds-checked (no negative wrap-around)."""
+    a = np.atleast_1d(np.asarray(idx))
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, not {a.dtype}")
+    a = a.astype(np.int64, copy=False).reshape(-1)
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+        raise IndexError(f"index out of range for a list of {n}")
+    return a

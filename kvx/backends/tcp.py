@@ -1,0 +1,986 @@
+"""``tcp``: host memory between agents on any nodes, over TCP.
+
+Design (see ``docs/networking.md``):
+
+- **Listener.** Each agent listens on ``AgentConfig.listen`` (default ``127.0.0.1`` port 0,
+  reachable from this machine only); its metadata section lists the addresses peers should
+  dial. A wildcard bind (``0.0.0.0``/``::``) advertises the host's resolved addresses first
+  and loopback last.
+- **Connections.** A peer is reached through a small pool of streams (``STREAMS``, default
+  2); a transfer is cut into chunks of about ``CHUNK`` bytes (many descriptors each) that the
+  streams' sender threads take from one per-peer queue, pipelined without waiting for replies,
+  so one large transfer keeps every stream busy.
+- **Data path.** One frame per chunk: an 8-byte header, a msgpack body carrying the target's
+  descriptors as raw uint64 bytes, then the payload. ``kvx._net`` sends it with ``sendmsg``
+  over one iovec per (coalesced) registered descriptor and the target receives it with
+  ``recvmsg`` straight into its registered memory: the kernel gathers and scatters, so a
+  transfer costs the copies of a raw TCP stream. Reads are the mirror image.
+- **Target-side validation.** The target checks every descriptor of every request against its
+  live registrations (``ctx.validate_local``) and re-checks and *pins* the regions under its
+  own lock before it touches memory; ``deregister`` unpins-waits (bounded, then cuts the
+  connections still holding the region), so a release racing a transfer fails cleanly with
+  :class:`~kvx.errors.RemoteError` and nothing is written after release returns. A refused
+  write's payload is drained into a scratch buffer, never into registered memory.
+- **Authentication.** Every connection starts with the HMAC challenge of :mod:`kvx.auth`;
+  before it completes, frames are limited to 64 KiB and the whole handshake must finish within
+  ``handshake_timeout`` (slow-loris bound); at most ``MAX_HANDSHAKES`` run at once.
+- **Failure bounds.** All socket I/O is nonblocking with ``poll``: no progress for
+  ``peer_timeout`` seconds fails the peer; TCP keepalive and ``TCP_USER_TIMEOUT`` detect a dead
+  or cut-off peer on idle connections; pending transfers turn FAILED with
+  :class:`~kvx.errors.PeerDisconnected`.
+- **Notifications** travel on the same streams, sent after every chunk of their transfer was
+  acknowledged by the target, i.e. after the data landed.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import auth, wire
+from ..agent import MAX_SLOTS, PreparedList
+from ..errors import (
+    AuthError,
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+)
+from ..memory import MemoryKind, Region
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+
+__all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake", "server_handshake",
+           "send_frame", "recv_frame", "tune_socket"]
+
+log = logging.getLogger(__name__)
+
+#: Streams (TCP connections) per peer.
+STREAMS = 2
+#: Target bytes per chunk (one request frame); larger descriptors are split.
+CHUNK = 4 << 20
+#: Most descriptors per chunk (bounds the request frame).
+MAX_DESCS = 1 << 16
+#: Concurrent unauthenticated connections a listener accepts.
+MAX_HANDSHAKES = 32
+#: Largest frame before authentication.
+PREAUTH_MAX = 64 << 10
+
+_K_MSG = 1
+_U64 = np.uint64
+
+try:
+    from .. import _net
+except ImportError:  # pragma: no cover - build problem
+    _net = None  # type: ignore[assignment]
+
+
+# ---- frames and handshakes (shared with kvx.discovery) ---------------------------------------
+def send_frame(sock: socket.socket, body: bytes) -> None:
+    """Send one msgpack frame on a blocking (or timeout-mode) socket."""
+    sock.sendall(wire.frame_header(_K_MSG, len(body)) + body)
+
+
+def _recv_exact_deadline(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout("handshake deadline passed")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            raise TransferTimeout("handshake deadline passed") from None
+        if k == 0:
+            raise PeerDisconnected("connection closed during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, deadline: float, max_bytes: int) -> dict[str, Any]:
+    """Read one frame before ``deadline`` (monotonic), at most ``max_bytes``; raise ProtocolError."""
+    hdr = _recv_exact_deadline(sock, wire.HEADER, deadline)
+    kind, n = wire.parse_frame_header(hdr, max_bytes)
+    if kind != _K_MSG:
+        raise ProtocolError("expected a message frame")
+    return wire.unpack(_recv_exact_deadline(sock, n, deadline), max_bytes=max_bytes)
+
+
+def server_handshake(sock: socket.socket, token: str | None, my_id: str, my_name: str,
+                     timeout: float) -> dict[str, Any]:
+    """Run the listener's side of the HMAC handshake; return the client's hello.
+
+    Raises
+    ------
+    AuthError, ProtocolError, TransferTimeout, PeerDisconnected, OSError
+        If the client fails to prove the token, speaks garbage, or is too slow.
+    """
+    deadline = time.monotonic() + timeout
+    nonce = auth.new_nonce()
+    sock.settimeout(timeout)
+    send_frame(sock, wire.pack("challenge", nonce=nonce, id=my_id))
+    msg = recv_frame(sock, deadline, PREAUTH_MAX)
+    wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes, "svc": str})
+    try:
+        auth.verify(token, nonce, msg["id"], my_id, msg["mac"])
+    except AuthError:
+        try:
+            send_frame(sock, wire.pack("denied", msg="authentication failed"))
+        except OSError:
+            pass
+        raise
+    return msg
+
+
+def client_handshake(sock: socket.socket, token: str | None, my_id: str, my_name: str, svc: str,
+                     timeout: float, expect_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Run the connecting side of the handshake; return the server's first reply after hello.
+
+    Raises
+    ------
+    AuthError
+        If the server refused our proof (or closed the connection during the handshake).
+    ProtocolError
+        If it answered with something else than the protocol.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        ch = recv_frame(sock, deadline, PREAUTH_MAX)
+        wire.check(ch, "challenge", {"nonce": bytes, "id": str})
+        if expect_id is not None and ch["id"] != expect_id:
+            raise ProtocolError("the listener answered with another agent id (stale metadata?)")
+        mac = auth.prove(token, ch["nonce"], my_id, ch["id"])
+        send_frame(sock, wire.pack("hello", name=my_name, id=my_id, mac=mac, svc=svc, **extra))
+        rep = recv_frame(sock, deadline, 1 << 30)
+    except PeerDisconnected as exc:
+        raise AuthError("the listener closed the handshake (wrong KVX_AUTH_TOKEN?)") from exc
+    if rep.get("t") == "denied":
+        raise AuthError(f"the listener refused us: {rep.get('msg', 'authentication failed')} "
+                        "(wrong or missing KVX_AUTH_TOKEN)")
+    return rep
+
+
+def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
+    """TCP_NODELAY, keepalive with short intervals and TCP_USER_TIMEOUT from ``peer_timeout``."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        idle = max(1, int(peer_timeout / 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(peer_timeout) - idle))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(peer_timeout * 1000)))
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        log.debug("cannot tune a tcp socket", exc_info=True)
+
+
+def _open_listener(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    fam, st, proto, _c, addr = infos[0]
+    s = socket.socket(fam, st | socket.SOCK_CLOEXEC, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(128)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def advertised(sock: socket.socket) -> list[tuple[str, int]]:
+    """Addresses peers should dial to reach the listening ``sock`` (best first)."""
+    host, port = sock.getsockname()[:2]
+    ip = ipaddress.ip_address(host)
+    if not ip.is_unspecified:
+        return [(host, port)]
+    out: list[tuple[str, int]] = []
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+            a = str(info[4][0])
+            if not ipaddress.ip_address(a).is_loopback and (a, port) not in out:
+                out.append((a, port))
+    except OSError:
+        pass
+    out.append(("::1" if ip.version == 6 else "127.0.0.1", port))
+    return out
+
+
+def _coalesce(addr: np.ndarray, nb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge runs of contiguous descriptors (fewer iovecs); vectorized."""
+    n = addr.shape[0]
+    if n <= 1:
+        return addr, nb
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(addr[1:], addr[:-1] + nb[:-1], out=brk[1:])
+    if brk.all():
+        return addr, nb
+    starts = np.flatnonzero(brk)
+    return addr[starts], np.add.reduceat(nb, starts).astype(_U64)
+
+
+def _split_large(laddr: np.ndarray, raddr: np.ndarray, nb: np.ndarray, piece: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut descriptors longer than ``piece`` into pieces (same positions on both sides)."""
+    big = nb > piece
+    if not big.any():
+        return laddr, raddr, nb
+    cnt = ((nb + _U64(piece - 1)) // _U64(piece)).astype(np.int64)
+    rep = np.repeat(np.arange(nb.shape[0]), cnt)
+    first = np.cumsum(cnt) - cnt
+    k = (np.arange(rep.shape[0]) - np.repeat(first, cnt)).astype(_U64)
+    off = k * _U64(piece)
+    ln = np.minimum(_U64(piece), nb[rep] - off)
+    return laddr[rep] + off, raddr[rep] + off, ln
+
+
+# ---- initiator side --------------------------------------------------------------------------
+class _TcpRequest(Request):
+    """A transfer in flight: done when every chunk is acknowledged."""
+
+    def __init__(self, nbytes: int, nchunks: int, conn: "_PeerConn", notify: bytes | None) -> None:
+        self.nbytes = nbytes
+        self._left = nchunks
+        self._lock = threading.Lock()
+        self._ev = threading.Event()
+        self._err: BaseException | None = None
+        self._conn = conn
+        self._notify = notify
+        self.cancelled = False
+
+    @property
+    def failed(self) -> bool:
+        return self._err is not None
+
+    def chunk_done(self, err: BaseException | None = None) -> None:
+        with self._lock:
+            if self._ev.is_set():
+                return
+            if err is not None:
+                self._err = err
+                self._ev.set()
+                return
+            self._left -= 1
+            if self._left > 0:
+                return
+        if self._notify is not None:
+            self._conn.enqueue_notif(self._notify)
+        self._ev.set()
+
+    def test(self) -> bool:
+        if not self._ev.is_set():
+            return False
+        if self._err is not None:
+            raise self._err
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        if not self._ev.wait(timeout):
+            return False
+        return self.test()
+
+    def cancel(self) -> bool:
+        """Chunks not yet sent are dropped; chunks on the wire still land."""
+        self.cancelled = True
+        self.chunk_done(TransferError("transfer cancelled"))
+        return True
+
+
+@dataclass(slots=True)
+class _Chunk:
+    op: Op
+    req: _TcpRequest
+    laddr: np.ndarray  # local addresses (coalesced where contiguous)
+    lnb: np.ndarray
+    raddr: bytes  # target descriptors, raw uint64
+    rnb: bytes
+    nbytes: int
+    rid: int = 0
+
+
+class _Stream:
+    """One TCP connection to a peer, with a sender and a reader thread."""
+
+    def __init__(self, conn: "_PeerConn", sock: socket.socket, idx: int) -> None:
+        self.conn = conn
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.idx = idx
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, Any] = {}  # rid -> _Chunk | control slot
+        self.plock = threading.Lock()
+        self.last = time.monotonic()
+        self._exits = 0
+        self._xlock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._sender, name=f"kvx-tcp-send-{conn.name}-{idx}", daemon=True),
+            threading.Thread(target=self._reader, name=f"kvx-tcp-recv-{conn.name}-{idx}", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _exit(self) -> None:
+        with self._xlock:
+            self._exits += 1
+            last = self._exits == len(self.threads)
+        if last:  # both threads left native I/O: the fd can go
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def add_pending(self, rid: int, item: Any) -> None:
+        with self.plock:
+            if not self.pending:
+                self.last = time.monotonic()
+            self.pending[rid] = item
+
+    def send_chunk(self, ch: _Chunk) -> None:
+        """Send one chunk (caller holds ``send_lock``); raises OSError."""
+        conn = self.conn
+        ch.rid = conn.next_rid()
+        t = "w" if ch.op is Op.WRITE else "r"
+        body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb)
+        head = wire.frame_header(_K_MSG, len(body)) + body
+        self.add_pending(ch.rid, ch)
+        if ch.op is Op.WRITE:
+            _net.sendv(self.fd, head, ch.laddr, ch.lnb, conn.timeout)
+        else:
+            _net.sendv(self.fd, head, None, None, conn.timeout)
+        self.last = time.monotonic()
+
+    def _sender(self) -> None:
+        conn = self.conn
+        try:
+            while True:
+                item = conn.take()
+                if item is None:
+                    return
+                try:
+                    with self.send_lock:
+                        if isinstance(item, _Chunk):
+                            if item.req.failed:
+                                continue
+                            self.send_chunk(item)
+                        else:  # a control frame: (body, rid, slot) or notification bytes
+                            body, rid, slot = item
+                            if rid:
+                                self.add_pending(rid, slot)
+                            _net.sendv(self.fd, wire.frame_header(_K_MSG, len(body)) + body, None, None,
+                                       conn.timeout)
+                except OSError as exc:
+                    if isinstance(item, _Chunk):
+                        item.req.chunk_done(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
+                    conn.fail(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
+                    return
+        finally:
+            self._exit()
+
+    def _reader(self) -> None:
+        conn = self.conn
+        hdr = bytearray(wire.HEADER)
+        idle = min(0.5, conn.timeout / 4)
+        try:
+            while not conn.dead:
+                n = _net.recv_into(self.fd, hdr, conn.timeout, idle)
+                if n < 0:
+                    with self.plock:
+                        stalled = bool(self.pending) and time.monotonic() - self.last > conn.timeout
+                    if stalled:
+                        raise TransferTimeout(f"peer {conn.name!r} made no progress for {conn.timeout:.1f} s")
+                    continue
+                if n == 0:
+                    raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
+                kind, ln = wire.parse_frame_header(bytes(hdr), conn.max_msg)
+                if kind != _K_MSG:
+                    raise ProtocolError("expected a message frame")
+                body = bytearray(ln)
+                if ln and _net.recv_into(self.fd, body, conn.timeout, 0.0) != ln:
+                    raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
+                msg = wire.unpack(body, max_bytes=conn.max_msg)
+                self.last = time.monotonic()
+                self._handle(msg)
+        except (KVXError, OSError) as exc:
+            if not conn.dead:
+                err = exc if isinstance(exc, TransferError) else PeerDisconnected(
+                    f"peer {conn.name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
+                if isinstance(exc, ProtocolError):
+                    log.warning("dropping the connection to %s: %s", conn.name, exc)
+                conn.fail(err)
+        finally:
+            self._exit()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == "notif":
+            wire.check(msg, "notif", {"msg": bytes})
+            self.conn.backend.ctx.deliver(self.conn.name, msg["msg"])
+            return
+        rid = msg.get("re")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise ProtocolError(f"unexpected {t!r} frame from the target")
+        with self.plock:
+            item = self.pending.pop(rid, None)
+        if t == "rd":
+            wire.check(msg, "rd", {"n": int})
+            if isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed:
+                _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout)
+                item.req.chunk_done()
+            else:
+                _net.discard(self.fd, msg["n"], self.conn.timeout)
+                if isinstance(item, _Chunk):
+                    item.req.chunk_done(ProtocolError("read reply of the wrong size"))
+            return
+        if item is None:
+            return  # a cancelled request's reply
+        if isinstance(item, _Chunk):
+            if t == "ok":
+                item.req.chunk_done()
+            elif t == "err":
+                item.req.chunk_done(RemoteError(f"{self.conn.name}: {msg.get('msg', 'refused')}"))
+            else:
+                raise ProtocolError(f"unexpected reply {t!r}")
+        else:  # control request slot: [event, result]
+            item[1] = msg
+            item[0].set()
+
+
+class _PeerConn:
+    """The streams to one peer and their shared chunk queue."""
+
+    def __init__(self, backend: "TcpBackend", name: str) -> None:
+        self.backend = backend
+        self.name = name
+        self.timeout = float(backend.cfg.peer_timeout)
+        self.max_msg = backend.max_msg
+        self.streams: list[_Stream] = []
+        self.dead = False
+        self.error: BaseException | None = None
+        self._q: collections.deque[Any] = collections.deque()
+        self._cv = threading.Condition()
+        self._rid = 0
+        self._rlock = threading.Lock()
+
+    def next_rid(self) -> int:
+        with self._rlock:
+            self._rid += 1
+            return self._rid
+
+    def put(self, items: list[Any], front: bool = False) -> None:
+        with self._cv:
+            if self.dead:
+                raise PeerDisconnected(f"peer {self.name!r} is disconnected: {self.error}")
+            if front:
+                self._q.extendleft(reversed(items))
+            else:
+                self._q.extend(items)
+            self._cv.notify(len(items))
+
+    def enqueue_notif(self, message: bytes) -> None:
+        try:
+            self.put([(wire.pack("notif", msg=message), 0, None)], front=True)
+        except PeerDisconnected:
+            log.warning("notification to %s lost: the peer is disconnected", self.name)
+
+    def take(self) -> Any:
+        with self._cv:
+            while not self._q and not self.dead:
+                self._cv.wait()
+            if self.dead:
+                return None
+            return self._q.popleft()
+
+    def control(self, t: str, timeout: float, **fields: Any) -> dict[str, Any]:
+        """A request/reply on the streams (e.g. the region table)."""
+        rid = self.next_rid()
+        slot: list[Any] = [threading.Event(), None]
+        self.put([(wire.pack(t, rid=rid, **fields), rid, slot)], front=True)
+        if not slot[0].wait(timeout):
+            raise TransferTimeout(f"no reply from {self.name!r} to {t!r} within {timeout:.1f} s")
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        if slot[1].get("t") == "err":
+            raise RemoteError(f"{self.name}: {slot[1].get('msg')}")
+        return slot[1]  # type: ignore[no-any-return]
+
+    def fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self.dead:
+                return
+            self.dead = True
+            self.error = err
+            queued = list(self._q)
+            self._q.clear()
+            self._cv.notify_all()
+        log.info("tcp peer %s failed: %s", self.name, err)
+        for s in self.streams:
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        items = queued
+        for s in self.streams:
+            with s.plock:
+                items += list(s.pending.values())
+                s.pending.clear()
+        e = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
+        for it in items:
+            if isinstance(it, _Chunk):
+                it.req.chunk_done(e)
+            elif isinstance(it, list):
+                it[1] = e
+                it[0].set()
+            elif isinstance(it, tuple) and it[2] is not None:
+                it[2][1] = e
+                it[2][0].set()
+
+    def close(self) -> None:
+        self.fail(PeerDisconnected(f"peer {self.name!r} was disconnected locally"))
+        me = threading.current_thread()
+        for s in self.streams:
+            for t in s.threads:
+                if t is not me and t.ident is not None:
+                    t.join(timeout=5.0)
+
+
+@dataclass(slots=True)
+class _Prep:
+    addr: np.ndarray
+    nbytes: np.ndarray
+
+
+# ---- the backend -----------------------------------------------------------------------------
+class TcpBackend(Backend):
+    """Host memory to and from agents on any node over TCP; see the module docstring."""
+
+    name = "tcp"
+    kinds = frozenset({MemoryKind.HOST})
+    remote = True
+    local = False
+    notifications = True
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.cfg = ctx.config
+        self.max_msg = int(_max_message())
+        self.timeout = float(self.cfg.peer_timeout)
+        self.inline = int(self.cfg.inline_bytes)
+        self._lock = threading.RLock()
+        self._closed = False
+        # registrations as the target sees them, and pins held by serving threads
+        self._cv = threading.Condition()
+        self._lo = np.zeros(MAX_SLOTS, dtype=_U64)
+        self._hi = np.zeros(MAX_SLOTS, dtype=_U64)
+        self._live = np.zeros(MAX_SLOTS, dtype=bool)
+        self._pins = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._peers: dict[str, _PeerConn] = {}
+        self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
+        self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
+        self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
+        host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
+        self._lsock = _open_listener(host, int(port))
+        self.address: tuple[str, int] = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
+        self._addrs = advertised(self._lsock)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-tcp-accept-{ctx.agent_name}",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if _net is None:
+            return "the native module kvx._net is not built (pip install -e . rebuilds it)"
+        return None
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if not isinstance(region, Region) or region.kind != MemoryKind.HOST:
+            raise RegistrationError("tcp backend registers HOST memory only")
+        with self._cv:
+            self._lo[slot] = region.addr
+            self._hi[slot] = region.addr + region.nbytes
+            self._live[slot] = True
+        return slot
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        slot = int(handle)
+        with self._cv:
+            if self._lo[slot] != region.addr:
+                return
+            self._live[slot] = False
+            if self._cv.wait_for(lambda: self._pins[slot] == 0, self.timeout):
+                self._lo[slot] = self._hi[slot] = 0
+                return
+            # a serving thread is stuck in I/O on this region: cut its connection to wake it
+            stuck = [s for s, _t, pinned in self._served.values() if slot in pinned]
+        for s in stuck:
+            log.error("a peer did not finish a transfer on a released region within %.1f s; disconnecting it",
+                      self.timeout)
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._pins[slot] == 0, 10.0):  # pragma: no cover
+                log.error("tcp: region slot %d still pinned after cutting its connections", slot)
+            self._lo[slot] = self._hi[slot] = 0
+
+    def _pin(self, addr: np.ndarray, nb: np.ndarray, pinned: set[int]) -> str | None:
+        """Validate target descriptors and pin their regions; return a refusal reason or None."""
+        if addr.shape[0] == 0:
+            return "empty descriptor list"
+        slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
+        bad = slots < 0
+        if bad.any():
+            i = int(np.argmax(bad))
+            return f"descriptor {i} (0x{int(addr[i]):x}+{int(nb[i])}) is outside registered memory"
+        used = np.unique(slots)
+        with self._cv:  # re-check against our own view, atomically with pinning
+            ok = (self._live[used].all() and bool(np.all(addr >= self._lo[slots]))
+                  and bool(np.all(addr + nb <= self._hi[slots])))
+            if not ok:
+                return "the region was released"
+            self._pins[used] += 1
+        pinned.update(used.tolist())
+        return None
+
+    def _unpin(self, pinned: set[int]) -> None:
+        if not pinned:
+            return
+        with self._cv:
+            self._pins[np.fromiter(pinned, dtype=np.int64)] -= 1
+            self._cv.notify_all()
+        pinned.clear()
+
+    # ---- listener / target side ------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"addrs": [[h, p] for h, p in self._addrs], "streams": STREAMS}
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                s, addr = self._lsock.accept()
+            except OSError:
+                return
+            if self._closed:
+                s.close()
+                return
+            if not self._hs.acquire(blocking=False):
+                log.warning("tcp: refused a connection from %s: too many connections in handshake", addr)
+                s.close()
+                continue
+            t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
+            with self._lock:
+                self._served[id(s)] = (s, t, set())
+            t.start()
+
+    def _serve(self, s: socket.socket, addr: Any) -> None:
+        key = id(s)
+        pinned = self._served[key][2]
+        who = f"{addr[0]}:{addr[1]}"
+        try:
+            try:
+                hello = server_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name,
+                                         float(self.cfg.handshake_timeout))
+            except (KVXError, OSError) as exc:
+                log.warning("tcp: refused a connection from %s: %s", who, exc)
+                return
+            finally:
+                self._hs.release()
+            if hello["svc"] != "data":
+                h = self.side_handler
+                if h is None:
+                    log.warning("tcp: refused %r request from %s: no side channel here", hello["svc"], who)
+                    return
+                h(s, hello)
+                return
+            name = hello["name"]
+            tune_socket(s, self.timeout)
+            send_frame(s, wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id))
+            s.setblocking(False)
+            self._serve_loop(s, name, pinned)
+        except (KVXError, OSError) as exc:
+            log.info("tcp: connection from %s ended: %s", who, exc)
+        finally:
+            self._unpin(pinned)
+            with self._lock:
+                self._served.pop(key, None)
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int]) -> None:
+        fd = s.fileno()
+        hdr = bytearray(wire.HEADER)
+        to = self.timeout
+        while not self._closed:
+            n = _net.recv_into(fd, hdr, to, 0.5)
+            if n < 0:
+                continue
+            if n == 0:
+                return
+            kind, ln = wire.parse_frame_header(bytes(hdr), self.max_msg)
+            if kind != _K_MSG:
+                raise ProtocolError("expected a message frame")
+            body = bytearray(ln)
+            if ln and _net.recv_into(fd, body, to, 0.0) != ln:
+                return
+            msg = wire.unpack(body, max_bytes=self.max_msg)
+            t = msg["t"]
+            if t in ("w", "r"):
+                wire.check(msg, t, {"rid": int, "addr": bytes, "nbytes": bytes})
+                rid = msg["rid"]
+                if len(msg["addr"]) != len(msg["nbytes"]) or len(msg["addr"]) % 8:
+                    raise ProtocolError("malformed descriptor arrays")
+                addr = np.frombuffer(msg["addr"], dtype=_U64)
+                nb = np.frombuffer(msg["nbytes"], dtype=_U64)
+                total = int(nb.sum(dtype=np.float64))
+                why = self._pin(addr, nb, pinned)
+                if t == "w":
+                    if why is None:
+                        try:
+                            a2, n2 = _coalesce(addr, nb)
+                            _net.recvv(fd, a2, n2, to)
+                        finally:
+                            self._unpin(pinned)
+                        _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
+                    else:
+                        log.warning("tcp: refused a write from %s: %s", peer, why)
+                        if total > self.max_msg:
+                            raise ProtocolError(f"refused write of {total} bytes: {why}")
+                        _net.discard(fd, total, to)
+                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
+                else:
+                    if why is None:
+                        try:
+                            a2, n2 = _coalesce(addr, nb)
+                            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=int(nb.sum()))), a2, n2, to)
+                        finally:
+                            self._unpin(pinned)
+                    else:
+                        log.warning("tcp: refused a read from %s: %s", peer, why)
+                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
+            elif t == "notif":
+                wire.check(msg, "notif", {"msg": bytes})
+                self.ctx.deliver(peer, msg["msg"])
+            elif t == "regions":
+                wire.check(msg, "regions", {"rid": int})
+                rows = [[int(MemoryKind.HOST), r.addr, r.nbytes, r.dev, slot, gen]
+                        for slot, (r, gen) in self.ctx.regions().items()
+                        if isinstance(r, Region) and r.kind == MemoryKind.HOST]
+                _net.sendv(fd, _frame(wire.pack("rows", re=msg["rid"], rows=rows)), None, None, to)
+            else:
+                rid = msg.get("rid")
+                if isinstance(rid, int):
+                    _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=f"unknown request {t!r}")), None, None, to)
+
+    # ---- peers -----------------------------------------------------------------------------
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if sec is None:
+            return False
+        addrs = sec.get("addrs") if isinstance(sec, dict) else None
+        if (not isinstance(addrs, list) or not addrs or len(addrs) > 64
+                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+                           and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
+                           for a in addrs)):
+            raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
+        conn = _PeerConn(self, peer.name)
+        socks: list[socket.socket] = []
+        try:
+            for i in range(STREAMS):
+                socks.append(self._dial(peer, addrs, i))
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        for i, s in enumerate(socks):
+            s.setblocking(False)
+            conn.streams.append(_Stream(conn, s, i))
+        with self._lock:
+            if self._closed:
+                for s in socks:
+                    s.close()
+                return False
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = conn
+        if old is not None:
+            old.close()
+        for st in conn.streams:
+            st.start()
+        return True
+
+    def _dial(self, peer: PeerInfo, addrs: list[list[Any]], idx: int) -> socket.socket:
+        last: BaseException | None = None
+        hto = float(self.cfg.handshake_timeout)
+        for host, port in addrs:
+            try:
+                s = socket.create_connection((host, port), timeout=hto)
+            except OSError as exc:
+                last = exc
+                continue
+            try:
+                tune_socket(s, self.timeout)
+                rep = client_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name, "data",
+                                       hto, expect_id=peer.agent_id)
+                wire.check(rep, "welcome", {"name": str, "id": str})
+                return s
+            except BaseException:
+                s.close()
+                raise
+        raise PeerDisconnected(f"cannot reach {peer.name!r} over tcp at "
+                               f"{', '.join(f'{h}:{p}' for h, p in addrs)}: {last}")
+
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        conn = self._peers.get(peer_name)
+        if conn is None or conn.dead:
+            return None
+        msg = conn.control("regions", float(self.cfg.handshake_timeout))
+        rows = msg.get("rows")
+        if not isinstance(rows, list):
+            raise ProtocolError("malformed region table")
+        out = []
+        for r in rows:
+            if (not isinstance(r, list) or len(r) != 6
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)
+                    or not 0 < r[4] < MAX_SLOTS):
+                raise ProtocolError("malformed region row")
+            out.append(tuple(r))
+        return out  # type: ignore[return-value]
+
+    def disconnect(self, peer_name: str) -> None:
+        with self._lock:
+            conn = self._peers.pop(peer_name, None)
+        if conn is not None:
+            conn.close()
+
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        if plist.peer is not None:
+            conn = self._peers.get(plist.peer)
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"not connected to {plist.peer!r} over tcp")
+        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64))
+
+    # ---- transfers -------------------------------------------------------------------------
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request:
+        lp: _Prep = local.bdata[self.name]
+        rp: _Prep = remote.bdata[self.name]
+        conn = self._peers.get(remote.peer)  # type: ignore[arg-type]
+        if conn is None or conn.dead:
+            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
+                                   + (f": {conn.error}" if conn is not None else ""))
+        li, ri = _i64(lidx), _i64(ridx)
+        if li.shape != ri.shape:
+            raise ValueError("index lists differ in length")
+        if li.size == 0:
+            return DoneRequest(0)
+        if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
+            raise IndexError("descriptor index out of range")
+        ln = lp.nbytes[li]
+        if not np.array_equal(ln, rp.nbytes[ri]):
+            raise ValueError("paired descriptors differ in length")
+        laddr, raddr = lp.addr[li], rp.addr[ri]
+        laddr, raddr, ln = _split_large(laddr, raddr, ln, CHUNK)
+        total = int(ln.sum())
+        cum = np.cumsum(ln)
+        g = np.maximum((cum - _U64(1)) // _U64(CHUNK), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
+        edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
+        bounds = [0, *edges.tolist(), ln.shape[0]]
+        req = _TcpRequest(total, len(bounds) - 1, conn, notify)
+        chunks = []
+        for a, b in zip(bounds, bounds[1:]):
+            la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            chunks.append(_Chunk(op, req, la, lnb, raddr[a:b].tobytes(), ln[a:b].tobytes(),
+                                 int(cum[b - 1] - (cum[a - 1] if a else 0))))
+        if len(chunks) == 1 and total <= self.inline:
+            # small: send from the posting thread when a stream is free (saves a thread hop)
+            for st in conn.streams:
+                if st.send_lock.acquire(blocking=False):
+                    try:
+                        st.send_chunk(chunks[0])
+                    except OSError as exc:
+                        err = PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}")
+                        conn.fail(err)
+                        raise err from exc
+                    finally:
+                        st.send_lock.release()
+                    return req
+        conn.put(chunks)
+        return req
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        conn = self._peers.get(peer_name)
+        if conn is None or conn.dead:
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected over tcp")
+        conn.put([(wire.pack("notif", msg=message), 0, None)])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(timeout=5.0)
+        for p in peers:
+            p.close()
+        with self._lock:
+            served = list(self._served.values())
+        for s, _t, _p in served:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _s, t, _p in served:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
+
+
+def _frame(body: bytes) -> bytes:
+    return wire.frame_header(_K_MSG, len(body)) + body
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ETIMEDOUT:
+        return "no progress within the peer timeout (dead or cut off)"
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _i64(x: Any) -> np.ndarray:
+    a = np.atleast_1d(np.asarray(x))
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, not {a.dtype}")
+    return a.astype(np.int64).reshape(-1)
+
+
+def _max_message() -> int:
+    from .. import config
+
+    return int(config.get("KVX_MAX_MESSAGE"))

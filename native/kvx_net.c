@@ -1,0 +1,262 @@
+/*
+ * kvx._net: vectored socket I/O for the tcp backend, with the GIL released.
+ *
+ * The tcp backend moves descriptor lists straight between registered memory and the socket:
+ * the kernel gathers from (sendmsg) and scatters into (recvmsg) an iovec per descriptor, so a
+ * transfer costs the same copies as a raw TCP stream and Python never loops over descriptors.
+ *
+ * Every call is bounded: it fails with ETIMEDOUT when the socket makes no progress for
+ * ``timeout`` seconds. Sockets are expected in non-blocking mode; readiness is awaited with
+ * poll(). Another thread may shutdown() the socket to wake a blocked call (it then fails).
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BATCH 1024 /* iovecs per syscall (IOV_MAX on Linux) */
+
+static int wait_fd(int fd, short ev, double timeout) {
+    struct pollfd p = {.fd = fd, .events = ev, .revents = 0};
+    int ms = timeout < 0 ? -1 : (int)(timeout * 1000.0 + 0.5);
+    for (;;) {
+        int r = poll(&p, 1, ms);
+        if (r > 0) return 0; /* readable/writable or error/hangup: the syscall will tell */
+        if (r == 0) return ETIMEDOUT;
+        if (errno != EINTR) return errno;
+    }
+}
+
+/* Send iov[0..n) fully. Returns 0 or an errno. The iov array is modified. */
+static int send_iov(int fd, struct iovec *iov, size_t n, double timeout) {
+    size_t i = 0;
+    while (i < n) {
+        if (iov[i].iov_len == 0) { i++; continue; }
+        struct msghdr m;
+        memset(&m, 0, sizeof(m));
+        m.msg_iov = iov + i;
+        m.msg_iovlen = n - i > BATCH ? BATCH : n - i;
+        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int e = wait_fd(fd, POLLOUT, timeout);
+                if (e) return e;
+                continue;
+            }
+            return errno;
+        }
+        size_t left = (size_t)r;
+        while (left && i < n) {
+            if (left >= iov[i].iov_len) { left -= iov[i].iov_len; i++; }
+            else { iov[i].iov_base = (char *)iov[i].iov_base + left; iov[i].iov_len -= left; left = 0; }
+        }
+    }
+    return 0;
+}
+
+/* Receive into iov[0..n) fully. *got counts bytes received. Returns 0, an errno, or -1 on EOF. */
+static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double idle, uint64_t *got) {
+    size_t i = 0;
+    *got = 0;
+    while (i < n) {
+        if (iov[i].iov_len == 0) { i++; continue; }
+        struct msghdr m;
+        memset(&m, 0, sizeof(m));
+        m.msg_iov = iov + i;
+        m.msg_iovlen = n - i > BATCH ? BATCH : n - i;
+        ssize_t r = recvmsg(fd, &m, MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int e = wait_fd(fd, POLLIN, (*got == 0 && idle > 0) ? idle : timeout);
+                if (e == ETIMEDOUT && *got == 0 && idle > 0) return -2; /* idle, nothing read */
+                if (e) return e;
+                continue;
+            }
+            return errno;
+        }
+        if (r == 0) return -1;
+        *got += (uint64_t)r;
+        size_t left = (size_t)r;
+        while (left && i < n) {
+            if (left >= iov[i].iov_len) { left -= iov[i].iov_len; i++; }
+            else { iov[i].iov_base = (char *)iov[i].iov_base + left; iov[i].iov_len -= left; left = 0; }
+        }
+    }
+    return 0;
+}
+
+static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (b->len % 8) {
+        PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *raise_err(int e) {
+    if (e == -1) {
+        errno = ECONNRESET;
+        return PyErr_Format(PyExc_ConnectionResetError, "connection closed by peer in the middle of a message");
+    }
+    errno = e;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* build iovecs: optional head buffer, then (addr[i], nbytes[i]) */
+static struct iovec *build(Py_buffer *head, Py_buffer *ba, Py_buffer *bl, size_t *n_out) {
+    size_t nd = ba ? (size_t)(ba->len / 8) : 0;
+    size_t n = nd + (head ? 1 : 0);
+    struct iovec *iov = malloc((n ? n : 1) * sizeof(struct iovec));
+    if (!iov) return NULL;
+    size_t k = 0;
+    if (head) { iov[k].iov_base = head->buf; iov[k].iov_len = (size_t)head->len; k++; }
+    if (nd) {
+        const uint64_t *a = ba->buf, *l = bl->buf;
+        for (size_t i = 0; i < nd; i++, k++) { iov[k].iov_base = (void *)(uintptr_t)a[i]; iov[k].iov_len = (size_t)l[i]; }
+    }
+    *n_out = n;
+    return iov;
+}
+
+/* sendv(fd, head: bytes-like | None, addr: u64 | None, nbytes: u64 | None, timeout) -> None */
+static PyObject *py_sendv(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    PyObject *ho, *ao, *lo;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOOOd", &fd, &ho, &ao, &lo, &timeout)) return NULL;
+    Py_buffer bh, ba, bl;
+    int hh = 0, ha = 0;
+    if (ho != Py_None) { if (PyObject_GetBuffer(ho, &bh, PyBUF_C_CONTIGUOUS) < 0) return NULL; hh = 1; }
+    if (ao != Py_None) {
+        if (get_u64(ao, &ba, "addr") < 0) goto fail0;
+        if (get_u64(lo, &bl, "nbytes") < 0) { PyBuffer_Release(&ba); goto fail0; }
+        if (ba.len != bl.len) {
+            PyErr_SetString(PyExc_ValueError, "addr and nbytes differ in length");
+            PyBuffer_Release(&ba); PyBuffer_Release(&bl); goto fail0;
+        }
+        ha = 1;
+    }
+    size_t n;
+    struct iovec *iov = build(hh ? &bh : NULL, ha ? &ba : NULL, ha ? &bl : NULL, &n);
+    int e = 0;
+    if (!iov) { PyErr_NoMemory(); goto fail1; }
+    Py_BEGIN_ALLOW_THREADS
+    e = send_iov(fd, iov, n, timeout);
+    Py_END_ALLOW_THREADS
+    free(iov);
+    if (ha) { PyBuffer_Release(&ba); PyBuffer_Release(&bl); }
+    if (hh) PyBuffer_Release(&bh);
+    if (e) return raise_err(e);
+    Py_RETURN_NONE;
+fail1:
+    if (ha) { PyBuffer_Release(&ba); PyBuffer_Release(&bl); }
+fail0:
+    if (hh) PyBuffer_Release(&bh);
+    return NULL;
+}
+
+/* recvv(fd, addr: u64, nbytes: u64, timeout) -> None: fill every descriptor, in order */
+static PyObject *py_recvv(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    PyObject *ao, *lo;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOOd", &fd, &ao, &lo, &timeout)) return NULL;
+    Py_buffer ba, bl;
+    if (get_u64(ao, &ba, "addr") < 0) return NULL;
+    if (get_u64(lo, &bl, "nbytes") < 0) { PyBuffer_Release(&ba); return NULL; }
+    if (ba.len != bl.len) {
+        PyErr_SetString(PyExc_ValueError, "addr and nbytes differ in length");
+        PyBuffer_Release(&ba); PyBuffer_Release(&bl);
+        return NULL;
+    }
+    size_t n;
+    struct iovec *iov = build(NULL, &ba, &bl, &n);
+    int e = 0;
+    uint64_t got = 0;
+    if (!iov) { PyBuffer_Release(&ba); PyBuffer_Release(&bl); return PyErr_NoMemory(); }
+    Py_BEGIN_ALLOW_THREADS
+    e = recv_iov(fd, iov, n, timeout, 0.0, &got);
+    Py_END_ALLOW_THREADS
+    free(iov);
+    PyBuffer_Release(&ba);
+    PyBuffer_Release(&bl);
+    if (e) return raise_err(e);
+    Py_RETURN_NONE;
+}
+
+/*
+ * recv_into(fd, buf, timeout, idle) -> int: fill ``buf`` exactly.
+ * Returns len(buf); 0 on a clean EOF before the first byte; -1 when ``idle`` > 0 seconds passed
+ * with nothing received (the caller checks its state and calls again).
+ */
+static PyObject *py_recv_into(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer b;
+    double timeout, idle;
+    if (!PyArg_ParseTuple(args, "iw*dd", &fd, &b, &timeout, &idle)) return NULL;
+    struct iovec iov = {.iov_base = b.buf, .iov_len = (size_t)b.len};
+    uint64_t got = 0;
+    int e;
+    Py_BEGIN_ALLOW_THREADS
+    e = recv_iov(fd, &iov, 1, timeout, idle, &got);
+    Py_END_ALLOW_THREADS
+    Py_ssize_t len = b.len;
+    PyBuffer_Release(&b);
+    if (e == -2) return PyLong_FromLong(-1);
+    if (e == -1 && got == 0) return PyLong_FromLong(0);
+    if (e) return raise_err(e);
+    return PyLong_FromSsize_t(len);
+}
+
+/* discard(fd, n, timeout) -> None: read and drop n bytes (a refused write's payload) */
+static PyObject *py_discard(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    unsigned long long n;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iKd", &fd, &n, &timeout)) return NULL;
+    const size_t cap = 1 << 20;
+    char *buf = malloc(cap);
+    if (!buf) return PyErr_NoMemory();
+    int e = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (n && !e) {
+        size_t k = n > cap ? cap : (size_t)n;
+        struct iovec iov = {.iov_base = buf, .iov_len = k};
+        uint64_t got = 0;
+        e = recv_iov(fd, &iov, 1, timeout, 0.0, &got);
+        n -= k;
+    }
+    Py_END_ALLOW_THREADS
+    free(buf);
+    if (e) return raise_err(e);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"sendv", py_sendv, METH_VARARGS, "sendv(fd, head, addr, nbytes, timeout): send head then every descriptor."},
+    {"recvv", py_recvv, METH_VARARGS, "recvv(fd, addr, nbytes, timeout): receive into every descriptor."},
+    {"recv_into", py_recv_into, METH_VARARGS, "recv_into(fd, buf, timeout, idle) -> n, 0 on EOF, -1 when idle."},
+    {"discard", py_discard, METH_VARARGS, "discard(fd, n, timeout): read and drop n bytes."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._net", "Vectored socket I/O for the tcp backend.", -1,
+                                 methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__net(void) { return PyModule_Create(&mod); }
