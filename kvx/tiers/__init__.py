@@ -1,1 +1,25 @@
-"""Tiered KV block store."""
+"""Tiered KV block store: host memory, disk and object tiers with pluggable eviction.
+
+See DESIGN section 7 and ``docs/tiers.md``.
+"""
+
+from .events import BlockRemoved, BlockStored, ZmqEventPublisher
+from .policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
+from .store import DiskTier, HostTier, LookupResult, ObjectTier, StoreStats, Tier, TieredStore
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "BlockRemoved",
+    "BlockStored",
+    "DiskTier",
+    "EvictionPolicy",
+    "HostTier",
+    "LookupResult",
+    "ObjectTier",
+    "StoreStats",
+    "Tier",
+    "TieredStore",
+    "ZmqEventPublisher",
+    "make_policy",
+]
