@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
@@ -226,9 +226,8 @@ class _Config:
     backend: str
     deadline: float
     progress_thread: bool = False
-    target_progress_thread: bool = True
+    target_progress_delay_us: int = 1000
     file_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_arg(self) -> str:
         return json.dumps(asdict(self))
@@ -261,8 +260,9 @@ class _Channel:
             self._sock.settimeout(self._timeout(f"waiting for {expect or 'a message'}"))
             try:
                 chunk = self._sock.recv(1 << 16)
-            except socket.timeout:
-                raise TimeoutError(f"deadline passed while waiting for {expect or 'a message'}")
+            except TimeoutError:  # socket.timeout
+                raise TimeoutError(
+                    f"deadline passed while waiting for {expect or 'a message'}") from None
             if not chunk:
                 raise RuntimeError(f"peer closed the control channel (waiting for {expect})")
             self._buf += chunk
@@ -278,11 +278,30 @@ class _Channel:
         self._sock.close()
 
 
-def _make_agent(api: ModuleType, name: str, backend: str, progress_thread: bool) -> Any:
-    """A NIXL agent with exactly one backend, no listener thread (we exchange metadata)."""
+def _make_agent(api: ModuleType, name: str, backend: str, progress_thread: bool,
+                progress_delay_us: int = 0) -> Any:
+    """A NIXL agent with exactly one backend and no listener thread (we exchange metadata).
+
+    ``nixl_agent`` hard-codes the progress thread's poll delay (``pthrDelay``) to 0, which makes
+    that thread busy-spin a whole core.  A positive ``progress_delay_us`` is applied through a
+    subclass of the bindings' config type for the duration of the constructor call: the thread
+    then sleeps in ``poll()`` on the UCX worker's event fd and still wakes for every event.
+    """
     config = api.nixl_agent_config(enable_prog_thread=progress_thread,
                                    enable_listen_thread=False, backends=[backend])
-    agent = api.nixl_agent(name, config)
+    bindings = api.nixlBind
+    original = bindings.nixlAgentConfig
+    if progress_thread and progress_delay_us > 0:
+
+        class _DelayedConfig(original):  # type: ignore[misc,valid-type]
+            def __setattr__(self, key: str, value: Any) -> None:
+                super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
+
+        bindings.nixlAgentConfig = _DelayedConfig
+    try:
+        agent = api.nixl_agent(name, config)
+    finally:
+        bindings.nixlAgentConfig = original
     if backend not in agent.backends:
         raise RuntimeError(f"NIXL backend {backend!r} unavailable (plugins: "
                            f"{agent.get_plugin_list()})")
@@ -296,7 +315,7 @@ def _make_agent(api: ModuleType, name: str, backend: str, progress_thread: bool)
 def _target_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> None:
     """Register the target buffer, publish metadata, serve prepare/verify requests."""
     api = _import_nixl_api()
-    agent = _make_agent(api, TARGET_NAME, cfg.backend, cfg.target_progress_thread)
+    agent = _make_agent(api, TARGET_NAME, cfg.backend, True, cfg.target_progress_delay_us)
     buf = _pattern(cfg.total).copy() if cfg.op == "read" else np.zeros(cfg.total, np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM",
                                 backends=[cfg.backend])
@@ -519,7 +538,8 @@ def _reap(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], total: int,
              iters: int = 5, permute: bool = True, seed: int = 0, latency_samples: int = 2000,
              backend: str = "UCX", env: dict[str, str] | None = None, timeout: float = 300.0,
-             progress_thread: bool = False, file_dir: str | None = None) -> dict[str, Any]:
+             progress_thread: bool = False, target_progress_delay_us: int = 1000,
+             file_dir: str | None = None) -> dict[str, Any]:
     """Benchmark NIXL on kvx's workload and return kvx-shaped results.
 
     Args:
@@ -535,8 +555,15 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
         backend: NIXL backend plugin name.
         env: extra environment for the NIXL processes (e.g. ``{"UCX_TLS": "tcp,self"}``).
         timeout: bound on the whole run in seconds.
-        progress_thread: enable NIXL's progress thread in the initiator agent (the target's is
-            always on, since the target is otherwise blocked on the control channel).
+        progress_thread: enable NIXL's progress thread in the initiator agent.  Off by default:
+            the initiator's own ``check_xfer_state`` polling progresses UCX.
+        target_progress_delay_us: poll delay of the target agent's progress thread, which is
+            always on (the passive target is otherwise blocked on the control channel, and
+            UCX wire-up, notifications and TCP puts need target-side progress; without it the
+            first transfer hangs).  0 (NIXL's Python default) busy-spins a core; the default
+            1000 makes the thread sleep in ``poll()`` between UCX events, which measured faster
+            and steadier on a small (2-core) host where the spinner competes with the
+            initiator.  Over TCP (``UCX_TLS=tcp``) 0 gives lower latency at the cost of a core.
         file_dir: directory of the temporary file for ``mem="file"`` (default: the temp dir).
 
     Returns:
@@ -567,7 +594,7 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
                   iters=int(iters), permute=bool(permute), seed=int(seed),
                   latency_samples=int(latency_samples), backend=backend,
                   deadline=start + timeout - margin, progress_thread=progress_thread,
-                  file_dir=file_dir)
+                  target_progress_delay_us=int(target_progress_delay_us), file_dir=file_dir)
     child_env = _child_env(env)
     logger.info("running NIXL %s %s %s, block sizes %s, total %d", backend, mem, op,
                 cfg.block_sizes, total)
@@ -622,7 +649,9 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
             outcome = json.loads(result_path.read_text())
         if outcome is None or "error" in outcome or procs[main_role].returncode != 0:
             error = (outcome or {}).get("error", f"exit status {procs[main_role].returncode}")
-            raise RuntimeError(f"NIXL {mem} {op} benchmark failed: {error}\n{tails()}")
+            what = (f"timed out after {timeout:.0f} s" if error.startswith("TimeoutError")
+                    else "failed")
+            raise RuntimeError(f"NIXL {mem} {op} benchmark {what}: {error}\n{tails()}")
         for role, proc in procs.items():
             if proc.returncode != 0:
                 logger.warning("NIXL %s exited with %s:\n%s", role, proc.returncode,
@@ -693,6 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="extra environment for the NIXL processes (repeatable)")
     parser.add_argument("--progress-thread", action="store_true",
                         help="enable the initiator agent's NIXL progress thread")
+    parser.add_argument("--target-progress-delay-us", type=int, default=1000,
+                        help="target progress thread poll delay in us (0: busy-spin, NIXL's default)")
     parser.add_argument("--file-dir", default=None, help="directory for --mem file")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--role", choices=["target", "initiator", "file"], help=argparse.SUPPRESS)
@@ -717,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           permute=not args.no_permute, seed=args.seed,
                           latency_samples=args.latency_samples, backend=args.backend, env=env,
                           timeout=args.timeout, progress_thread=args.progress_thread,
+                          target_progress_delay_us=args.target_progress_delay_us,
                           file_dir=args.file_dir)
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
