@@ -380,16 +380,14 @@ class Agent:
                 if a[0] == b[0] and a[1] == b[1] and b[2] < a[3]:
                     raise RegistrationError(
                         f"memory at 0x{b[2]:x} overlaps memory already registered (or listed twice)")
-        for r in files:
-            real = os.path.realpath(r.path)
-            for s, _ in self._regions.values():
-                if isinstance(s, _StorageRegion) and s.kind == MemoryKind.FILE and s.path == real:
-                    raise RegistrationError(f"file {r.path!r} is already registered")
-        for r in objs:
-            for s, _ in self._regions.values():
-                if isinstance(s, _StorageRegion) and s.kind == MemoryKind.OBJECT and (s.bucket, s.key) == (
-                        r.bucket, r.key):
-                    raise RegistrationError(f"object {r.bucket}/{r.key} is already registered")
+        have_files = {s.path for s, _ in self._regions.values() if isinstance(s, _StorageRegion)}
+        have_objs = {(s.bucket, s.key) for s, _ in self._regions.values() if isinstance(s, _StorageRegion)}
+        for fr in files:
+            if os.path.realpath(fr.path) in have_files:
+                raise RegistrationError(f"file {fr.path!r} is already registered")
+        for orr in objs:
+            if (orr.bucket, orr.key) in have_objs:
+                raise RegistrationError(f"object {orr.bucket}/{orr.key} is already registered")
 
     def _release(self, reg: Registration) -> None:
         with self._lock:
@@ -627,7 +625,7 @@ class Agent:
                          bytes(notify) if notify is not None else None)
         except (IndexError, ValueError, TypeError) as exc:
             raise UsageError(f"bad transfer request: {exc}") from exc
-        if type(req) is int:
+        if isinstance(req, int):
             return Transfer._completed(req, b.name)
         return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
 

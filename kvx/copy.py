@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
+from ._native import submit
 
 __all__ = ["copy_blocking", "staging_offsets"]
 
@@ -19,7 +19,7 @@ def copy_blocking(dst_addr: np.ndarray, dst_len: np.ndarray, dst_idx: Any, src_a
     GIL is released while bytes move. Raises OSError, IndexError or ValueError like
     ``_native.submit``.
     """
-    job = _native.submit(0, 0, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, None, None, threads,
+    job = submit(0, 0, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, None, None, threads,
                          1 << 20 if threads > 1 else 1 << 62, 0)
     if not isinstance(job, int) and not job.wait(timeout):
         job.cancel()

@@ -217,10 +217,11 @@ class Backend(ABC):
         remote: "PreparedList",
         ridx: np.ndarray,
         notify: bytes | None,
-    ) -> Request:
+    ) -> "Request | int":
         """Start moving ``local[lidx]`` <-> ``remote[ridx]`` (lengths already checked equal).
 
-        Must not block for long: large work goes to threads or the device.
+        Must not block for long: large work goes to threads or the device. Returns a Request,
+        or the number of bytes moved when the transfer already finished (small transfers).
         """
 
     def make_plan(

@@ -474,10 +474,10 @@ class HostBackend(Backend):
             raise BackendUnavailable("KVX_HOST_PATH=shm needs target memory from kvx.alloc_host")
         if mode == "cma" and not p.cma:
             raise BackendUnavailable("KVX_HOST_PATH=cma but process_vm_* is not permitted to this peer")
-        guards = np.empty((len(used), 3), dtype=np.uint64)
+        g3 = np.empty((len(used), 3), dtype=np.uint64)
         for i, s in enumerate(used.tolist()):
-            guards[i] = (p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + 4 * s)
-        guards = guards.reshape(-1)
+            g3[i] = (p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + 4 * s)
+        guards = g3.reshape(-1)
         if mode == "uds":
             return _Prep("uds", addr, nb, None, raw=addr)
         if mode == "cma":
@@ -561,13 +561,13 @@ class HostBackend(Backend):
         return req
 
     @staticmethod
-    def _args(op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any) -> tuple[Any, ...]:
+    def _args(op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
         if op is Op.WRITE:
             return (rp.addr, rp.nbytes, ridx, lp.addr, lp.nbytes, lidx)
         return (lp.addr, lp.nbytes, lidx, rp.addr, rp.nbytes, ridx)
 
     def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request | int:  # type: ignore[override]
+             notify: bytes | None) -> Request | int:
         lp, rp, peer, code, pid = self._route(op, local, remote)
         if rp.mode == "uds":
             assert peer is not None

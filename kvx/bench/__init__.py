@@ -248,7 +248,7 @@ def runner(name: str) -> Callable[[BenchOptions, Progress], list[dict[str, Any]]
 def run(opts: BenchOptions, quiet: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run the kvx benchmark, its comparisons and ceiling; return (header, rows)."""
     hdr = header(opts)
-    steps = len(opts.ops) * len(opts.block_sizes) * (1 + len(opts.compare)) + 2
+    steps = len(opts.ops) * (len(opts.block_sizes) + 2 * len(opts.compare)) + 3
     prog = Progress(steps, quiet)
     try:
         rows = runner(opts.backend)(opts, prog)

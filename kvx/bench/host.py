@@ -159,7 +159,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             rows = sweep(agent, peer, reg, buf, target, opts, prog)
             prog.step("latency")
             rows += latency(agent, peer, reg, target, opts.latency_samples)
-            mode = agent.backend("host").path_to(peer)
+            mode = agent.backend("host").path_to(peer)  # type: ignore[attr-defined]
             for r in rows:
                 r["path"] = "shm" if opts.mem == "alloc" and os.environ.get("KVX_HOST_PATH", "auto") in (
                     "auto", "shm") else mode

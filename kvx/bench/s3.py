@@ -5,8 +5,9 @@ the AWS credential variables); when none is configured it starts its own Seaweed
 (:class:`kvx.testing.seaweed.SeaweedFS`) for the run. Per block size: ``total // bs`` objects
 ``<prefix>/<bs>/<i>`` in bucket ``opts.extra.get("bucket", "kvx-bench")``; a timed write of
 every block (memory block ``i`` -> object ``perm[i]``), then a timed read back into zeroed
-memory, each verified byte for byte. ``opts.extra["compare_nixl_obj"]`` (true) adds NIXL's OBJ
-plugin on the same server and objects layout (:mod:`kvx.compare.nixl_obj`).
+memory, each verified byte for byte. ``--compare nixl`` (or ``opts.extra["compare_nixl_obj"]``)
+adds NIXL's OBJ plugin on the same server and object layout (:mod:`kvx.compare.nixl_obj`); it
+runs here, not in ``kvx.bench.compare_nixl``, because the server lives only as long as this run.
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             buf = kvx.alloc_host(opts.total)
             reg = agent.register(buf)
             rows = sweep(agent, buf, reg, opts, prog, bucket, prefix)
-        endpoint = os.environ.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = os.environ.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
         for r in rows:
             r["endpoint"] = "seaweedfs (started by the bench)" if server else endpoint
-        if opts.extra.get("compare_nixl_obj"):
+        if "nixl" in opts.compare or opts.extra.get("compare_nixl_obj"):
             from ..compare.nixl_obj import run_nixl_obj
 
             for op in opts.ops:
@@ -115,8 +116,8 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
     finally:
         if server is not None:
             server.stop()
-            for k, v in saved.items():
-                if v is None:
+            for k, old in saved.items():
+                if old is None:
                     os.environ.pop(k, None)
                 else:
-                    os.environ[k] = v
+                    os.environ[k] = old

@@ -24,7 +24,7 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def digest(buf: np.ndarray) -> str:
-    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+    return hashlib.blake2b(buf.data, digest_size=16).hexdigest()
 
 
 def alloc(mem: str, nbytes: int) -> np.ndarray:

@@ -98,7 +98,8 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             peer = agent.add_peer(target.meta)
             rows = sweep(agent, peer, reg, buf, target, opts, prog, backend="tcp")
             prog.step("latency")
-            rows.append(latency(agent, peer, reg, target, opts.latency_samples, backend="tcp"))
+            lat: Any = latency(agent, peer, reg, target, opts.latency_samples, backend="tcp")
+            rows += lat if isinstance(lat, list) else [lat]
             for r in rows:
                 r["path"] = "tcp-loopback"
         rows += raw_tcp(target, opts, prog)

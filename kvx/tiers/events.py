@@ -126,7 +126,7 @@ class ZmqEventPublisher:
         except ImportError as exc:
             raise BackendUnavailable("ZMQ KV events need pyzmq: pip install pyzmq") from exc
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)

@@ -409,7 +409,7 @@ class _MiniCache:
     doorkeeper (admit a block on its second sighting only).  No chains: it sees a sample of
     keys and counts block-level hits."""
 
-    __slots__ = ("cap", "ghost_cap", "door_cap", "filter", "t1", "t2", "b1", "b2", "door", "p")
+    __slots__ = ("b1", "b2", "cap", "door", "door_cap", "filter", "ghost_cap", "p", "t1", "t2")
 
     def __init__(self, cap: int, ghost_mult: float, door_mult: float, filter_: bool) -> None:
         self.cap = max(1, cap)

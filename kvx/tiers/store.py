@@ -135,7 +135,7 @@ class HostTier(Tier):
 
     def host_view(self, slot: int) -> memoryview:
         bb = self.block_bytes
-        return memoryview(self.pool)[slot * bb: (slot + 1) * bb]
+        return self.pool.data[slot * bb: (slot + 1) * bb]
 
 
 class DiskTier(Tier):
@@ -438,7 +438,8 @@ class TieredStore:
             batch: dict[Hashable, tuple[int, Hashable | None, int]] = {}
             total = [0]
             bb = self.block_bytes
-            mv = memoryview(top.pool)  # type: ignore[attr-defined]
+            mv = top.pool.data  # type: ignore[attr-defined]
+            tplist = top.plist
 
             def flush() -> None:
                 if not batch:
@@ -447,7 +448,7 @@ class TieredStore:
                 slots = [v[0] for v in batch.values()]
                 parents = [v[1] for v in batch.values()]
                 try:
-                    self.agent.write(src, sidx[[v[2] for v in batch.values()]], top.plist, slots).wait(timeout)
+                    self.agent.write(src, sidx[[v[2] for v in batch.values()]], tplist, slots).wait(timeout)
                 except BaseException:
                     for h, slot in zip(keys, slots):
                         pol.removed(h)
@@ -582,7 +583,7 @@ class TieredStore:
         slot, crc = t.index[key]
         buf, sl = self._staging_buf()
         self.agent.read(sl, [0], t.plist, [slot]).wait()
-        if zlib.crc32(memoryview(buf)) != crc:
+        if zlib.crc32(buf.data) != crc:
             log.warning("block %r in %s tier failed its checksum: dropped", key, t.medium)
             self._drop_corrupt(ti, key, events)
             return False

@@ -1,0 +1,429 @@
+"""``kvx bench --backend cuda``: two processes on one machine, GPU memory and pinned host memory.
+
+The initiator runs on GPU 0; the target process holds the remote buffer on GPU 1 when there are
+two GPUs (else GPU 0). ``--seg LOCAL,REMOTE`` picks each side's memory: ``vram`` (GPU memory)
+or ``pinned`` (``kvx.alloc_host(n, pinned=True)``). Every point is timed from the
+``write``/``read`` call to completion (descriptor upload included), over permuted block ids,
+for both copy paths side by side: ``kvx-kernel`` (the NVRTC gather/scatter kernel) and
+``kvx-ce`` (``cuMemcpyBatchAsync`` on the copy engines). Ceiling rows: a 1 GiB peer copy
+(``raw-peer``) for GPU<->GPU, a 1 GiB pinned<->GPU ``cudaMemcpyAsync`` (``raw-pcie``) otherwise.
+
+This module is also the helper process of the GPU tests and of this benchmark
+(``python -m kvx.bench.cuda target``): a kvx agent that registers GPU or pinned memory and
+answers JSON lines (``register``, ``release``, ``digest``, ``fill``, ``zero``, ``peek``,
+``put``, ``notifs``, ``meta``, ``quit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import kvx
+
+from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
+
+__all__ = ["Helper", "digest", "pattern", "run"]
+
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xBF58476D1CE4E5B9)
+_K3 = np.uint64(0x94D049BB133111EB)
+
+
+def pattern(xp: Any, nbytes: int, seed: int) -> Any:
+    """Deterministic bytes, identical from numpy and cupy (``xp``), so both sides can rebuild them."""
+    n8 = (nbytes + 7) // 8
+    x = xp.arange(n8, dtype=xp.uint64)
+    x += xp.uint64((seed * 0x2545F4914F6CDD1D) % (1 << 64))
+    x *= _K2
+    x ^= x >> xp.uint64(31)
+    x *= _K3
+    x ^= x >> xp.uint64(29)
+    return x.view(xp.uint8)[:nbytes]
+
+
+def digest(xp: Any, a: Any) -> int:
+    """A position-sensitive 64-bit checksum of a uint8 array (numpy or cupy; same value)."""
+    n8 = a.size // 8
+    s = 0
+    if n8:
+        w = a[: n8 * 8].view(xp.uint64)
+        i = xp.arange(n8, dtype=xp.uint64)
+        i *= _K1
+        h = w ^ i
+        h *= _K2
+        h ^= h >> xp.uint64(31)
+        s = int(h.sum(dtype=xp.uint64))
+    tail = bytes(xp.asnumpy(a[n8 * 8:]) if hasattr(xp, "asnumpy") else a[n8 * 8:])
+    return (s ^ int.from_bytes(tail.ljust(8, b"\0"), "little") ^ (a.size << 1)) & ((1 << 64) - 1)
+
+
+def _xp(buf: Any) -> Any:
+    if isinstance(buf, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def _alloc(seg: str, nbytes: int, dev: int) -> tuple[Any, Any]:
+    """(object to register, uint8 view to fill and check) for one memory segment."""
+    if seg == "pinned":
+        buf = kvx.alloc_host(nbytes, pinned=True)
+        return buf, buf
+    if seg == "vram":
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            buf = cupy.zeros(nbytes, dtype=cupy.uint8)
+        return buf, buf
+    if seg == "torch":  # a slice at an offset inside a caching-allocator block
+        import cupy
+        import torch
+
+        big = torch.zeros(nbytes + 8192 + 16, dtype=torch.uint8, device=f"cuda:{dev}")
+        t = big[4096 + 16: 4096 + 16 + nbytes]
+        return t, cupy.asarray(t)
+    raise ValueError(f"unknown memory segment {seg!r} (vram, pinned, torch)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The helper process
+
+
+def _serve(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvx.bench.cuda target")
+    ap.add_argument("--name", default="gpu-target")
+    ap.add_argument("--config", default="{}")
+    a = ap.parse_args(argv)
+    cfgd = json.loads(a.config)
+    if "backends" in cfgd:
+        cfgd["backends"] = tuple(cfgd["backends"])
+    agent = kvx.Agent(a.name, kvx.AgentConfig(**cfgd))
+    regs: dict[int, tuple[kvx.Registration, Any, Any]] = {}
+    out = sys.stdout
+
+    def say(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    say({"meta": base64.b64encode(agent.metadata()).decode(), "pid": os.getpid()})
+    for line in sys.stdin:
+        c = json.loads(line)
+        cmd = c.get("cmd")
+        try:
+            with _on_device(regs.get(int(c.get("id", 0)), (None, None, None))[2]):
+                _serve_one(c, cmd, agent, regs, say)
+        except Exception as exc:  # report to the driver, keep serving
+            say({"error": f"{type(exc).__name__}: {exc}"})
+        if cmd == "quit":
+            break
+    agent.close()
+    return 0
+
+
+class _on_device:
+    """Run on the GPU holding ``view`` (cupy launches on the current device)."""
+
+    def __init__(self, view: Any) -> None:
+        self.ctx: Any = None
+        if view is not None and not isinstance(view, np.ndarray):
+            import cupy
+
+            self.ctx = cupy.cuda.Device(view.device.id)
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _serve_one(c: dict[str, Any], cmd: Any, agent: kvx.Agent, regs: dict[int, Any], say: Any) -> None:
+    nid = max(regs, default=0) + 1
+    if cmd == "register":
+        obj, view = _alloc(c["seg"], int(c["nbytes"]), int(c.get("dev", 0)))
+        reg = agent.register(obj)
+        regs[nid] = (reg, obj, view)
+        say({"id": nid, "descs": base64.b64encode(reg.descs.to_bytes()).decode()})
+    elif cmd == "release":
+        regs[int(c["id"])][0].release()
+        say({"ok": True})
+    elif cmd == "free":
+        regs.pop(int(c["id"]))[0].release()
+        say({"ok": True})
+    elif cmd == "digest":
+        v = regs[int(c["id"])][2]
+        say({"digest": str(digest(_xp(v), v))})
+    elif cmd == "fill":
+        v = regs[int(c["id"])][2]
+        v[:] = pattern(_xp(v), v.size, int(c["seed"]))
+        say({"ok": True})
+    elif cmd == "zero":
+        regs[int(c["id"])][2][:] = 0
+        say({"ok": True})
+    elif cmd == "peek":
+        v = regs[int(c["id"])][2]
+        off, n = int(c["off"]), int(c["n"])
+        part = v[off: off + n]
+        data = bytes(part) if isinstance(part, np.ndarray) else part.get().tobytes()
+        say({"data": base64.b64encode(data).decode()})
+    elif cmd == "put":
+        v = regs[int(c["id"])][2]
+        data = np.frombuffer(base64.b64decode(c["data"]), dtype=np.uint8)
+        off = int(c["off"])
+        xp = _xp(v)
+        v[off: off + data.size] = data if xp is np else xp.asarray(data)
+        say({"ok": True})
+    elif cmd == "meta":
+        say({"meta": base64.b64encode(agent.metadata()).decode()})
+    elif cmd == "notifs":
+        got = agent.notifications(timeout=float(c.get("wait", 0)) or None)
+        say({"notifs": {k: [base64.b64encode(m).decode() for m in v] for k, v in got.items()}})
+    elif cmd == "quit":
+        say({"ok": True})
+    else:
+        say({"error": f"unknown command {cmd!r}"})
+
+
+class Helper:
+    """A helper process (``python -m kvx.bench.cuda target``) driven over JSON lines, bounded."""
+
+    def __init__(self, name: str = "gpu-target", config: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+        self.name = name
+        self.timeout = timeout
+        cmd = [sys.executable, "-m", "kvx.bench.cuda", "target", "--name", name, "--config", json.dumps(config or {})]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        hello = self._read(timeout)
+        self.meta = base64.b64decode(hello["meta"])
+        self.pid = int(hello["pid"])
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError(f"helper {self.name!r} did not answer within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError(f"helper {self.name!r} exited ({self.proc.poll()})")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def call(self, timeout: float | None = None, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        res = self._read(self.timeout if timeout is None else timeout)
+        if "error" in res:
+            raise RuntimeError(f"helper {self.name!r}: {res['error']}")
+        return res
+
+    def register(self, seg: str, nbytes: int, dev: int = 0) -> tuple[int, kvx.DescList]:
+        res = self.call(cmd="register", seg=seg, nbytes=nbytes, dev=dev)
+        return int(res["id"]), kvx.DescList.from_bytes(base64.b64decode(res["descs"]))
+
+    def digest(self, rid: int) -> int:
+        return int(self.call(cmd="digest", id=rid)["digest"])
+
+    def peek(self, rid: int, off: int, n: int) -> bytes:
+        return base64.b64decode(self.call(cmd="peek", id=rid, off=off, n=n)["data"])
+
+    def notifs(self, timeout: float = 0.0) -> dict[str, list[bytes]]:
+        res = self.call(cmd="notifs", wait=timeout, timeout=timeout + self.timeout)
+        return {k: [base64.b64decode(m) for m in v] for k, v in res["notifs"].items()}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="quit", timeout=30)
+                self.proc.wait(30)
+            except (TimeoutError, EOFError, OSError, subprocess.TimeoutExpired, RuntimeError):
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def _segs(opts: BenchOptions) -> tuple[str, str]:
+    segs = tuple("vram" if s in ("dram", "") else s for s in opts.seg)
+    for s in segs:
+        if s not in ("vram", "pinned"):
+            raise SystemExit(f"kvx bench --backend cuda: --seg takes vram or pinned, not {s!r}")
+    return segs[0], segs[1]
+
+
+def _sync_all(cp: Any) -> None:
+    for d in range(cp.cuda.runtime.getDeviceCount()):
+        with cp.cuda.Device(d):
+            cp.cuda.runtime.deviceSynchronize()
+
+
+def ceiling(opts: BenchOptions, prog: Progress, local_seg: str, remote_seg: str, rdev: int) -> list[dict[str, Any]]:
+    """Raw copies of 1 GiB: GPU0<->GPU1 peer copy, or pinned<->GPU cudaMemcpyAsync."""
+    import cupy as cp
+
+    size = 1 << 30
+    prog.step("raw ceiling")
+    rt = cp.cuda.runtime
+    out: list[dict[str, Any]] = []
+    if local_seg == "vram" and remote_seg == "vram":
+        with cp.cuda.Device(0):
+            a = cp.ones(size, dtype=cp.uint8)
+            s = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.Device(rdev):
+            b = cp.zeros(size, dtype=cp.uint8)
+        if rdev != 0:
+            with cp.cuda.Device(0):
+                try:
+                    rt.deviceEnablePeerAccess(rdev)
+                except rt.CUDARuntimeError:
+                    pass
+        fns = {"write": lambda: rt.memcpyPeerAsync(b.data.ptr, rdev, a.data.ptr, 0, size, s.ptr),
+               "read": lambda: rt.memcpyPeerAsync(a.data.ptr, 0, b.data.ptr, rdev, size, s.ptr)}
+        impl = "raw-peer"
+    else:
+        gdev = 0 if local_seg == "vram" else rdev
+        h = kvx.alloc_host(size, pinned=True)
+        with cp.cuda.Device(gdev):
+            g = cp.zeros(size, dtype=cp.uint8)
+            s = cp.cuda.Stream(non_blocking=True)
+        d2h = lambda: rt.memcpyAsync(h.ctypes.data, g.data.ptr, size, 2, s.ptr)  # noqa: E731
+        h2d = lambda: rt.memcpyAsync(g.data.ptr, h.ctypes.data, size, 1, s.ptr)  # noqa: E731
+        # write moves local -> remote: GPU -> host when the GPU is local
+        fns = {"write": d2h, "read": h2d} if local_seg == "vram" else {"write": h2d, "read": d2h}
+        impl = "raw-pcie"
+    for op in opts.ops:
+        fn = fns[op]
+
+        def once(fn: Any = fn) -> None:
+            fn()
+            s.synchronize()
+
+        med, mn = timed(once, max(opts.iters, 5))
+        for bs, n in iter_sizes(opts):
+            out.append(row(impl, op, bs, n, opts.iters, med * (n * bs) / size, mn * (n * bs) / size,
+                           ceiling_bytes=size))
+    return out
+
+
+def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
+    """Both copy paths for every (op, block size); rows as in :mod:`kvx.bench`."""
+    import cupy as cp
+
+    from ..backends import cuda as kcuda
+
+    local_seg, remote_seg = _segs(opts)
+    ndev = cp.cuda.runtime.getDeviceCount()
+    rdev = 1 if ndev > 1 else 0
+    paths = [p for p in opts.extra.get("paths", ["kernel", "ce"])]
+    prog.add(len(paths) * len(opts.ops) * len(opts.block_sizes))
+    cfg = {"backends": ["cuda"]}
+    target = Helper("bench-target", cfg)
+    rows: list[dict[str, Any]] = []
+    try:
+        rid, rdescs = target.register(remote_seg, opts.total, rdev)
+        with kvx.Agent("bench-initiator", kvx.AgentConfig(backends=("cuda",))) as agent:
+            obj, view = _alloc(local_seg, opts.total, 0)
+            xp = _xp(view)
+            reg = agent.register(obj)
+            peer = agent.add_peer(target.meta)
+            be = agent.backend("cuda")
+            assert isinstance(be, kcuda.CudaBackend)
+            for path in paths:
+                if path == "ce" and not be.drv.has_batch:
+                    continue
+                be.mode = path
+                impl = f"kvx-{path}"
+                for op in opts.ops:
+                    for bs, n in iter_sizes(opts):
+                        prog.step(f"{impl} {op} {bs >> 10}K")
+                        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+                        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+                        lidx = np.arange(n, dtype=np.int64)
+                        ridx = permutation(n, opts)
+                        fn = agent.write if op == "write" else agent.read
+                        seed = opts.seed + bs + (7 if path == "ce" else 0)
+                        if op == "write":
+                            view[:] = pattern(xp, opts.total, seed)
+                            target.call(cmd="zero", id=rid)
+                        else:
+                            target.call(cmd="fill", id=rid, seed=seed)
+                            view[:] = 0
+                        _sync_all(cp)
+
+                        def once() -> None:
+                            fn(local, lidx, remote, ridx).wait()
+
+                        med, mn = timed(once, opts.iters)
+                        src = pattern(xp, opts.total, seed)[: n * bs]
+                        exp = xp.zeros(opts.total, dtype=xp.uint8)
+                        ri = ridx if xp is np else xp.asarray(ridx)
+                        if op == "write":
+                            exp[: n * bs].reshape(n, bs)[ri] = src.reshape(n, bs)
+                            ok = target.digest(rid) == digest(xp, exp)
+                        else:
+                            exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[ri]
+                            ok = digest(xp, view) == digest(xp, exp)
+                        del exp, src
+                        if not ok:
+                            raise RuntimeError(f"{impl} {op} at {bs} bytes: destination bytes do not match")
+                        rows.append(row(impl, op, bs, n, opts.iters, med, mn, verified=True,
+                                        seg=f"{local_seg}->{remote_seg}", gpus=f"0->{rdev}"))
+            be.mode = kcuda.copy_mode()
+            prog.step("latency")
+            from .host import latency
+
+            lat: Any = latency(agent, peer, reg, _Descs(rdescs), opts.latency_samples)  # type: ignore[arg-type]
+            for r in lat if isinstance(lat, list) else [lat]:
+                r["seg"] = f"{local_seg}->{remote_seg}"
+                rows.append(r)
+            reg.release()
+    finally:
+        target.close()
+    return rows + ceiling(opts, prog, local_seg, remote_seg, rdev)
+
+
+class _Descs:
+    """Adapter: host.latency() reads ``target.descs``."""
+
+    def __init__(self, descs: kvx.DescList) -> None:
+        self.descs = descs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["target"]:
+        return _serve(args[1:])
+    print("usage: python -m kvx.bench.cuda target [--name N] [--config JSON]  (or: kvx bench --backend cuda)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    t0 = time.monotonic()
+    sys.exit(main())
