@@ -245,6 +245,15 @@ class Agent:
                 log.debug("backend %s failed to start", bname, exc_info=True)
         if not self.backends:
             raise BackendUnavailable("no kvx backend is available here")
+        self._side: Any = None
+        if self.config.listen is not None:
+            from .discovery import SideChannel
+
+            try:
+                self._side = SideChannel(self, *self.config.listen)
+            except BaseException:
+                Agent._shutdown(self.backends)
+                raise
         self._finalizer = weakref.finalize(self, Agent._shutdown, list(self.backends))
 
     # ------------------------------------------------------------------------------------------
@@ -484,6 +493,23 @@ class Agent:
             self._peers[info.name] = info
         return info.name
 
+    @property
+    def side_channel(self) -> Any:
+        """The :class:`kvx.discovery.SideChannel` serving this agent's metadata (``listen=``), or None."""
+        return self._side
+
+    def fetch_peer(self, host: str, port: int, timeout: float | None = None) -> str:
+        """Fetch a peer's metadata from its side channel (``AgentConfig(listen=...)``) and add it.
+
+        Authenticates with this agent's ``auth_token``; returns the peer's name.
+        """
+        self._check()
+        from .discovery import fetch_metadata
+
+        meta = fetch_metadata(host, port, token=self.config.auth_token or "",
+                              timeout=self.config.handshake_timeout if timeout is None else timeout)
+        return self.add_peer(meta)
+
     def peers(self) -> list[str]:
         """Names of the connected peers."""
         with self._lock:
@@ -533,9 +559,8 @@ class Agent:
         if not ok.all() and peer is not None:
             # the peer may have registered more since we saw its metadata: refresh once
             for b in self.backends:
-                fresh = getattr(b, "refresh_regions", None)
-                if fresh is not None and b.name in pinfo.sections.get("_reached", ()):  # type: ignore[union-attr]
-                    rows = fresh(peer)
+                if b.name in pinfo.sections.get("_reached", ()):  # type: ignore[union-attr]
+                    rows = b.refresh_regions(peer)
                     if rows is not None:
                         pinfo.regions = rows  # type: ignore[union-attr]
                         slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, rows)
@@ -722,6 +747,8 @@ class Agent:
         """Disconnect peers, release registrations, stop backends. Idempotent."""
         if self.closed:
             return
+        if self._side is not None:
+            self._side.close()
         with self._lock:
             for p in list(self._peers):
                 self.remove_peer(p)

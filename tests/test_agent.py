@@ -138,3 +138,14 @@ def test_every_setting_is_documented() -> None:
 
     for name in re.findall(r"`(KVX_[A-Z0-9_]+)`", doc):
         assert name in config.SETTINGS, f"docs/settings.md documents unknown {name}"
+
+
+def test_fetch_peer_over_side_channel() -> None:
+    cfg = kvx.AgentConfig(backends=("host", "tcp"), listen=("127.0.0.1", 0), auth_token="s3cret")
+    with kvx.Agent("served", cfg) as served, kvx.Agent("client", kvx.AgentConfig(
+            backends=("host", "tcp"), auth_token="s3cret")) as client:
+        host, port = served.side_channel.address
+        assert client.fetch_peer(host, port) == "served"
+        with kvx.Agent("intruder", kvx.AgentConfig(backends=("host", "tcp"), auth_token="wrong")) as bad:
+            with pytest.raises(kvx.AuthError):
+                bad.fetch_peer(host, port)

@@ -203,6 +203,14 @@ class Backend(ABC):
     def disconnect(self, peer_name: str) -> None:
         """Drop a peer; pending transfers to it fail with PeerDisconnected."""
 
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        """The peer's current live regions ``(kind, addr, nbytes, dev, slot, gen)``, or None.
+
+        Called by ``prepare`` when a descriptor is outside the regions the peer's metadata
+        listed (the peer may have registered more since). Default: cannot refresh.
+        """
+        return None
+
     def prepare(self, plist: "PreparedList") -> Any:
         """Per-backend preparation of a validated list (e.g. address translation); may return None."""
         return None

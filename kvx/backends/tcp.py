@@ -67,9 +67,9 @@ __all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake
 
 log = logging.getLogger(__name__)
 
-#: Streams (TCP connections) per peer.
+#: Default streams (TCP connections) per peer (``KVX_TCP_STREAMS``).
 STREAMS = 2
-#: Target bytes per chunk (one request frame); larger descriptors are split.
+#: Default target bytes per chunk, one request frame (``KVX_TCP_CHUNK``); larger descriptors are split.
 CHUNK = 4 << 20
 #: Most descriptors per chunk (bounds the request frame).
 MAX_DESCS = 1 << 16
@@ -82,7 +82,7 @@ _K_MSG = 1
 _U64 = np.uint64
 
 try:
-    from .. import _net
+    from .. import _net  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - build problem
     _net = None  # type: ignore[assignment]
 
@@ -104,7 +104,7 @@ def _recv_exact_deadline(sock: socket.socket, n: int, deadline: float) -> bytes:
         sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], n - got)
-        except socket.timeout:
+        except TimeoutError:
             raise TransferTimeout("handshake deadline passed") from None
         if k == 0:
             raise PeerDisconnected("connection closed during the handshake")
@@ -583,6 +583,10 @@ class TcpBackend(Backend):
         self.max_msg = int(_max_message())
         self.timeout = float(self.cfg.peer_timeout)
         self.inline = int(self.cfg.inline_bytes)
+        from .. import config as _config
+
+        self.streams = max(1, int(_config.get("KVX_TCP_STREAMS")))
+        self.chunk = max(4096, int(_config.get("KVX_TCP_CHUNK")))
         self._lock = threading.RLock()
         self._closed = False
         # registrations as the target sees them, and pins held by serving threads
@@ -672,7 +676,7 @@ class TcpBackend(Backend):
 
     # ---- listener / target side ------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
-        return {"addrs": [[h, p] for h, p in self._addrs], "streams": STREAMS}
+        return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -807,7 +811,7 @@ class TcpBackend(Backend):
         conn = _PeerConn(self, peer.name)
         socks: list[socket.socket] = []
         try:
-            for i in range(STREAMS):
+            for i in range(self.streams):
                 socks.append(self._dial(peer, addrs, i))
         except BaseException:
             for s in socks:
@@ -901,10 +905,10 @@ class TcpBackend(Backend):
         if not np.array_equal(ln, rp.nbytes[ri]):
             raise ValueError("paired descriptors differ in length")
         laddr, raddr = lp.addr[li], rp.addr[ri]
-        laddr, raddr, ln = _split_large(laddr, raddr, ln, CHUNK)
+        laddr, raddr, ln = _split_large(laddr, raddr, ln, self.chunk)
         total = int(ln.sum())
         cum = np.cumsum(ln)
-        g = np.maximum((cum - _U64(1)) // _U64(CHUNK), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
+        g = np.maximum((cum - _U64(1)) // _U64(self.chunk), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
         edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
         bounds = [0, *edges.tolist(), ln.shape[0]]
         req = _TcpRequest(total, len(bounds) - 1, conn, notify)

@@ -50,7 +50,7 @@ def raw_tcp(target: Target, opts: BenchOptions, prog: Progress) -> list[dict[str
     out = []
     buf = alloc("numpy", opts.total)
     buf[:] = 1
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]
     iters = max(opts.iters, 3)
     for op in opts.ops:
         prog.step(f"raw-tcp {op}")
@@ -113,7 +113,7 @@ def _raw_serve(lsock: socket.socket, buf: np.ndarray, op: str, iters: int, say: 
     c, _ = lsock.accept()
     lsock.close()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]
     n = buf.nbytes
     try:
         for _ in range(iters):

@@ -1,0 +1,374 @@
+"""The tcp backend: conformance between two processes over loopback, plus fault cases
+(authentication, garbage, oversized frames, slow loris, forged requests, killed peers, leaks)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import kvx
+from kvx import auth, wire
+from kvx.backends.tcp import client_handshake, recv_frame, send_frame
+from kvx.testing.conformance import TransferConformance, digest, pattern
+from kvx.testing.procs import PeerProcess
+
+TOKEN = "s3cret-token"
+
+
+class TestTcp(TransferConformance):
+    backend = "tcp"
+    mem = "numpy"
+
+
+def _addr(meta: bytes) -> tuple[str, int]:
+    info = kvx.Agent.parse_metadata(meta)
+    h, p = info.sections["tcp"]["addrs"][0]
+    return h, p
+
+
+def _agent(name: str = "initiator", **kw: Any) -> kvx.Agent:
+    kw.setdefault("peer_timeout", 3.0)
+    return kvx.Agent(name, kvx.AgentConfig(backends=("tcp",), **kw))
+
+
+@pytest.fixture
+def tpeer() -> Any:
+    p = PeerProcess("target", {"backends": ["tcp"], "peer_timeout": 3.0, "auth_token": TOKEN})
+    yield p
+    p.close()
+
+
+def _good_transfer(peer: PeerProcess, token: str = TOKEN) -> None:
+    """A fresh agent with the right token moves data correctly (the target keeps serving)."""
+    with _agent("good", auth_token=token) as a:
+        rid, rd = peer.register("numpy", 1 << 16)
+        name = a.add_peer(peer.meta)
+        buf = pattern(1 << 16, 5)
+        reg = a.register(buf)
+        loc = a.prepare(kvx.DescList.blocks(reg, 4096))
+        rem = a.prepare(kvx.DescList.blocks(rd, 4096), peer=name)
+        a.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+        assert peer.digest(rid) == digest(buf)
+
+
+def test_wrong_token_is_refused_and_no_data_moves(tpeer: PeerProcess) -> None:
+    rid, _ = tpeer.register("numpy", 4096)
+    before = tpeer.digest(rid)
+    for tok in ("wrong", None):
+        with _agent("intruder", auth_token=tok) as a:
+            with pytest.raises(kvx.AuthError):
+                a.add_peer(tpeer.meta)
+            assert a.peers() == []
+    assert tpeer.digest(rid) == before
+    _good_transfer(tpeer)
+
+
+def _raw_connect(addr: tuple[str, int]) -> socket.socket:
+    return socket.create_connection(addr, timeout=5)
+
+
+def test_garbage_on_the_data_port(tpeer: PeerProcess, caplog: Any) -> None:
+    addr = _addr(tpeer.meta)
+    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", os.urandom(4096), b"\x00" * 7, b"KX\x01\x00\xff\xff"):
+        s = _raw_connect(addr)
+        try:
+            s.recv(4096)  # the challenge
+            s.sendall(junk)
+            s.settimeout(8)
+            try:
+                while s.recv(4096):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+        finally:
+            s.close()
+    _good_transfer(tpeer)
+
+
+def test_oversized_frame_is_refused(tpeer: PeerProcess) -> None:
+    addr = _addr(tpeer.meta)
+    s = _raw_connect(addr)
+    try:
+        s.recv(4096)
+        s.sendall(wire.frame_header(1, 1 << 30))  # 1 GiB "hello" before authentication
+        s.settimeout(8)
+        assert s.recv(4096) == b""  # closed by the target
+    finally:
+        s.close()
+    _good_transfer(tpeer)
+
+
+def test_slow_loris_is_cut_at_the_handshake_deadline(tmp_path: Any) -> None:
+    p = PeerProcess("target", {"backends": ["tcp"], "peer_timeout": 3.0, "handshake_timeout": 1.0,
+                               "auth_token": TOKEN})
+    try:
+        addr = _addr(p.meta)
+        s = _raw_connect(addr)
+        t0 = time.monotonic()
+        closed_after = None
+        try:
+            s.recv(4096)
+            hello = wire.pack("hello", name="x", id="y", mac=b"z" * 32, svc="data")
+            frame = wire.frame_header(1, len(hello)) + hello
+            for b in frame:  # one byte every 0.2 s: never finishes within 1 s
+                try:
+                    s.sendall(bytes([b]))
+                    s.settimeout(0.2)
+                    if s.recv(1) == b"":
+                        closed_after = time.monotonic() - t0
+                        break
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    closed_after = time.monotonic() - t0
+                    break
+        finally:
+            s.close()
+        assert closed_after is not None and closed_after < 3.0
+        _good_transfer(p)
+    finally:
+        p.close()
+
+
+def test_forged_request_after_auth_gets_remote_error_and_memory_untouched(tpeer: PeerProcess) -> None:
+    """A client that passed authentication but sends descriptors outside the target's
+    registrations (bypassing prepare) is refused by the target itself."""
+    rid, rd = tpeer.register("numpy", 8192, seed=3)
+    before = tpeer.digest(rid)
+    info = kvx.Agent.parse_metadata(tpeer.meta)
+    s = _raw_connect(_addr(tpeer.meta))
+    try:
+        rep = client_handshake(s, TOKEN, "forger-id", "forger", "data", 5.0, expect_id=info.agent_id)
+        assert rep["t"] == "welcome"
+        a, n = int(rd.addr[0]), int(rd.nbytes[0])
+        forged = [(a - 4096, 4096), (a + n - 100, 200), (a + 8, n), (1 << 40, 64)]
+        for i, (fa, fn) in enumerate(forged):
+            body = wire.pack("w", rid=i + 1, addr=np.array([fa], np.uint64).tobytes(),
+                             nbytes=np.array([fn], np.uint64).tobytes())
+            s.sendall(wire.frame_header(1, len(body)) + body + b"\xee" * fn)
+            r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+            assert r["t"] == "err" and r["re"] == i + 1 and "outside registered memory" in r["msg"]
+            body = wire.pack("r", rid=100 + i, addr=np.array([fa], np.uint64).tobytes(),
+                             nbytes=np.array([fn], np.uint64).tobytes())
+            s.sendall(wire.frame_header(1, len(body)) + body)
+            r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+            assert r["t"] == "err" and r["re"] == 100 + i
+        # a legitimate request on the same connection still works
+        body = wire.pack("r", rid=7, addr=np.array([a], np.uint64).tobytes(),
+                         nbytes=np.array([64], np.uint64).tobytes())
+        s.sendall(wire.frame_header(1, len(body)) + body)
+        r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+        assert r["t"] == "rd" and r["n"] == 64
+        got = b""
+        while len(got) < 64:
+            got += s.recv(64 - len(got))
+        assert got == pattern(8192, 3)[:64].tobytes()
+    finally:
+        s.close()
+    assert tpeer.digest(rid) == before
+
+
+def test_unauthenticated_client_cannot_read_the_region_table(tpeer: PeerProcess) -> None:
+    tpeer.register("numpy", 4096)
+    s = _raw_connect(_addr(tpeer.meta))
+    try:
+        s.recv(4096)
+        body = wire.pack("regions", rid=1)
+        s.sendall(wire.frame_header(1, len(body)) + body)
+        s.settimeout(8)
+        data = s.recv(4096)
+        assert data == b"" or b"rows" not in data
+    finally:
+        s.close()
+
+
+def test_killed_peer_mid_transfer_fails_within_bound(tpeer: PeerProcess) -> None:
+    with _agent(auth_token=TOKEN) as a:
+        bs, n = 1 << 20, 192
+        rid, rd = tpeer.register("numpy", bs * n)
+        name = a.add_peer(tpeer.meta)
+        reg = a.register(np.ones(bs * n, np.uint8))
+        loc = a.prepare(kvx.DescList.blocks(reg, bs))
+        rem = a.prepare(kvx.DescList.blocks(rd, bs), peer=name)
+        xs = [a.write(loc, np.arange(n), rem, np.arange(n)) for _ in range(8)]
+        tpeer.kill()
+        t0 = time.monotonic()
+        for x in xs:
+            try:
+                x.wait(10)
+            except kvx.TransferError:
+                pass
+        assert time.monotonic() - t0 < 3.0 + 2.0
+        assert any(x.status is kvx.Status.FAILED for x in xs)
+        assert all(isinstance(x.error, kvx.PeerDisconnected) for x in xs if x.status is kvx.Status.FAILED)
+        with pytest.raises(kvx.PeerDisconnected):
+            a.write(loc, [0], rem, [0]).wait(5)
+
+
+def test_silent_peer_fails_within_bound(tpeer: PeerProcess) -> None:
+    """A stopped (SIGSTOP) target: TCP stays up, the process makes no progress."""
+    import signal
+
+    with _agent(auth_token=TOKEN) as a:
+        bs, n = 1 << 20, 64
+        rid, rd = tpeer.register("numpy", bs * n)
+        name = a.add_peer(tpeer.meta)
+        reg = a.register(np.ones(bs * n, np.uint8))
+        loc = a.prepare(kvx.DescList.blocks(reg, bs))
+        rem = a.prepare(kvx.DescList.blocks(rd, bs), peer=name)
+        os.kill(tpeer.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            x = a.read(loc, np.arange(n), rem, np.arange(n))
+            with pytest.raises((kvx.PeerDisconnected, kvx.TransferTimeout)):
+                x.wait(15)
+            assert time.monotonic() - t0 < 3.0 + 2.0
+        finally:
+            os.kill(tpeer.pid, signal.SIGCONT)
+
+
+def _census() -> tuple[int, int]:
+    gc.collect()
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def test_no_thread_or_fd_leaks(tpeer: PeerProcess) -> None:
+    rid, rd = tpeer.register("numpy", 1 << 20)
+    # warm up imports and the native pools
+    _good_transfer(tpeer)
+    time.sleep(0.2)
+    t0, f0 = _census()
+    for _ in range(3):
+        a = _agent(auth_token=TOKEN)
+        name = a.add_peer(tpeer.meta)
+        reg = a.register(np.ones(1 << 20, np.uint8))
+        loc = a.prepare(kvx.DescList.blocks(reg, 4096))
+        rem = a.prepare(kvx.DescList.blocks(rd, 4096), peer=name)
+        a.write(loc, np.arange(256), rem, np.arange(256), notify=b"n").wait(10)
+        a.read(loc, np.arange(256), rem, np.arange(256)).wait(10)
+        a.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _census() != (t0, f0):
+        time.sleep(0.1)
+    assert _census() == (t0, f0)
+
+
+def test_target_side_leaks_after_peers_die() -> None:
+    """The serving side drops connections of killed initiators: no threads or fds stay."""
+    with _agent("target", auth_token=TOKEN) as tgt:
+        reg = tgt.register(np.zeros(1 << 20, np.uint8))
+        t0, f0 = _census()
+        for _ in range(2):
+            p = PeerProcess("init", {"backends": ["tcp"], "peer_timeout": 3.0, "auth_token": TOKEN})
+            try:
+                p.call(cmd="add_peer", meta=__import__("base64").b64encode(tgt.metadata()).decode())
+            finally:
+                p.kill()
+                p.close()
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and _census() != (t0, f0):
+            time.sleep(0.1)
+        assert _census() == (t0, f0)
+        reg.release()
+
+
+def test_refused_connection_is_logged(tpeer: PeerProcess) -> None:
+    """The reason is logged by the target (checked in-process here)."""
+    records: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = H()
+    lg = logging.getLogger("kvx.backends.tcp")
+    lg.addHandler(h)
+    old = lg.level
+    lg.setLevel(logging.INFO)
+    try:
+        with _agent("target", auth_token=TOKEN) as tgt:
+            s = _raw_connect(_addr(tgt.metadata()))
+            s.recv(4096)
+            s.sendall(b"garbage!" * 4)
+            s.settimeout(5)
+            try:
+                assert s.recv(10) == b""
+            except ConnectionResetError:
+                pass
+            s.close()
+            with _agent("bad", auth_token="nope") as bad, pytest.raises(kvx.AuthError):
+                bad.add_peer(tgt.metadata())
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+    msgs = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert any("bad frame header" in m for m in msgs)
+    assert any("authentication" in m for m in msgs)
+
+
+def test_notify_both_ways_and_many_peers() -> None:
+    """One target serving several initiators at once; notifications after data."""
+    with _agent("hub") as hub:
+        hbuf = np.zeros(4 << 20, np.uint8)
+        hreg = hub.register(hbuf)
+        clients = [_agent(f"c{i}") for i in range(3)]
+        try:
+            xs = []
+            for i, c in enumerate(clients):
+                name = c.add_peer(hub.metadata())
+                buf = np.full(1 << 20, i + 1, np.uint8)
+                reg = c.register(buf)
+                loc = c.prepare(kvx.DescList.blocks(reg, 65536))
+                rem = c.prepare(kvx.DescList.blocks(hreg.descs, 65536), peer=name)
+                xs.append(c.write(loc, np.arange(16), rem, np.arange(16) + 16 * i, notify=f"done{i}".encode()))
+            for x in xs:
+                x.wait(10)
+            got: dict[str, list[bytes]] = {}
+            deadline = time.monotonic() + 5
+            while len(got) < 3 and time.monotonic() < deadline:
+                for k, v in hub.notifications(timeout=0.5).items():
+                    got.setdefault(k, []).extend(v)
+            assert got == {f"c{i}": [f"done{i}".encode()] for i in range(3)}
+            for i in range(3):
+                assert (hbuf[i << 20:(i + 1) << 20] == i + 1).all()
+            hub.add_peer(clients[0].metadata())
+            hub.notify("c0", b"back")
+            assert clients[0].notifications(timeout=5) == {"hub": [b"back"]}
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_metadata_section_and_listen_address() -> None:
+    with kvx.Agent("l", kvx.AgentConfig(backends=("tcp",), listen=("127.0.0.1", 0))) as a:
+        info = kvx.Agent.parse_metadata(a.metadata())
+        (h, p), = info.sections["tcp"]["addrs"]
+        assert h == "127.0.0.1" and p > 0
+    with _agent("d") as a:  # default: loopback, any port
+        info = kvx.Agent.parse_metadata(a.metadata())
+        assert info.sections["tcp"]["addrs"][0][0] == "127.0.0.1"
+
+
+def test_malformed_tcp_section_raises_protocol_error() -> None:
+    with _agent("a") as a, _agent("b") as b:
+        meta = msgpack.unpackb(b.metadata())
+        meta["backends"]["tcp"] = {"addrs": [["127.0.0.1", "x"]]}
+        with pytest.raises(kvx.ProtocolError):
+            a.add_peer(msgpack.packb(meta))
+
+
+def test_auth_helpers_agree() -> None:
+    n = auth.new_nonce()
+    auth.verify("t", n, "a", "b", auth.prove("t", n, "a", "b"))
+    with pytest.raises(kvx.AuthError):
+        auth.verify("t", n, "a", "b", auth.prove("u", n, "a", "b"))
+    assert send_frame is not None
