@@ -64,6 +64,9 @@ SETTINGS: dict[str, Setting] = {
                 "Shared secret; when set, side channels and data connections require HMAC proof."),
         Setting("KVX_MAX_MESSAGE", int, 256 << 20,
                 "Largest wire message (metadata, descriptor list, control frame) accepted, in bytes."),
+        Setting("KVX_CUDA_COPY", str, "auto",
+                "GPU copy path: kernel (batched NVRTC gather kernel), ce (cuMemcpyBatchAsync on the copy "
+                "engines), auto (ce when the mean block is >= 2 MiB, else kernel)."),
         Setting("KVX_TCP_STREAMS", int, 2, "TCP connections per peer (a large transfer is striped over them)."),
         Setting("KVX_TCP_CHUNK", int, 4 << 20, "Bytes per TCP data frame (pipelining unit of large transfers)."),
         Setting("KVX_ETCD_ENDPOINTS", _list, (), "etcd endpoints (http://host:port,...) for discovery."),

@@ -119,17 +119,14 @@ _ALLOCS: dict[int, tuple[int, int]] = {}  # start address -> (fd, size)
 _ALLOC_STARTS: list[int] = []
 
 
-def _forget_alloc(addr: int, fd: int, mm: mmap.mmap) -> None:
+def _forget_alloc(addr: int, fd: int) -> None:
+    # runs when the mmap object is collected (it unmaps itself): forget the block, close its fd
     with _ALLOCS_LOCK:
         _ALLOCS.pop(addr, None)
         try:
             _ALLOC_STARTS.remove(addr)
         except ValueError:
             pass
-    try:
-        mm.close()
-    except (BufferError, ValueError):
-        pass
     try:
         os.close(fd)
     except OSError:
@@ -174,7 +171,8 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
         import bisect
 
         bisect.insort(_ALLOC_STARTS, addr)
-    weakref.finalize(mm, _forget_alloc, addr, fd, mm)
+    # the finalizer must not hold ``mm`` itself, or the memory would live until exit
+    weakref.finalize(mm, _forget_alloc, addr, fd)
     if pinned:
         from .backends import cuda as _cuda
 
@@ -297,7 +295,7 @@ class DescList:
     arrays, gathered copies.
     """
 
-    __slots__ = ("kind", "addr", "nbytes", "dev")
+    __slots__ = ("addr", "dev", "kind", "nbytes")
 
     def __init__(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> None:
         self.kind = MemoryKind(kind)

@@ -93,7 +93,8 @@ def _alloc(seg: str, nbytes: int, dev: int) -> tuple[Any, Any]:
 
         big = torch.zeros(nbytes + 8192 + 16, dtype=torch.uint8, device=f"cuda:{dev}")
         t = big[4096 + 16: 4096 + 16 + nbytes]
-        return t, cupy.asarray(t)
+        with cupy.cuda.Device(dev):  # from another device, cupy.asarray would copy
+            return t, cupy.asarray(t)
     raise ValueError(f"unknown memory segment {seg!r} (vram, pinned, torch)")
 
 
@@ -141,6 +142,13 @@ class _on_device:
             import cupy
 
             self.ctx = cupy.cuda.Device(view.device.id)
+        elif view is None:  # registering: make the new memory's initial fill visible too
+            try:
+                import cupy
+
+                self.ctx = cupy.cuda.Device(cupy.cuda.runtime.getDevice())
+            except ImportError:
+                pass
 
     def __enter__(self) -> None:
         if self.ctx is not None:
@@ -148,6 +156,9 @@ class _on_device:
 
     def __exit__(self, *exc: object) -> None:
         if self.ctx is not None:
+            import cupy
+
+            cupy.cuda.runtime.deviceSynchronize()  # the initiator's copies come from another process
             self.ctx.__exit__(*exc)
 
 
@@ -155,6 +166,10 @@ def _serve_one(c: dict[str, Any], cmd: Any, agent: kvx.Agent, regs: dict[int, An
     nid = max(regs, default=0) + 1
     if cmd == "register":
         obj, view = _alloc(c["seg"], int(c["nbytes"]), int(c.get("dev", 0)))
+        if not isinstance(view, np.ndarray):
+            import cupy
+
+            _sync_all(cupy)  # torch/cupy fills are asynchronous
         reg = agent.register(obj)
         regs[nid] = (reg, obj, view)
         say({"id": nid, "descs": base64.b64encode(reg.descs.to_bytes()).decode()})
@@ -415,10 +430,70 @@ class _Descs:
         self.descs = descs
 
 
+def _tune(argv: list[str]) -> int:
+    """``python -m kvx.bench.cuda tune``: one process, loopback, sweep the kernel's launch knobs."""
+    import cupy as cp
+
+    from ..backends import cuda as kc
+
+    ap = argparse.ArgumentParser(prog="python -m kvx.bench.cuda tune")
+    ap.add_argument("--total", default="256M")
+    ap.add_argument("--block-sizes", default="4K,32K,256K,2M,64M")
+    ap.add_argument("--iters", type=int, default=5)
+    a = ap.parse_args(argv)
+    from . import parse_size
+
+    total = parse_size(a.total)
+    sizes = [parse_size(x) for x in a.block_sizes.split(",")]
+    ndev = cp.cuda.runtime.getDeviceCount()
+    with kvx.Agent("tune", kvx.AgentConfig(backends=("cuda",))) as ag:
+        be = ag.backend("cuda")
+        with cp.cuda.Device(0):
+            g0 = cp.ones(total, dtype=cp.uint8)
+        with cp.cuda.Device(1 if ndev > 1 else 0):
+            g1 = cp.zeros(total, dtype=cp.uint8)
+        h = kvx.alloc_host(total, pinned=True)
+        r0, r1, rh = ag.register(g0), ag.register(g1), ag.register(h)
+        pairs = [("gpu0->gpu1", r0, r1, "write"), ("gpu0<-gpu1", r0, r1, "read"), ("gpu->pinned", r0, rh, "write"),
+                 ("pinned->gpu", r0, rh, "read")]
+        knobs = [(b, sh) for b in (2, 4, 8) for sh in (13, 14, 16)]
+        for name, la, rb, op in pairs:
+            for bs in sizes:
+                n = total // bs
+                lo = ag.prepare(kvx.DescList.blocks(la, bs))
+                re = ag.prepare(kvx.DescList.blocks(rb, bs))
+                li = np.arange(n, dtype=np.int64)
+                ri = np.random.default_rng(0).permutation(n).astype(np.int64)
+                fn = ag.write if op == "write" else ag.read
+                res = []
+                for mode, (blk, sh) in [("kernel", k) for k in knobs] + [("ce", (0, 0))]:
+                    if mode == "ce" and not be.drv.has_batch:  # type: ignore[attr-defined]
+                        continue
+                    be.mode = mode  # type: ignore[attr-defined]
+                    kc.BLOCKS_PER_SM = kc.BLOCKS_PER_SM_HOST = blk or 8
+                    kc.CHUNK_SHIFT = sh or 14
+                    def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
+                        fn(lo, li, re, ri).wait()
+
+                    med, _mn = timed(once, a.iters)
+                    res.append((n * bs / med / 1e9, mode, blk, sh))
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    x = fn(lo, li, re, ri)
+                post_us = (time.perf_counter() - t0) / 20 * 1e6
+                x.wait()
+                res.sort(reverse=True)
+                cells = " ".join(f"{m}:{b}/{sh}={g:.0f}" for g, m, b, sh in res)
+                print(f"{name:12s} {bs >> 10:6d}K post={post_us:7.0f}us  {cells}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["target"]:
         return _serve(args[1:])
+    if args[:1] == ["tune"]:
+        return _tune(args[1:])
     print("usage: python -m kvx.bench.cuda target [--name N] [--config JSON]  (or: kvx bench --backend cuda)",
           file=sys.stderr)
     return 2

@@ -1,0 +1,1 @@
+../../native/cuda/kvx_copy.cu

@@ -1,0 +1,1339 @@
+"""``cuda``: GPU memory and pinned host memory between processes of one machine (and within one).
+
+What it moves: CUDA device memory (torch/cupy tensors, ``kvx.RawRegion(..., MemoryKind.CUDA)``)
+to and from CUDA memory or pinned host memory (``kvx.alloc_host(n, pinned=True)``, torch pinned
+tensors), in the same process or another process of the node, on the same GPU or a peer GPU.
+
+How:
+
+- **Reach.** A peer's GPU memory is imported with CUDA IPC: the target exports
+  ``cudaIpcGetMemHandle`` of the *allocation base* (``cuMemGetAddressRange``: a tensor from a
+  caching allocator is an offset inside a larger segment) on request over an AF_UNIX channel;
+  the initiator opens it once (``cudaIpcOpenMemHandle``, cached and reference counted per
+  handle) and closes it when the target revokes the region or the peer goes away. A peer's
+  pinned host memory is its ``alloc_host`` memfd, passed with SCM_RIGHTS, mapped here and
+  registered with CUDA here too (``cudaHostRegister``), so the local GPU reaches it directly.
+- **Copies.** One launch per transfer, never a Python loop per block. Two paths
+  (``KVX_CUDA_COPY``): ``kernel``, a batched gather/scatter kernel compiled at run time with
+  NVRTC (``native/cuda/kvx_copy.cu``; the prepared lists' address arrays stay on the device,
+  each transfer uploads only its index arrays), and ``ce``, ``cuMemcpyBatchAsync`` on the copy
+  engines (CUDA >= 12.8). ``auto`` (the default) picks per transfer by mean block size; see
+  ``docs/gpu.md`` for the measurements behind the threshold.
+- **Completion.** A CUDA event recorded after the copy; ``Request.test`` queries it, and a
+  reaper thread retires finished transfers (counters, notifications) even if nobody polls.
+- **Safety.** Remote descriptors are validated by the agent's ``prepare``. Release is final:
+  like the host backend, each agent publishes a control table (memfd) with
+  ``state = generation << 1 | live`` per slot and gives each peer a page of in-flight counters;
+  the initiator raises the counters of the slots a transfer touches, checks their states, and
+  lowers them when the transfer's event has completed; ``release`` clears the live bit, waits
+  for the counters to drain, then tells the peers to close their mappings. A peer whose channel
+  dies fails its pending transfers with ``PeerDisconnected``.
+
+cupy is imported lazily; without it (or without a GPU) :meth:`CudaBackend.unavailable_reason`
+says what is missing and ``import kvx`` is unaffected.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import _native, auth, wire
+from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
+from ..channel import Channel
+from ..errors import (
+    AuthError,
+    BackendUnavailable,
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    RemoteError,
+    TransferError,
+    UsageError,
+)
+from ..memory import MemoryKind, Region
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+
+__all__ = [
+    "CudaBackend",
+    "copy_mode",
+    "pin_host",
+    "region_from_cai",
+    "require_runtime",
+    "unpin_host",
+]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable choosing the copy path (kernel | ce | auto). To move into kvx.config.
+COPY_ENV = "KVX_CUDA_COPY"
+#: ``auto`` uses the copy engines when the mean block of a transfer is at least this large
+#: (bytes); below it, the kernel. Chosen from the measurements in docs/gpu.md.
+CE_MIN_BLOCK = 2 << 20
+#: One warp copies one chunk of 2**CHUNK_SHIFT bytes of a block (a work item of the kernel).
+CHUNK_SHIFT = 14
+#: Threads per block of the copy kernel, and resident blocks per SM aimed for.
+THREADS = 256
+BLOCKS_PER_SM = 8
+#: Resident blocks per SM when one side is host memory (PCIe saturates with fewer warps).
+BLOCKS_PER_SM_HOST = 8
+
+_ENTRY = 32  # control-table entry: state, addr, nbytes, info
+_CTRL_BYTES = MAX_SLOTS * _ENTRY
+_CNT = 8  # bytes per in-flight counter (the low 32 bits are what drain() reads)
+_INFL_BYTES = MAX_SLOTS * _CNT
+_F_SHM = 1 << 0  # HOST region inside an alloc_host memfd
+_F_PINNED = 1 << 1  # HOST region page-locked and registered with CUDA
+_F_IPC = 1 << 2  # CUDA region exportable through cudaIpcGetMemHandle
+
+_KERNEL_FILE = "kvx_copy.cu"
+_KERNEL_NAME = "kvx_gather_copy"
+_H2D = 1  # cudaMemcpyHostToDevice
+_IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+_HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_ERR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+_ERR_PEER_ALREADY = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime discovery (lazy: nothing here runs at import time)
+
+_reason_lock = threading.Lock()
+_reason: list[str | None] = []
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        raise BackendUnavailable(f"cupy not importable ({exc}): pip install kvx[cuda]") from exc
+    return cupy
+
+
+def kernel_source_path() -> Path | None:
+    """Where the copy kernel's source is: the package's copy first, then the repository's."""
+    here = Path(__file__).resolve()
+    for p in (here.parent.parent / "_cuda" / _KERNEL_FILE, here.parents[2] / "native" / "cuda" / _KERNEL_FILE):
+        if p.is_file():
+            return p
+    return None
+
+
+def _probe() -> str | None:
+    try:
+        cp = _cupy()
+    except BackendUnavailable as exc:
+        return str(exc)
+    try:
+        n = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        return f"no CUDA device ({exc})"
+    if n <= 0:
+        return "no CUDA device"
+    if kernel_source_path() is None:
+        return f"copy kernel source {_KERNEL_FILE} not found (native/cuda or kvx/_cuda)"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why the CUDA runtime cannot be used here (cached), or None."""
+    with _reason_lock:
+        if not _reason:
+            _reason.append(_probe())
+        return _reason[0]
+
+
+def require_runtime(feature: str) -> None:
+    """Raise BackendUnavailable naming ``feature`` and what is missing, unless CUDA works here."""
+    why = unavailable()
+    if why is not None:
+        raise BackendUnavailable(f"{feature} needs CUDA: {why}")
+
+
+def copy_mode() -> str:
+    """The copy path setting: ``kernel``, ``ce`` or ``auto`` (from ``KVX_CUDA_COPY``)."""
+    from .. import config
+
+    v = str(config.get(COPY_ENV) or "auto").strip().lower()
+    if v not in ("kernel", "ce", "auto"):
+        raise UsageError(f"{COPY_ENV}={v!r}: expected kernel, ce or auto")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned host memory (called by kvx.alloc_host(pinned=True))
+
+_PIN_LOCK = threading.Lock()
+_PINNED: dict[int, int] = {}
+_PIN_STARTS: list[int] = []
+
+
+def pin_host(addr: int, nbytes: int) -> None:
+    """Page-lock ``[addr, addr+nbytes)`` and register it with CUDA (portable, mapped).
+
+    Raises
+    ------
+    RegistrationError
+        If CUDA refuses (not enough lockable memory, already registered elsewhere).
+    """
+    require_runtime("pinning host memory")
+    cp = _cupy()
+    try:
+        cp.cuda.runtime.hostRegister(int(addr), int(nbytes), _HOST_REGISTER_FLAGS)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise RegistrationError(f"cudaHostRegister of {nbytes} bytes failed: {exc}") from exc
+    with _PIN_LOCK:
+        _PINNED[int(addr)] = int(nbytes)
+        bisect.insort(_PIN_STARTS, int(addr))
+
+
+def unpin_host(addr: int) -> None:
+    """Undo :func:`pin_host` (safe to call at interpreter exit; errors are logged)."""
+    with _PIN_LOCK:
+        if _PINNED.pop(int(addr), None) is None:
+            return
+        try:
+            _PIN_STARTS.remove(int(addr))
+        except ValueError:
+            pass
+    try:
+        _cupy().cuda.runtime.hostUnregister(int(addr))
+    except Exception:  # CUDA may already be torn down at exit
+        log.debug("cudaHostUnregister(0x%x) failed", addr, exc_info=True)
+
+
+def _pinned_by_us(addr: int, nbytes: int) -> bool:
+    with _PIN_LOCK:
+        i = bisect.bisect_right(_PIN_STARTS, addr) - 1
+        if i < 0:
+            return False
+        s = _PIN_STARTS[i]
+        return addr + nbytes <= s + _PINNED[s]
+
+
+def _host_device_pointer(addr: int, nbytes: int) -> int | None:
+    """The device address of pinned host memory, or None if it is not pinned/registered."""
+    cp = _cupy()
+    if not _pinned_by_us(addr, nbytes):
+        try:
+            a = cp.cuda.runtime.pointerGetAttributes(addr)
+            b = cp.cuda.runtime.pointerGetAttributes(addr + nbytes - 1)
+        except cp.cuda.runtime.CUDARuntimeError:
+            return None
+        if int(a.type) != 1 or int(b.type) != 1:  # cudaMemoryTypeHost: registered or cudaHostAlloc'd
+            return None
+        dp = int(a.devicePointer)
+        return dp if dp else addr
+    try:
+        dp = int(cp.cuda.runtime.pointerGetAttributes(addr).devicePointer)
+    except cp.cuda.runtime.CUDARuntimeError:
+        dp = 0
+    return dp if dp else addr
+
+
+# ---------------------------------------------------------------------------------------------
+# __cuda_array_interface__ objects (cupy arrays, numba, ...)
+
+
+def region_from_cai(obj: Any, cai: dict[str, Any]) -> Region:
+    """A CUDA :class:`Region` for an object exposing ``__cuda_array_interface__``.
+
+    Raises
+    ------
+    RegistrationError
+        If the array is empty, read-only or not C-contiguous.
+    BackendUnavailable
+        If the CUDA runtime cannot be used here.
+    """
+    try:
+        ptr, readonly = cai["data"]
+        shape = tuple(int(x) for x in cai["shape"])
+        itemsize = np.dtype(cai["typestr"]).itemsize
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RegistrationError(f"malformed __cuda_array_interface__: {exc}") from exc
+    if readonly:
+        raise RegistrationError("cannot register read-only GPU memory (peers may write to it)")
+    count = int(np.prod(shape)) if shape else 1
+    nbytes = count * itemsize
+    if nbytes == 0 or not ptr:
+        raise RegistrationError("cannot register an empty GPU array")
+    strides = cai.get("strides")
+    if strides is not None:
+        want, acc = [], itemsize
+        for d in reversed(shape):
+            want.append(acc)
+            acc *= d
+        if tuple(int(s) for s, d in zip(strides, shape) if d > 1) != tuple(
+                w for w, d in zip(reversed(want), shape) if d > 1):
+            raise RegistrationError("cannot register a non-contiguous GPU array")
+    require_runtime("registering GPU memory")
+    cp = _cupy()
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(int(ptr))
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise RegistrationError(f"not a CUDA pointer: 0x{int(ptr):x} ({exc})") from exc
+    if int(attrs.type) != 2:  # cudaMemoryTypeDevice
+        raise RegistrationError(f"0x{int(ptr):x} is not CUDA device memory (type {int(attrs.type)})")
+    return Region(MemoryKind.CUDA, int(ptr), nbytes, int(attrs.device), owner=obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver entry points cupy does not wrap (ctypes on libcuda)
+
+
+class _MemLoc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttrs(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _MemLoc), ("dstLocHint", _MemLoc),
+                ("flags", ctypes.c_uint)]
+
+
+class _Driver:
+    """libcuda entry points: allocation ranges and batched copy-engine memcpy."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        f = self.lib.cuMemGetAddressRange_v2
+        f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        f.restype = ctypes.c_int
+        self._range = f
+        self.batch_v2 = True
+        self._batch: Any = None
+        for name, v2 in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
+            fn = getattr(self.lib, name, None)
+            if fn is None:
+                continue
+            vp = ctypes.c_void_p
+            if v2:  # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+                fn.argtypes = [vp, vp, vp, ctypes.c_size_t, vp, vp, ctypes.c_size_t, vp]
+            else:  # CUDA 12.8: (..., numAttrs, failIdx, stream)
+                fn.argtypes = [vp, vp, vp, ctypes.c_size_t, vp, vp, ctypes.c_size_t, vp, vp]
+            fn.restype = ctypes.c_int
+            self._batch, self.batch_v2 = fn, v2
+            break
+        g = getattr(self.lib, "cuPointerGetAttribute", None)
+        if g is not None:
+            g.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+            g.restype = ctypes.c_int
+        self._getattr = g
+        self._attrs = _MemcpyAttrs(1, _MemLoc(0, 0), _MemLoc(0, 0), 0)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._fail = ctypes.c_size_t(0)
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        rc = self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if rc != 0:
+            raise RegistrationError(f"cuMemGetAddressRange(0x{ptr:x}) failed with CUDA error {rc}")
+        return int(base.value), int(size.value)
+
+    def is_vmm(self, ptr: int) -> bool:
+        """True if ``ptr`` lies in memory mapped with the VMM API (cuMemCreate/cuMemMap, e.g. PyTorch's
+        expandable segments), which legacy CUDA IPC cannot export correctly."""
+        f = getattr(self.lib, "cuMemRetainAllocationHandle", None)
+        if f is None:
+            return False
+        h = ctypes.c_uint64(0)
+        if f(ctypes.byref(h), ctypes.c_void_p(ptr)) != 0:
+            return False
+        self.lib.cuMemRelease(h)
+        return True
+
+    def legacy_ipc_capable(self, ptr: int) -> bool | None:
+        """CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE of ``ptr`` (False for VMM memory such as
+        PyTorch's expandable segments), or None if the driver cannot tell."""
+        if self._getattr is None:
+            return None
+        v = ctypes.c_int(0)
+        if self._getattr(ctypes.byref(v), 18, ctypes.c_uint64(ptr)) != 0:
+            return None
+        return bool(v.value)
+
+    def batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        n = int(dsts.shape[0])
+        args: list[Any] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.addressof(self._attrs),
+                           ctypes.addressof(self._attr_idx), 1]
+        if not self.batch_v2:
+            args.append(ctypes.addressof(self._fail))
+        args.append(stream)
+        rc = self._batch(*args)
+        if rc != 0:
+            raise TransferError(f"cuMemcpyBatchAsync of {n} copies failed with CUDA error {rc}")
+
+
+_DRIVER: list[_Driver] = []
+
+
+def _driver() -> _Driver:
+    if not _DRIVER:
+        try:
+            _DRIVER.append(_Driver())
+        except OSError as exc:
+            raise BackendUnavailable(f"libcuda.so.1 not loadable: {exc}") from exc
+    return _DRIVER[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device state: stream, kernel, limits
+
+
+class _Device:
+    def __init__(self, cp: Any, dev: int) -> None:
+        self.dev = dev
+        with cp.cuda.Device(dev):
+            # a blocking stream: work the caller queued on the legacy default stream (cupy's and
+            # torch's default) before a post is ordered before the copy, and vice versa
+            self.stream = cp.cuda.Stream(non_blocking=False)
+            src = kernel_source_path()
+            assert src is not None
+            mod = cp.RawModule(code=src.read_text(), options=("--std=c++17",))
+            self.kernel = mod.get_function(_KERNEL_NAME)
+            sms = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+        self.sms = sms
+        self.peers: set[int] = set()
+        self.lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared lists and requests
+
+
+@dataclass(slots=True)
+class _Prep:
+    kind: MemoryKind
+    dev: int  # device that runs transfers touching this list (-1: any, pinned host)
+    addr: np.ndarray  # addresses valid in this process (translated for remote lists)
+    nbytes: np.ndarray
+    ulen: int  # common length, 0 if lengths differ
+    peer: Any = None  # _Peer for remote lists
+    guards: list[tuple[int, int, int]] = field(default_factory=list)  # (state addr, want, counter addr)
+    pending_host: bool = False  # remote pinned host: map at first use
+    plist: Any = None
+    on_dev: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # dev -> (addr, nbytes) device arrays
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def device_arrays(self, cp: Any, dev: int) -> tuple[Any, Any]:
+        got = self.on_dev.get(dev)
+        if got is None:
+            with self.lock:
+                got = self.on_dev.get(dev)
+                if got is None:
+                    with cp.cuda.Device(dev):
+                        got = (cp.asarray(self.addr), cp.asarray(self.nbytes))
+                        cp.cuda.Stream.null.synchronize()
+                    self.on_dev[dev] = got
+        return got
+
+
+class _CudaRequest(Request):
+    """A launched transfer: done when its CUDA event has completed."""
+
+    __slots__ = ("_done", "_err", "_lock", "backend", "counters", "event", "keep", "nbytes", "notify", "peer")
+
+    def __init__(self, backend: "CudaBackend", event: Any, nbytes: int, peer: Any, counters: list[int],
+                 notify: bytes | None, keep: Any) -> None:
+        self.nbytes = nbytes
+        self.event = event
+        self.backend = backend
+        self.peer = peer
+        self.counters = counters
+        self.notify = notify
+        self.keep = keep
+        self._done = False
+        self._err: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _poll(self) -> bool:
+        """Query the event; retire the transfer once (counters, notification). True when finished."""
+        if self._done:
+            return True
+        err: BaseException | None = None
+        try:
+            finished = bool(self.event.done)
+        except Exception as exc:  # a CUDA error (faulting kernel, lost device)
+            finished, err = True, TransferError(f"CUDA copy failed: {exc}")
+        if not finished:
+            return False
+        with self._lock:
+            if self._done:
+                return True
+            peer = self.peer
+            if err is None and peer is not None and not peer.alive:
+                err = PeerDisconnected(f"peer {peer.name!r} disconnected during the transfer")
+            self.backend._release_counters(peer, self.counters)
+            self.counters = []
+            self._err = err
+            self.keep = None
+            self._done = True
+        if err is None and self.notify is not None:
+            self.backend._send_notif(peer, self.notify)
+        return True
+
+    def test(self) -> bool:
+        if not self._poll():
+            return False
+        if self._err is not None:
+            raise self._err
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while not self._poll():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now - t0 < 2e-3:
+                time.sleep(0)  # yield the GIL, stay responsive for short transfers
+            else:
+                time.sleep(min(2e-4 if now - t0 < 0.05 else 1e-3, deadline - now))
+        return self.test()
+
+
+class _Reaper:
+    """Retires finished transfers (counters down, notifications out) even if nobody polls."""
+
+    def __init__(self, name: str) -> None:
+        self._cv = threading.Condition()
+        self._pending: list[_CudaRequest] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvx-cuda-reaper-{name}", daemon=True)
+        self._thread.start()
+
+    def add(self, req: _CudaRequest) -> None:
+        with self._cv:
+            self._pending.append(req)
+            if len(self._pending) == 1:
+                self._cv.notify()
+
+    def pending_for(self, peer: Any) -> list[_CudaRequest]:
+        with self._cv:
+            return [r for r in self._pending if r.peer is peer]
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._pending:
+                    return
+                snap = list(self._pending)
+            done = [r for r in snap if r._poll()]
+            if done:
+                with self._cv:
+                    ids = {id(r) for r in done}
+                    self._pending = [r for r in self._pending if id(r) not in ids]
+            time.sleep(5e-5)
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers
+
+
+class _Peer:
+    """A connection this agent opened to a same-node peer, with its control table mapped."""
+
+    def __init__(self, name: str, chan: Channel, pid: int, ctrl: int, infl: int, devmap: list[int]) -> None:
+        self.name = name
+        self.chan = chan
+        self.pid = pid
+        self.same_process = pid == os.getpid()
+        self.ctrl = ctrl
+        self.infl = infl
+        self.devmap = devmap  # peer device ordinal -> local ordinal (-1: not visible here)
+        self.lock = threading.Lock()
+        self.clock = threading.Lock()  # counters
+        self.maps: dict[tuple[int, int], tuple[str, Any, int]] = {}  # (slot, gen) -> (kind, key, delta)
+        self.ipc: dict[bytes, list[int]] = {}  # handle -> [opened pointer, references]
+        self.hostmaps: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, gen) -> (base, size)
+        self.dropped = False
+
+    @property
+    def alive(self) -> bool:
+        return self.chan.alive and not self.dropped
+
+    def table(self) -> list[tuple[int, int, int, int, int, int]]:
+        t = _u64view(self.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        st = t[:, 0].copy()
+        rows = []
+        for s in np.nonzero(st & 1)[0].tolist():
+            state, addr, nb, info = (int(x) for x in t[s])
+            if state != int(st[s]):
+                continue
+            kind = info & 0xFF
+            if kind not in (int(MemoryKind.HOST), int(MemoryKind.CUDA)):
+                continue
+            rows.append((kind, addr, nb, (info >> 8) & 0xFFFFFFFF, s, state >> 1))
+        return rows
+
+
+def _u64view(addr: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
+
+
+def _index(idx: Any, n: int) -> np.ndarray:
+    if isinstance(idx, np.ndarray) and idx.dtype == np.int64 and idx.ndim == 1:
+        a = idx
+    elif type(idx) is int:
+        a = np.array([idx], dtype=np.int64)
+    else:
+        a = np.atleast_1d(np.asarray(idx))
+        if a.size and a.dtype.kind not in "iu":
+            raise TypeError(f"indices must be integers, not {a.dtype}")
+        a = a.astype(np.int64).reshape(-1)
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+        raise IndexError(f"descriptor index out of range for a list of {n}")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend
+
+
+class CudaBackend(Backend):
+    """GPU and pinned host memory on one machine: CUDA IPC, a batched copy kernel or the copy
+    engines, events for completion. See the module docstring."""
+
+    name = "cuda"
+    kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
+    remote = True
+    local = True
+    notifications = True
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return unavailable()
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        why = unavailable()
+        if why is not None:
+            raise BackendUnavailable(why)
+        self.cp = _cupy()
+        self.cfg = ctx.config
+        self.mode = copy_mode()
+        self.drv = _driver()
+        if self.mode == "ce" and not self.drv.has_batch:
+            raise BackendUnavailable(f"{COPY_ENV}=ce needs cuMemcpyBatchAsync (CUDA >= 12.8 driver)")
+        self.max_msg = int(_max_message())
+        self._lock = threading.RLock()
+        self._closed = False
+        self._devs: dict[int, _Device] = {}
+        ndev = int(self.cp.cuda.runtime.getDeviceCount())
+        self._bus = [str(self.cp.cuda.Device(i).pci_bus_id).lower() for i in range(ndev)]
+        self._home: int | None = None  # device that imports peers' GPU memory
+        # control table
+        self._ctrl_fd = os.memfd_create("kvx-cuda-ctrl", os.MFD_CLOEXEC)
+        os.ftruncate(self._ctrl_fd, _CTRL_BYTES)
+        self._ctrl = _native.map_fd(self._ctrl_fd, _CTRL_BYTES, 0, True)
+        self._table = _u64view(self._ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        self._slots: dict[int, dict[str, Any]] = {}
+        self._reaper = _Reaper(ctx.agent_name)
+        self._addr = f"\0kvx-cuda-{ctx.agent_id}"
+        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._lsock.bind(self._addr)
+        self._lsock.listen(64)
+        self._accepted: list[Channel] = []
+        self._dead_infl: list[int] = []
+        self._peers: dict[str, _Peer] = {}
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-cuda-{ctx.agent_name}", daemon=True)
+        self._acceptor.start()
+
+    # ---- capability ------------------------------------------------------------------------
+    def serves(self, local: MemoryKind, remote: MemoryKind, loopback: bool) -> bool:
+        if MemoryKind.CUDA not in (local, remote):
+            return False  # host <-> host is the host backend's
+        return super().serves(local, remote, loopback)
+
+    def _device(self, dev: int) -> _Device:
+        d = self._devs.get(dev)
+        if d is None:
+            with self._lock:
+                d = self._devs.get(dev)
+                if d is None:
+                    d = self._devs[dev] = _Device(self.cp, dev)
+        return d
+
+    def _home_dev(self) -> int:
+        if self._home is None:
+            self._home = int(self.cp.cuda.runtime.getDevice())
+        return self._home
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if not isinstance(region, Region) or region.kind not in (MemoryKind.HOST, MemoryKind.CUDA):
+            raise RegistrationError("cuda backend registers HOST and CUDA memory only")
+        info: dict[str, Any] = {"region": region, "gen": gen, "flags": 0}
+        if region.kind == MemoryKind.CUDA:
+            cp = self.cp
+            if not 0 <= region.dev < len(self._bus):
+                raise RegistrationError(f"CUDA device {region.dev} does not exist here")
+            with cp.cuda.Device(region.dev):
+                try:
+                    attrs = cp.cuda.runtime.pointerGetAttributes(region.addr)
+                except cp.cuda.runtime.CUDARuntimeError as exc:
+                    raise RegistrationError(f"0x{region.addr:x} is not CUDA memory: {exc}") from exc
+                if int(attrs.type) not in (2, 3) or (int(attrs.type) == 2 and int(attrs.device) != region.dev):
+                    raise RegistrationError(f"0x{region.addr:x} is not device memory of GPU {region.dev}")
+                base, size = self.drv.address_range(region.addr)
+                if region.addr + region.nbytes > base + size:
+                    raise RegistrationError("CUDA region extends past its allocation")
+                info.update(base=base, bsize=size)
+                if self.drv.is_vmm(region.addr) or self.drv.legacy_ipc_capable(region.addr) is False:
+                    info["noipc"] = ("allocated with the VMM API (e.g. PyTorch expandable segments), which "
+                                     "legacy CUDA IPC cannot export; set PYTORCH_CUDA_ALLOC_CONF="
+                                     "expandable_segments:False")
+                else:
+                    try:
+                        info["handle"] = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
+                        info["flags"] |= _F_IPC
+                    except cp.cuda.runtime.CUDARuntimeError as exc:
+                        info["noipc"] = f"cudaIpcGetMemHandle failed: {exc}"
+                if "noipc" in info:
+                    log.warning("GPU memory at 0x%x cannot be reached from other processes: %s", region.addr,
+                                info["noipc"])
+            if self._home is None:
+                self._home = region.dev
+        else:
+            if region.shm is not None:
+                info["flags"] |= _F_SHM
+            dp = _host_device_pointer(region.addr, region.nbytes)
+            if dp is not None:
+                info["flags"] |= _F_PINNED
+                info["devptr"] = dp
+        with self._lock:
+            e = self._table[slot]
+            e[1] = region.addr
+            e[2] = region.nbytes
+            e[3] = int(region.kind) | (int(region.dev) << 8) | (info["flags"] << 40)
+            _native.store64(self._ctrl + slot * _ENTRY, (gen << 1) | 1)
+            self._slots[slot] = info
+        return gen
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        gen = int(handle)
+        with self._lock:
+            slot = next((s for s, i in self._slots.items() if i["region"] is region and i["gen"] == gen), None)
+            if slot is None:
+                return
+            del self._slots[slot]
+            _native.store64(self._ctrl + slot * _ENTRY, gen << 1)  # not live: no new transfers start
+            chans = [c for c in self._accepted if c.alive and "infl" in c.extra]
+            counters = [int(c.extra["infl"]) + _CNT * slot for c in chans]
+        if counters and not _native.drain(np.array(counters, dtype=np.uint64), float(self.cfg.peer_timeout)):
+            for c in chans:
+                if _native.load32(int(c.extra["infl"]) + _CNT * slot):
+                    log.error("peer %s did not finish a GPU transfer on a released region within %.1f s; "
+                              "disconnecting it", c.peer_name, self.cfg.peer_timeout)
+                    c.close()
+        for c in chans:
+            try:
+                c.send(wire.pack("revoke", slot=slot, gen=gen))
+            except PeerDisconnected:
+                pass
+
+    # ---- peers: listener side --------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"uds": self._addr[1:], "pid": os.getpid(), "uid": os.getuid(), "devs": list(self._bus)}
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                s, _ = self._lsock.accept()
+            except OSError:
+                return
+            if self._closed:
+                s.close()
+                return
+            threading.Thread(target=self._handshake_in, args=(s,), daemon=True).start()
+
+    def _handshake_in(self, s: socket.socket) -> None:
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() and os.getuid() != 0:
+                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
+            chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{_pid}")
+            nonce = auth.new_nonce()
+            chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
+            msg, _, fds = chan.recv_one()
+            for fd in fds:
+                os.close(fd)
+            wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes})
+            auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
+            infl_fd = os.memfd_create("kvx-cuda-inflight", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(infl_fd, _INFL_BYTES)
+                chan.extra["infl"] = _native.map_fd(infl_fd, _INFL_BYTES, 0, True)
+                chan.peer_name = msg["name"]
+                chan.peer_id = msg["id"]
+                chan.send(wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id),
+                          fds=[self._ctrl_fd, infl_fd])
+            finally:
+                os.close(infl_fd)
+        except (KVXError, OSError) as exc:
+            log.warning("refused a same-node GPU connection: %s", exc)
+            try:
+                s.close()
+            except OSError:
+                pass
+            return
+        s.settimeout(None)
+        with self._lock:
+            if self._closed:
+                chan.close()
+                return
+            self._accepted.append(chan)
+        chan.start()
+
+    def _on_close(self, chan: Channel) -> None:
+        with self._lock:
+            if chan in self._accepted:
+                self._accepted.remove(chan)
+                infl = chan.extra.pop("infl", None)
+                if infl is not None:
+                    self._dead_infl.append(int(infl))  # unmapped at close: a drain may still read it
+        p = chan.extra.get("peer")
+        if p is not None and not self._closed:
+            threading.Thread(target=self._cleanup_peer, args=(p,), daemon=True).start()
+
+    def _on_message(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        t = msg["t"]
+        if t == "notif":
+            wire.check(msg, "notif", {"msg": bytes})
+            self.ctx.deliver(chan.peer_name, msg["msg"])
+        elif t == "revoke":
+            wire.check(msg, "revoke", {"slot": int, "gen": int})
+            p = chan.extra.get("peer")
+            if p is not None:
+                self._unmap(p, msg["slot"], msg["gen"])
+        elif t == "cuget":
+            self._serve_get(chan, msg)
+        else:
+            rid = msg.get("rid")
+            if isinstance(rid, int):
+                chan.reply_error(rid, f"unknown request {t!r}")
+
+    def _serve_get(self, chan: Channel, msg: dict[str, Any]) -> None:
+        wire.check(msg, "cuget", {"rid": int, "slot": int, "gen": int})
+        with self._lock:
+            info = self._slots.get(msg["slot"])
+        if info is None or info["gen"] != msg["gen"]:
+            chan.reply_error(msg["rid"], "region is not registered (released?)")
+            return
+        region: Region = info["region"]
+        if region.kind == MemoryKind.CUDA:
+            if "handle" not in info:
+                chan.reply_error(msg["rid"], f"GPU memory cannot be exported with CUDA IPC: {info.get('noipc')}")
+                return
+            chan.reply(msg["rid"], "cumem", kind=int(MemoryKind.CUDA), handle=info["handle"], base=info["base"],
+                       bsize=info["bsize"], dev=region.dev)
+        else:
+            if region.shm is None:
+                chan.reply_error(msg["rid"], "host memory is not shareable (use kvx.alloc_host(n, pinned=True))")
+                return
+            fd, off, size = region.shm
+            chan.reply(msg["rid"], "cumem", kind=int(MemoryKind.HOST), off=off, size=size, fds=[fd])
+
+    # ---- peers: initiator side -------------------------------------------------------------
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if not isinstance(sec, dict) or peer.sections.get("_boot") != BOOT_ID:
+            return False
+        try:
+            wire.check(dict(sec, t="cuda"), "cuda", {"uds": str, "pid": int, "uid": int, "devs": list})
+        except ProtocolError:
+            raise ProtocolError(f"malformed cuda section in {peer.name!r} metadata") from None
+        if not all(isinstance(b, str) for b in sec["devs"]):
+            raise ProtocolError(f"malformed device list in {peer.name!r} metadata")
+        devmap = [self._bus.index(b.lower()) if b.lower() in self._bus else -1 for b in sec["devs"]]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            s.connect("\0" + sec["uds"])
+        except OSError as exc:
+            s.close()
+            raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
+        chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
+        fds: list[int] = []
+        try:
+            msg, _, f0 = chan.recv_one()
+            fds += f0
+            wire.check(msg, "challenge", {"nonce": bytes, "id": str})
+            if msg["id"] != peer.agent_id:
+                raise ProtocolError(f"{peer.name!r} answered with another agent id")
+            mac = auth.prove(self.cfg.auth_token, msg["nonce"], self.ctx.agent_id, peer.agent_id)
+            chan.send(wire.pack("hello", name=self.ctx.agent_name, id=self.ctx.agent_id, mac=mac))
+            msg, _, f1 = chan.recv_one()
+            fds += f1
+            wire.check(msg, "welcome", {"name": str, "id": str})
+            if len(fds) != 2:
+                raise ProtocolError("handshake did not carry the control table")
+            ctrl = _native.map_fd(fds[0], _CTRL_BYTES, 0, False)
+            infl = _native.map_fd(fds[1], _INFL_BYTES, 0, True)
+        except PeerDisconnected as exc:
+            s.close()
+            raise AuthError(f"{peer.name!r} closed the handshake (wrong KVX_AUTH_TOKEN or other user?)") from exc
+        except (OSError, KVXError):
+            s.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        s.settimeout(None)
+        p = _Peer(peer.name, chan, sec["pid"], ctrl, infl, devmap)
+        chan.extra["peer"] = p
+        with self._lock:
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = p
+        if old is not None:
+            self._drop(old)
+        chan.start()
+        return True
+
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        p = self._peers.get(peer_name)
+        if p is None:
+            return None
+        with p.clock:
+            return p.table() if p.ctrl else None
+
+    def disconnect(self, peer_name: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer_name, None)
+        if p is not None:
+            self._drop(p)
+
+    def _drop(self, p: _Peer) -> None:
+        p.dropped = True
+        p.chan.close()
+        self._cleanup_peer(p)
+
+    def _cleanup_peer(self, p: _Peer) -> None:
+        """Wait (bounded) for the peer's transfers still on the GPU, then close its mappings."""
+        deadline = time.monotonic() + float(self.cfg.peer_timeout)
+        for r in self._reaper.pending_for(p):
+            try:
+                r.wait(max(0.0, deadline - time.monotonic()))
+            except KVXError:
+                pass
+        with p.lock:
+            keys = list(p.maps)
+        for slot, gen in keys:
+            self._unmap(p, slot, gen)
+        with p.clock:
+            if p.ctrl:
+                for addr, size in ((p.ctrl, _CTRL_BYTES), (p.infl, _INFL_BYTES)):
+                    try:
+                        _native.unmap(addr, size)
+                    except OSError:
+                        pass
+                p.ctrl = p.infl = 0
+
+    def _unmap(self, p: _Peer, slot: int, gen: int) -> None:
+        with p.lock:
+            m = p.maps.pop((slot, gen), None)
+            if m is None:
+                return
+            kind, key, _delta = m
+            if kind == "ipc":
+                ent = p.ipc.get(key[0])
+                if ent is None:
+                    return
+                ent[1] -= 1
+                if ent[1] > 0:
+                    return
+                del p.ipc[key[0]]
+                ptr = ent[0]
+                host = None
+            else:
+                host = p.hostmaps.pop((slot, gen), None)
+                ptr = 0
+        try:
+            if ptr:
+                self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            if host is not None:
+                try:
+                    self.cp.cuda.runtime.hostUnregister(host[0])
+                finally:
+                    _native.unmap(host[0], host[1])
+        except Exception:
+            log.debug("closing a mapping of %s", p.name, exc_info=True)
+
+    def _map(self, p: _Peer, slot: int, gen: int, region_addr: int) -> tuple[str, int, int]:
+        """Import the peer's region (slot, gen); return (kind, local device or -1, address delta)."""
+        with p.lock:
+            m = p.maps.get((slot, gen))
+        if m is not None:
+            return m[0], int(m[1][1]) if m[0] == "ipc" else -1, m[2]
+        msg, _, fds = p.chan.request("cuget", self.cfg.handshake_timeout, slot=slot, gen=gen)
+        try:
+            wire.check(msg, "cumem", {"kind": int})
+            if msg["kind"] == int(MemoryKind.CUDA):
+                wire.check(msg, "cumem", {"handle": bytes, "base": int, "bsize": int, "dev": int})
+                if not (msg["base"] <= region_addr < msg["base"] + msg["bsize"]):
+                    raise ProtocolError("cuget reply does not contain the region")
+                return self._map_ipc(p, slot, gen, msg)
+            wire.check(msg, "cumem", {"off": int, "size": int})
+            if len(fds) != 1:
+                raise ProtocolError("cuget reply without a descriptor")
+            size, off = msg["size"], msg["off"]
+            if os.fstat(fds[0]).st_size < size or off >= size:
+                raise ProtocolError("cuget reply with inconsistent sizes")
+            base = _native.map_fd(fds[0], size, 0, True)
+            try:
+                self.cp.cuda.runtime.hostRegister(base, size, _HOST_REGISTER_FLAGS)
+            except self.cp.cuda.runtime.CUDARuntimeError as exc:
+                _native.unmap(base, size)
+                raise BackendUnavailable(f"cannot pin {p.name!r}'s host memory here: {exc}") from exc
+            dp = int(self.cp.cuda.runtime.pointerGetAttributes(base).devicePointer) or base
+            delta = (dp + off - region_addr) % (1 << 64)
+            with p.lock:
+                if (slot, gen) in p.maps:  # raced with another thread
+                    dup = True
+                else:
+                    dup = False
+                    p.maps[(slot, gen)] = ("host", None, delta)
+                    p.hostmaps[(slot, gen)] = (base, size)
+            if dup:
+                self.cp.cuda.runtime.hostUnregister(base)
+                _native.unmap(base, size)
+                return "host", -1, p.maps[(slot, gen)][2]
+            return "host", -1, delta
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _map_ipc(self, p: _Peer, slot: int, gen: int, msg: dict[str, Any]) -> tuple[str, int, int]:
+        handle, base = msg["handle"], msg["base"]
+        owner = p.devmap[msg["dev"]] if 0 <= msg["dev"] < len(p.devmap) else -1
+        if p.same_process:
+            dev = owner if owner >= 0 else self._home_dev()
+            with p.lock:
+                p.maps.setdefault((slot, gen), ("ipc", (b"", dev), 0))
+            return "ipc", dev, 0
+        # import on the GPU that will run the copies: the one holding this agent's own GPU memory,
+        # else the memory's own GPU when it is visible here
+        dev = self._home if self._home is not None else (owner if owner >= 0 else self._home_dev())
+        with p.lock:
+            ent = p.ipc.get(handle)
+            if ent is not None:
+                ent[1] += 1
+                ptr = ent[0]
+        if ent is None:
+            with self.cp.cuda.Device(dev):
+                try:
+                    ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
+                except self.cp.cuda.runtime.CUDARuntimeError as exc:
+                    raise BackendUnavailable(f"cannot open {p.name!r}'s GPU memory with CUDA IPC on GPU {dev}: "
+                                             f"{exc}") from exc
+            with p.lock:
+                got = p.ipc.get(handle)
+                if got is not None:  # another thread opened it meanwhile
+                    got[1] += 1
+                    dup, ptr2 = ptr, got[0]
+                    ptr = ptr2
+                else:
+                    p.ipc[handle] = [ptr, 1]
+                    dup = 0
+            if dup:
+                self.cp.cuda.runtime.ipcCloseMemHandle(dup)
+        delta = (ptr - base) % (1 << 64)
+        with p.lock:
+            if (slot, gen) in p.maps:
+                p.ipc[handle][1] -= 1
+                m = p.maps[(slot, gen)]
+                return "ipc", int(m[1][1]), m[2]
+            p.maps[(slot, gen)] = ("ipc", (handle, dev), delta)
+        return "ipc", dev, delta
+
+    # ---- preparation -----------------------------------------------------------------------
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        addr = np.ascontiguousarray(d.addr, dtype=np.uint64)
+        nb = np.ascontiguousarray(d.nbytes, dtype=np.uint64)
+        ulen = int(nb[0]) if len(nb) and bool((nb == nb[0]).all()) else 0
+        if plist.peer is None:
+            return self._prepare_local(plist, addr, nb, ulen)
+        p = self._peers.get(plist.peer)
+        if p is None or not p.alive:
+            raise PeerDisconnected(f"not connected to {plist.peer!r}")
+        guards = [(p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + _CNT * s) for s in plist.used.tolist()]
+        prep = _Prep(plist.kind, -1, addr, nb, ulen, peer=p, guards=guards, plist=plist)
+        if plist.kind == MemoryKind.HOST:
+            prep.pending_host = True  # mapped (and pinned here) at the first GPU transfer only
+            return prep
+        self._translate_remote(prep)
+        return prep
+
+    def _prepare_local(self, plist: PreparedList, addr: np.ndarray, nb: np.ndarray, ulen: int) -> _Prep:
+        with self._lock:
+            infos = {s: self._slots.get(s) for s in plist.used.tolist()}
+        if any(i is None for i in infos.values()):
+            raise BackendUnavailable("a region of this list is not registered with the cuda backend")
+        if plist.kind == MemoryKind.CUDA:
+            devs = np.unique(plist.descs.dev)
+            if len(devs) != 1:
+                raise BackendUnavailable("a prepared list of GPU memory must lie on one GPU for the cuda backend")
+            return _Prep(MemoryKind.CUDA, int(devs[0]), addr, nb, ulen, plist=plist)
+        delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
+        for s, i in infos.items():
+            assert i is not None
+            if not i["flags"] & _F_PINNED:
+                raise BackendUnavailable("host memory is not pinned: use kvx.alloc_host(n, pinned=True) or a "
+                                         "pinned tensor for GPU transfers")
+            delta[s] = np.uint64((i["devptr"] - i["region"].addr) % (1 << 64))
+        if delta.any():
+            addr = addr + delta[plist.slots]
+        return _Prep(MemoryKind.HOST, -1, addr, nb, ulen, plist=plist)
+
+    def _translate_remote(self, prep: _Prep) -> None:
+        p, plist = prep.peer, prep.plist
+        starts = {}
+        with p.clock:
+            if not p.alive or not p.ctrl:
+                raise PeerDisconnected(f"peer {p.name!r} is not connected")
+            t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+            for s in plist.used.tolist():
+                starts[s] = int(t[s, 1])
+        delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
+        devs = set()
+        for s in plist.used.tolist():
+            _kind, dev, dl = self._map(p, s, plist.gens[s], starts[s])
+            delta[s] = np.uint64(dl)
+            if dev >= 0:
+                devs.add(dev)
+        if len(devs) > 1:
+            raise BackendUnavailable("remote GPU memory of one prepared list was imported on several GPUs")
+        prep.addr = np.ascontiguousarray(prep.addr + delta[plist.slots])
+        prep.dev = devs.pop() if devs else -1
+        prep.pending_host = False
+
+    # ---- transfers -------------------------------------------------------------------------
+    def _acquire(self, p: _Peer, guards: list[tuple[int, int, int]]) -> list[int]:
+        """Raise the in-flight counters of the target slots, then check they are still live."""
+        cnts = [g[2] for g in guards]
+        with p.clock:
+            if not p.alive or not p.ctrl:
+                raise PeerDisconnected(f"peer {p.name!r} is not connected")
+            for c in cnts:
+                _native.store64(c, _native.load64(c) + 1)  # seq-cst store: a full fence before the checks
+            if all(_native.load64(st) == want for st, want, _c in guards):
+                return cnts
+            for c in cnts:
+                _native.store64(c, _native.load64(c) - 1)
+        raise RemoteError(f"peer {p.name!r}: the target released (or re-registered) the memory")
+
+    def _release_counters(self, p: _Peer | None, cnts: list[int]) -> None:
+        if p is None or not cnts:
+            return
+        with p.clock:
+            if not p.infl:
+                return
+            for c in cnts:
+                _native.store64(c, _native.load64(c) - 1)
+
+    def _send_notif(self, p: _Peer | None, message: bytes) -> None:
+        if p is None:
+            self.ctx.deliver(self.ctx.agent_name, message)
+            return
+        try:
+            p.chan.send(wire.pack("notif", msg=message))
+        except PeerDisconnected:
+            log.debug("notification to %s lost: peer gone", p.name)
+
+    def _ensure_peer_access(self, d: _Device, other: int) -> None:
+        if other < 0 or other == d.dev or other in d.peers:
+            return
+        cp = self.cp
+        with cp.cuda.Device(d.dev):
+            if not cp.cuda.runtime.deviceCanAccessPeer(d.dev, other):
+                raise BackendUnavailable(f"GPU {d.dev} cannot access GPU {other} (no peer access)")
+            try:
+                cp.cuda.runtime.deviceEnablePeerAccess(other)
+            except cp.cuda.runtime.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) != _ERR_PEER_ALREADY:
+                    raise
+        d.peers.add(other)
+
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request:
+        lp: _Prep = local.bdata["cuda"]
+        rp: _Prep = remote.bdata["cuda"]
+        if self._closed:
+            raise UsageError("cuda backend is closed")
+        li = _index(lidx, len(lp.addr))
+        ri = _index(ridx, len(rp.addr))
+        n = int(li.shape[0])
+        if n != int(ri.shape[0]):
+            raise ValueError("index lists differ in length")
+        if lp.ulen and rp.ulen:
+            if lp.ulen != rp.ulen:
+                raise ValueError("paired descriptors differ in length")
+            ulen = lp.ulen
+            total = ulen * n
+        else:
+            ln = lp.nbytes[li]
+            if not np.array_equal(ln, rp.nbytes[ri]):
+                raise ValueError("paired descriptors differ in length")
+            total = int(ln.sum())
+            ulen = int(ln[0]) if n and bool((ln == ln[0]).all()) else 0
+        peer: _Peer | None = rp.peer
+        if peer is not None:
+            if self._peers.get(peer.name) is not peer or not peer.alive:
+                raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
+            if rp.pending_host:
+                with rp.lock:
+                    if rp.pending_host:
+                        self._translate_remote(rp)
+        if n == 0:
+            return DoneRequest(0)
+        dev = lp.dev if lp.kind == MemoryKind.CUDA else rp.dev
+        if dev < 0:
+            dev = self._home_dev()
+        d = self._device(dev)
+        if lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA and rp.dev != dev:
+            self._ensure_peer_access(d, rp.dev)
+        src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
+        path = self.mode
+        if path == "auto":
+            path = "ce" if self.drv.has_batch and total >= CE_MIN_BLOCK * n else "kernel"
+        counters = self._acquire(peer, rp.guards) if peer is not None else []
+        try:
+            with d.lock:
+                if path == "ce":
+                    ev, keep = self._launch_ce(d, dst, didx, src, sidx)
+                else:
+                    ev, keep = self._launch_kernel(d, dst, didx, src, sidx, n, ulen)
+        except self.cp.cuda.runtime.CUDARuntimeError as exc:
+            self._release_counters(peer, counters)
+            raise TransferError(f"CUDA launch failed: {exc}") from exc
+        except BaseException:
+            self._release_counters(peer, counters)
+            raise
+        req = _CudaRequest(self, ev, total, peer, counters, notify, keep)
+        self._reaper.add(req)
+        return req
+
+    def _launch_kernel(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
+                       ulen: int) -> tuple[Any, Any]:
+        cp = self.cp
+        shift = CHUNK_SHIFT
+        with cp.cuda.Device(d.dev):
+            dA, _ = dst.device_arrays(cp, d.dev)
+            sA, sL = src.device_arrays(cp, d.dev)
+            extra = 0 if ulen else n + 1
+            host = _pinned_empty(cp, 2 * n + extra)
+            host[:n] = didx
+            host[n:2 * n] = sidx
+            if ulen:
+                items = n * ((ulen + (1 << shift) - 1) >> shift)
+            else:
+                per = (src.nbytes[sidx] + np.uint64((1 << shift) - 1)) >> np.uint64(shift)
+                host[2 * n] = 0
+                np.cumsum(per, out=host[2 * n + 1:].view(np.uint64))
+                items = int(host[-1])
+            dbuf = cp.empty(2 * n + extra, dtype=cp.int64)
+            st = d.stream
+            cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, host.ctypes.data, host.nbytes, _H2D, st.ptr)
+            per_sm = BLOCKS_PER_SM_HOST if MemoryKind.HOST in (dst.kind, src.kind) else BLOCKS_PER_SM
+            grid = max(1, min(d.sms * per_sm, (items * 32 + THREADS - 1) // THREADS))
+            first = dbuf.data.ptr + 16 * n if not ulen else 0
+            with st:
+                d.kernel((grid,), (THREADS,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
+                                               np.uint64(dbuf.data.ptr), np.uint64(sL.data.ptr), np.uint64(first),
+                                               np.uint64(n), np.uint64(ulen), np.uint64(items), np.uint32(shift)))
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(st)
+        return ev, (host, dbuf)
+
+    def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray) -> tuple[Any, Any]:
+        cp = self.cp
+        dsts = np.ascontiguousarray(dst.addr[didx])
+        srcs = np.ascontiguousarray(src.addr[sidx])
+        sizes = np.ascontiguousarray(src.nbytes[sidx])
+        with cp.cuda.Device(d.dev):
+            st = d.stream
+            self.drv.batch(dsts, srcs, sizes, st.ptr)
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(st)
+        return ev, None
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        p = self._peers.get(peer_name)
+        if p is None or not p.alive:
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected")
+        p.chan.send(wire.pack("notif", msg=message))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            acc = list(self._accepted)
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        for p in peers:
+            self._drop(p)
+        for c in acc:
+            c.close()
+        self._reaper.close(float(self.cfg.peer_timeout))
+        for s in list(self._slots):
+            _native.store64(self._ctrl + s * _ENTRY, 0)
+        with self._lock:
+            dead, self._dead_infl = self._dead_infl, []
+        for a in dead:
+            try:
+                _native.unmap(a, _INFL_BYTES)
+            except OSError:
+                pass
+        for d in self._devs.values():
+            try:
+                d.stream.synchronize()
+            except Exception:
+                log.debug("synchronizing GPU %d at close", d.dev, exc_info=True)
+        os.close(self._ctrl_fd)
+
+
+def _pinned_empty(cp: Any, n: int) -> np.ndarray:
+    """An int64 numpy array of ``n`` elements in pinned memory (cupy's pinned pool)."""
+    mem = cp.cuda.alloc_pinned_memory(max(8, 8 * n))
+    return np.frombuffer(mem, dtype=np.int64, count=n)
+
+
+def _max_message() -> int:
+    from .. import config
+
+    return int(config.get("KVX_MAX_MESSAGE"))

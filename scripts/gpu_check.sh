@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# `make gpu-check`: on a GPU machine, build kvx, run the GPU tests, run the cuda benchmark sweep
+# and print a compact table. Results (logs, JSON, PNG, table) go to $OUT (default ./out).
+# Needs numpy, msgpack, cupy and (for some tests) torch; msgpack is installed from ./.carry if
+# missing and no index is reachable.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+# NVLink multicast stays off on shared machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+TOTAL=${GPU_CHECK_TOTAL:-256M}
+SIZES=${GPU_CHECK_SIZES:-4K,32K,256K,2M,64M}
+SEGS=${GPU_CHECK_SEGS:-vram,vram vram,pinned}
+ITERS=${GPU_CHECK_ITERS:-5}
+TESTS=${GPU_CHECK_TESTS:-1}
+
+$PY -c "import msgpack" 2>/dev/null || $PY -m pip install -q --no-index --find-links .carry msgpack \
+  || { echo "msgpack missing and not installable"; exit 1; }
+echo "== build"
+$PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+export KVX_BENCH_GPU_NAME="$GPU_NAME x$(nvidia-smi -L | wc -l)"
+echo "== device: $KVX_BENCH_GPU_NAME, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1), $(date -u +%F)"
+nvidia-smi topo -m 2>/dev/null | head -4
+$PY -c "import kvx.backends.cuda as c; print('cuda backend:', c.CudaBackend.unavailable_reason() or 'available')"
+
+rc=0
+if [ "$TESTS" = 1 ]; then
+  echo "== tests (gpu)"
+  $PY -m pytest -q -p kvx.testing.plugin -rfE --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py 2>&1 | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+
+echo "== benchmark: $TOTAL, permuted, block sizes $SIZES"
+for seg in $SEGS; do
+  tag=${seg/,/-}
+  $PY -m kvx.cli bench --backend cuda --seg "$seg" --total "$TOTAL" --block-sizes "$SIZES" --iters "$ITERS" \
+    --latency-samples 500 --quiet --json "$OUT/bench-cuda-$tag.json" --plot "$OUT/bench-cuda-$tag.png" \
+    >"$OUT/bench-cuda-$tag.txt" 2>&1 || { echo "bench $seg failed:"; tail -30 "$OUT/bench-cuda-$tag.txt"; rc=1; }
+done
+
+echo "== table"
+$PY - "$OUT" <<'PYEOF' | tee "$OUT/gpu-table.md"
+import glob, json, os, sys
+out = sys.argv[1]
+def fs(n):
+    for u, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{u}"
+    return str(n)
+for path in sorted(glob.glob(os.path.join(out, "bench-cuda-*.json"))):
+    d = json.load(open(path))
+    h = d["header"]
+    seg = "->".join(h.get("seg", []))
+    print(f"\n### {seg}  ({h.get('gpu', '?')}, {h['date']}, total {h['total'] >> 20} MiB, permuted)\n")
+    rows = [r for r in d["rows"] if "gbps" in r]
+    raw = next((r["impl"] for r in rows if r["impl"].startswith("raw")), None)
+    print(f"| op | block | kernel GB/s | ce GB/s | {raw} GB/s | kernel/raw | ce/raw |")
+    print("|---|---|---|---|---|---|---|")
+    keys = []
+    for r in rows:
+        if (r["op"], r["block_bytes"]) not in keys:
+            keys.append((r["op"], r["block_bytes"]))
+    for op, bs in keys:
+        v = {r["impl"]: r["gbps"] for r in rows if r["op"] == op and r["block_bytes"] == bs}
+        k, c, w = v.get("kvx-kernel"), v.get("kvx-ce"), v.get(raw)
+        f = lambda x: f"{x:.1f}" if x is not None else "-"
+        q = lambda a, b: f"{a / b:.2f}" if a and b else "-"
+        print(f"| {op} | {fs(bs)} | {f(k)} | {f(c)} | {f(w)} | {q(k, w)} | {q(c, w)} |")
+    for r in d["rows"]:
+        if "lat_us_median" in r:
+            print(f"\nlatency {r['impl']}, one 4 KiB write (auto path): median {r['lat_us_median']:.1f} us, "
+                  f"p99 {r['lat_us_p99']:.1f} us")
+PYEOF
+exit $rc

@@ -1,0 +1,412 @@
+"""The cuda backend: GPU <-> GPU and GPU <-> pinned host, in one process and across two.
+
+Everything that needs a GPU is marked ``gpu`` (``make gpu-check`` runs it on a GPU machine);
+the first two tests run everywhere and check that the backend stays optional.
+
+The shared ``TransferConformance`` suite drives host buffers against ``kvx.testing.peer``, which
+has no GPU memory, so the key conformance cases are written here in a GPU variant against the
+helper process of ``kvx.bench.cuda`` (permuted ids, odd sizes and alignments, forged
+descriptors, a release racing transfers, a killed peer, notifications after the data).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.bench.cuda import Helper, digest, pattern
+
+
+def _reason() -> str | None:
+    from kvx.backends.cuda import CudaBackend
+
+    return CudaBackend.unavailable_reason()
+
+
+# ---- everywhere -------------------------------------------------------------------------------
+
+
+def test_import_does_not_pull_cupy_and_reason_is_clear() -> None:
+    code = ("import sys, kvx, kvx.backends.cuda as c; assert 'cupy' not in sys.modules; "
+            "r = c.CudaBackend.unavailable_reason(); print(r)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reason = out.stdout.strip()
+    assert reason == "None" or "pip install kvx[cuda]" in reason or "no CUDA device" in reason
+
+
+def test_pinned_alloc_without_cuda_raises_backend_unavailable() -> None:
+    if _reason() is None:
+        pytest.skip("CUDA is available here")
+    with pytest.raises(kvx.BackendUnavailable, match="needs CUDA"):
+        kvx.alloc_host(4096, pinned=True)
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+CFG = {"backends": ["cuda"], "peer_timeout": 3.0}
+#: legacy CUDA IPC cannot export VMM memory (PyTorch's expandable segments)
+TORCH_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+PATHS = ["kernel", "ce"]
+
+
+def _ndev() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def _config() -> kvx.AgentConfig:
+    return kvx.AgentConfig(backends=("cuda",), peer_timeout=3.0)
+
+
+@pytest.fixture(scope="module")
+def helper() -> Any:
+    if _reason() is not None:
+        pytest.skip(f"no GPU: {_reason()}")
+    h = Helper("target", CFG, env=TORCH_ENV)
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def agent(helper: Helper) -> Any:
+    a = kvx.Agent("initiator", _config())
+    yield a
+    a.close()
+
+
+def _local(seg: str, n: int, dev: int = 0) -> tuple[Any, Any]:
+    from kvx.bench.cuda import _alloc
+
+    return _alloc(seg, n, dev)
+
+
+def _xp(view: Any) -> Any:
+    if isinstance(view, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def _host(view: Any) -> np.ndarray:
+    return view if isinstance(view, np.ndarray) else view.get()
+
+
+def _set_path(agent: kvx.Agent, path: str) -> None:
+    be = agent.backend("cuda")
+    if path == "ce" and not be.drv.has_batch:  # type: ignore[attr-defined]
+        pytest.skip("cuMemcpyBatchAsync not available (CUDA < 12.8)")
+    be.mode = path  # type: ignore[attr-defined]
+
+
+SEGS = [("vram", "vram", 0), ("vram", "vram", 1), ("vram", "pinned", 0), ("pinned", "vram", 1),
+        ("vram", "torch", 1), ("torch", "vram", 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("lseg,rseg,rdev", SEGS)
+@pytest.mark.parametrize("bs", [1, 4096, 4097, 65536])
+def test_write_then_read_permuted(agent: kvx.Agent, helper: Helper, path: str, lseg: str, rseg: str, rdev: int,
+                                  bs: int) -> None:
+    if rdev >= _ndev():
+        pytest.skip("needs two GPUs")
+    if "torch" in (lseg, rseg):
+        pytest.importorskip("torch")
+    _set_path(agent, path)
+    n = 64
+    rid, rdescs = helper.register(rseg, n * bs, rdev)
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local(lseg, n * bs)
+        xp = _xp(view)
+        view[:] = pattern(xp, n * bs, bs)
+        reg = agent.register(obj)
+        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        perm = np.random.default_rng(bs).permutation(n)
+        if rseg == "torch" and "cuda" not in remote.bdata:
+            # VMM memory (PyTorch expandable segments) is refused, never written at a wrong place
+            with pytest.raises(kvx.BackendUnavailable):
+                agent.write(local, np.arange(n), remote, perm)
+            pytest.xfail("remote PyTorch memory is VMM-mapped here: legacy CUDA IPC cannot export it")
+        x = agent.write(local, np.arange(n), remote, perm)
+        assert x.wait(30) is x and x.status is kvx.Status.DONE and x.backend == "cuda"
+        assert x.nbytes == n * bs
+        src = _host(view).copy()
+        exp = np.empty(n * bs, np.uint8)
+        exp.reshape(n, bs)[perm] = src.reshape(n, bs)
+        got = helper.digest(rid)
+        if got != digest(np, exp):
+            remote_now = np.frombuffer(helper.peek(rid, 0, n * bs), np.uint8)
+            pytest.fail(f"remote bytes differ: {int((remote_now != exp).sum())} of {n * bs} wrong, "
+                        f"{int((remote_now == 0).sum())} zero; rdescs={rdescs.addr[0]:#x}")
+        view[:] = 0
+        agent.read(local, perm, remote, np.arange(n)).wait(30)
+        back = np.empty_like(src)
+        back.reshape(n, bs)[perm] = exp.reshape(n, bs)
+        assert np.array_equal(_host(view), back)
+        view[:] = 0
+        agent.read(local, np.arange(n), remote, perm).wait(30)
+        assert np.array_equal(_host(view), src)
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -> None:
+    """Unequal lengths, odd offsets on both sides (every co-alignment class), large and tiny."""
+    _set_path(agent, path)
+    rng = np.random.default_rng(5)
+    lens = np.array([1, 3, 15, 16, 17, 31, 100, 4095, 4097, 65537, 1 << 20, (1 << 20) + 13, 7, 2], dtype=np.uint64)
+    loffs = np.array([0, 1, 2, 3, 4, 8, 9, 12, 16, 5, 7, 0, 1, 3], dtype=np.uint64)
+    roffs = np.array([0, 3, 2, 7, 4, 0, 1, 4, 16, 5, 6, 8, 1, 1], dtype=np.uint64)
+    span = int(lens.sum()) + 64 * len(lens)
+    rid, rdescs = helper.register("vram", span, min(1, _ndev() - 1))
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", span)
+        reg = agent.register(obj)
+        lstart = np.concatenate(([0], np.cumsum(lens + 64)[:-1])).astype(np.uint64)
+        laddr = np.uint64(reg.descs.addr[0]) + lstart + loffs
+        raddr = np.uint64(rdescs.addr[0]) + lstart + roffs
+        ldl = kvx.DescList.from_arrays(kind=kvx.MemoryKind.CUDA, addr=laddr, nbytes=lens, dev=int(reg.descs.dev[0]))
+        rdl = kvx.DescList.from_arrays(kind=kvx.MemoryKind.CUDA, addr=raddr, nbytes=lens, dev=int(rdescs.dev[0]))
+        local = agent.prepare(ldl)
+        remote = agent.prepare(rdl, peer=peer)
+        src = rng.integers(0, 256, span, dtype=np.uint8)
+        import cupy
+
+        view[:] = cupy.asarray(src)
+        idx = rng.permutation(len(lens))
+        agent.write(local, idx, remote, idx).wait(30)
+        got = np.frombuffer(helper.peek(rid, 0, span), dtype=np.uint8)
+        exp = np.zeros(span, np.uint8)
+        for i in idx.tolist():
+            lo, ro, ln = int(lstart[i] + loffs[i]), int(lstart[i] + roffs[i]), int(lens[i])
+            exp[ro: ro + ln] = src[lo: lo + ln]
+        assert np.array_equal(got, exp)
+        view[:] = 0
+        agent.read(local, idx, remote, idx).wait(30)
+        back = np.zeros(span, np.uint8)
+        for i in idx.tolist():
+            lo, ro, ln = int(lstart[i] + loffs[i]), int(lstart[i] + roffs[i]), int(lens[i])
+            back[lo: lo + ln] = exp[ro: ro + ln]
+        assert np.array_equal(view.get(), back)
+        with pytest.raises(kvx.UsageError):  # 1 byte vs 3 bytes
+            agent.write(local, [0], remote, [1])
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_loopback_same_and_peer_device_and_pinned(path: str) -> None:
+    import cupy
+
+    with kvx.Agent("solo", _config()) as a:
+        _set_path(a, path)
+        bs, n = 8192 + 16, 32
+        devs = [0, 1] if _ndev() > 1 else [0, 0]
+        with cupy.cuda.Device(devs[0]):
+            g0 = cupy.asarray(pattern(np, n * bs, 3))
+        with cupy.cuda.Device(devs[1]):
+            g1 = cupy.zeros(n * bs, dtype=cupy.uint8)
+        g2 = cupy.zeros(n * bs, dtype=cupy.uint8)
+        h = kvx.alloc_host(n * bs, pinned=True)
+        r0, r1, r2, rh = a.register(g0), a.register(g1), a.register(g2), a.register(h)
+        p0, p1, p2, ph = (a.prepare(kvx.DescList.blocks(r, bs)) for r in (r0, r1, r2, rh))
+        perm = np.random.default_rng(1).permutation(n)
+        a.write(p0, np.arange(n), p1, perm).wait(30)  # GPU0 -> GPU1 (or same GPU)
+        a.write(p0, np.arange(n), p2, perm).wait(30)  # same GPU
+        a.read(p0, np.arange(n), ph, perm).wait(30)  # pinned -> GPU (zeros back into g0 blocks)
+        src = pattern(np, n * bs, 3)
+        exp = np.empty_like(src)
+        exp.reshape(n, bs)[perm] = src.reshape(n, bs)
+        assert np.array_equal(g1.get(), exp)
+        assert np.array_equal(g2.get(), exp)
+        assert not g0.get().any()
+        a.write(p2, perm, ph, perm).wait(30)  # GPU -> pinned
+        assert np.array_equal(h, exp)
+        x = a.write(p1, [0], p2, [1], notify=b"self")
+        x.wait(10)
+        assert a.notifications(timeout=5.0) == {"solo": [b"self"]}
+        for r in (r0, r1, r2, rh):
+            r.release()
+
+
+@pytest.mark.gpu
+def test_raw_region_and_unpinned_host(agent: kvx.Agent) -> None:
+    import cupy
+
+    g = cupy.arange(1 << 16, dtype=cupy.uint8)
+    reg = agent.register(kvx.RawRegion(int(g.data.ptr), int(g.nbytes), kvx.MemoryKind.CUDA, 0))
+    loc = agent.prepare(kvx.DescList.blocks(reg, 4096))
+    host = agent.register(np.zeros(1 << 16, np.uint8))  # not pinned: the cuda backend refuses it
+    hp = agent.prepare(kvx.DescList.blocks(host, 4096))
+    with pytest.raises(kvx.BackendUnavailable):
+        agent.write(loc, [0], hp, [0])
+    with pytest.raises(kvx.RegistrationError):  # not device memory of GPU 0
+        agent.register(kvx.RawRegion(0x1000, 4096, kvx.MemoryKind.CUDA, 0))
+
+
+@pytest.mark.gpu
+def test_forged_descriptors_are_refused(agent: kvx.Agent, helper: Helper) -> None:
+    rid, rdescs = helper.register("vram", 1 << 16, 0)
+    try:
+        name = agent.add_peer(helper.meta)
+        before = helper.digest(rid)
+        a, n, dv = int(rdescs.addr[0]), int(rdescs.nbytes[0]), int(rdescs.dev[0])
+        for addr, nb, dev in [(a - 4096, 64, dv), (a + n, 64, dv), (a + n - 32, 64, dv), (a, n + 1, dv),
+                              ((1 << 63) - 64, 64, dv), (a + 64, 1 << 62, dv), (a, 64, dv + 7)]:
+            d = kvx.DescList.from_arrays(kind=kvx.MemoryKind.CUDA, addr=[addr], nbytes=[nb], dev=[dev])
+            with pytest.raises(kvx.RegistrationError):
+                agent.prepare(d, peer=name)
+        with pytest.raises(kvx.RegistrationError):  # right address, wrong kind
+            agent.prepare(kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[a], nbytes=[64], dev=[0]),
+                          peer=name)
+        assert helper.digest(rid) == before
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> None:
+    bs, n = 4096, 256
+    rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", n * bs)
+        view[:] = pattern(_xp(view), n * bs, 11)
+        reg = agent.register(obj)
+        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        rev = np.arange(n)[::-1].copy()
+        agent.write(local, np.arange(n), remote, rev, notify=b"req-17")  # nobody polls it
+        got = helper.notifs(timeout=10.0)
+        assert got == {"initiator": [b"req-17"]}
+        exp = np.ascontiguousarray(pattern(np, n * bs, 11).reshape(n, bs)[::-1]).reshape(-1)
+        assert helper.digest(rid) == digest(np, exp)
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rseg", ["vram", "pinned"])
+def test_release_racing_transfers(agent: kvx.Agent, helper: Helper, rseg: str) -> None:
+    bs, n = 1 << 16, 256
+    rid, rdescs = helper.register(rseg, bs * n, min(1, _ndev() - 1))
+    peer = agent.add_peer(helper.meta)
+    obj, _view = _local("vram", bs * n)
+    reg = agent.register(obj)
+    local = agent.prepare(kvx.DescList.blocks(reg, bs))
+    remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                agent.write(local, np.arange(n), remote, np.arange(n)).wait(10)
+                outcomes.append("done")
+            except (kvx.TransferError, kvx.UsageError):
+                outcomes.append("failed")
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    time.sleep(0.3)
+    helper.call(cmd="release", id=rid)
+    after = len(outcomes)
+    time.sleep(0.3)
+    stop.set()
+    t.join(15)
+    assert not t.is_alive()
+    assert after > 0 and "done" in outcomes[:after]
+    tail = outcomes[after + 1:]
+    assert tail and all(o == "failed" for o in tail)
+    with pytest.raises(kvx.TransferError):
+        agent.write(local, [0], remote, [0]).wait(10)
+    helper.call(cmd="free", id=rid)
+    reg.release()
+
+
+@pytest.mark.gpu
+def test_killed_peer_fails_within_bound() -> None:
+    if _reason() is not None:
+        pytest.skip(_reason() or "")
+    h = Helper("victim", CFG)
+    try:
+        with kvx.Agent("initiator", _config()) as a:
+            rid, rdescs = h.register("vram", 1 << 22, min(1, _ndev() - 1))
+            peer = a.add_peer(h.meta)
+            obj, _v = _local("vram", 1 << 22)
+            reg = a.register(obj)
+            local = a.prepare(kvx.DescList.blocks(reg, 4096))
+            remote = a.prepare(kvx.DescList.blocks(rdescs, 4096), peer=peer)
+            a.write(local, [0], remote, [0]).wait(10)
+            h.kill()
+            t0 = time.monotonic()
+            with pytest.raises((kvx.PeerDisconnected, kvx.TransferError)):
+                while time.monotonic() - t0 < 10:
+                    a.write(local, np.arange(1024), remote, np.arange(1024)).wait(10)
+                    time.sleep(0.02)
+            assert time.monotonic() - t0 < 3.0 + 5
+            del rid
+    finally:
+        h.close()
+
+
+@pytest.mark.gpu
+def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
+    rid, rdescs = helper.register("vram", 8 * 64, 0)
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", 8 * 64)
+        view[:] = pattern(_xp(view), 8 * 64, 2)
+        reg = agent.register(obj)
+        local = agent.prepare(kvx.DescList.blocks(reg, 64))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, 64), peer=peer)
+        for li, ri in [([0, 1], [1, 0]), ((2,), (3,)), (np.array([4], np.int32), np.array([5], np.uint64)), (6, 7),
+                       (np.int64(7), np.int64(6))]:
+            agent.write(local, li, remote, ri).wait(10)
+        b = pattern(np, 8 * 64, 2).reshape(8, 64)
+        exp = np.zeros((8, 64), np.uint8)
+        exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0])]:
+            with pytest.raises(kvx.UsageError):
+                agent.write(local, li, remote, ri)
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+def test_bad_copy_setting() -> None:
+    if _reason() is not None:
+        pytest.skip(_reason() or "")
+    old = os.environ.get("KVX_CUDA_COPY")
+    os.environ["KVX_CUDA_COPY"] = "bogus"
+    try:
+        with pytest.raises(kvx.UsageError):
+            kvx.Agent("bad", _config())
+    finally:
+        if old is None:
+            del os.environ["KVX_CUDA_COPY"]
+        else:
+            os.environ["KVX_CUDA_COPY"] = old
