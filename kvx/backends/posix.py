@@ -19,7 +19,8 @@ each file is opened a second time with ``O_DIRECT``. Per descriptor:
 - file range aligned, memory not: through page-aligned (mmap'd) bounce buffers -- the native
   memcpy gathers into the bounce and the pool writes it with ``O_DIRECT`` (reads the reverse),
   double-buffered so that copying one chunk overlaps the I/O of the previous one;
-- file range not 4096-aligned: through the ordinary (buffered) descriptor. Linux keeps the two
+- file range not 4096-aligned: through the ordinary (buffered) descriptor.
+  O_DIRECT jobs are split over at least 4 pool threads (they wait on the device, not the CPU). Linux keeps the two
   coherent (direct I/O writes back and invalidates the page cache over its range), but those
   blocks do go through the page cache.
 
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Alignment O_DIRECT needs of file offsets, lengths and memory addresses (safe for 4Kn drives).
 ALIGN = 4096
+#: Fewest pool threads (requests in flight) an O_DIRECT job is split over.
+_DIRECT_THREADS = 4
 #: Largest piece one bounce chunk carries (bounce buffers are twice this).
 _PIECE = 8 << 20
 #: ``KVX_POSIX_SYNC`` values -> the native ``sync`` argument.
@@ -235,13 +238,14 @@ class _Prep:
     dfds: np.ndarray | None = None  # int64 O_DIRECT fd per descriptor (FILE, direct mode)
     faligned: np.ndarray | None = None  # FILE: offset and length 4096-aligned
     maligned: np.ndarray | None = None  # HOST: address 4096-aligned
+    unit: int = 0  # FILE: every block has this length and starts at a multiple of it (else 0)
     paths: list[str] = field(default_factory=list)
 
 
 class _JobRequest(Request):
     """A native job; errors translated with the files it touched."""
 
-    __slots__ = ("job", "nbytes", "paths", "after", "_fired")
+    __slots__ = ("_fired", "after", "job", "nbytes", "paths")
 
     def __init__(self, job: Any, paths: list[str], after: Any = None) -> None:
         self.job = job
@@ -282,7 +286,7 @@ class _JobRequest(Request):
 class _FailedRequest(Request):
     """A transfer that failed while it was posted (inline I/O): FAILED at the first poll."""
 
-    __slots__ = ("nbytes", "err")
+    __slots__ = ("err", "nbytes")
 
     def __init__(self, nbytes: int, err: TransferError) -> None:
         self.nbytes = nbytes
@@ -487,6 +491,8 @@ class PosixBackend(Backend):
                 p.fds = np.ascontiguousarray(self._fd[slots])
                 dfds = self._dfd[slots]
                 p.paths = [self._files[s].path for s in pins if s in self._files]
+            if len(nb) and bool((nb == nb[0]).all()) and int(nb[0]) and bool((addr % nb[0] == 0).all()):
+                p.unit = int(nb[0])
             if (p.fds < 0).any():
                 raise BackendUnavailable("a file of this list is not registered with the posix backend")
             if (dfds >= 0).all():
@@ -499,7 +505,7 @@ class PosixBackend(Backend):
         return p
 
     # ---- transfers ---------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,  # type: ignore[override]
              notify: bytes | None) -> Request | int:
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)
@@ -600,7 +606,25 @@ class PosixBackend(Backend):
         if fp.single:
             if bool((off[1:] >= off[:-1]).all()):
                 return fi, mi
-            o = np.argsort(off, kind="stable")
+            o = None
+            if fp.unit:
+                # equal blocks at multiples of their size: place by block number, O(n), no sort
+                u = fp.unit
+                ki = off.view(np.int64)  # offsets < 2**63 (file sizes)
+                k = ki >> (u.bit_length() - 1) if u & (u - 1) == 0 else ki // u
+                n = len(k)
+                top = int(k.max()) + 1
+                if top <= 4 * n + 4096:
+                    pos = np.full(top, -1, dtype=np.int64)
+                    pos[k] = np.arange(n, dtype=np.int64)
+                    if top == n:  # a permutation of every block, or repeats
+                        o = pos if int(pos.min()) >= 0 else None
+                    else:
+                        o = pos[pos >= 0]
+                        if len(o) != n:  # repeated blocks: fall back to a sort
+                            o = None
+            if o is None:
+                o = np.argsort(off, kind="stable")
         else:
             sl = fp.slots[fi]
             o = np.lexsort((off, sl))
@@ -622,15 +646,17 @@ class PosixBackend(Backend):
         sync = self.sync if to_file else 0
         total = int(ln.sum())
 
-        def args(sel: np.ndarray) -> tuple[Any, ...]:
+        def args(sel: Any) -> tuple[Any, ...]:
             f, m = fi[sel], mi[sel]
             if to_file:
                 return (fp.addr, fp.nbytes, f, mp.addr, mp.nbytes, m)
             return (mp.addr, mp.nbytes, m, fp.addr, fp.nbytes, f)
 
+        # O_DIRECT jobs wait on the device, not the CPU: keep at least _DIRECT_THREADS requests in flight
+        nthr = max(self.threads, _DIRECT_THREADS)
         if bool(fal.all()) and bool(mal.all()):  # zero-copy O_DIRECT for everything
             try:
-                job = _native.submit(code, 0, *args(slice(None)), fp.dfds, guards, self.threads, self.inline, sync)
+                job = _native.submit(code, 0, *args(slice(None)), fp.dfds, guards, nthr, self.inline, sync)
             except OSError as exc:
                 return _failed(total, exc, fp.paths)
             return self._wrap(job, fp, fi, after)
@@ -652,9 +678,9 @@ class PosixBackend(Backend):
             err: BaseException | None = None
             try:
                 jobs = []
-                for sel, fds in ((direct_sel, fp.dfds), (buffered_sel, fp.fds)):
+                for sel, fds, nt in ((direct_sel, fp.dfds, nthr), (buffered_sel, fp.fds, self.threads)):
                     if sel.any():
-                        j = _native.submit(code, 0, *args(sel), fds, guards, self.threads, 0, sync)
+                        j = _native.submit(code, 0, *args(sel), fds, guards, nt, 0, sync)
                         jobs.append(j)
                         dreq.jobs.append(j)
                 if bounce_sel.any():
@@ -665,6 +691,7 @@ class PosixBackend(Backend):
                         if dreq.cancelled or time.monotonic() > deadline:
                             j.cancel()
                 if sync and bounce_sel.any():
+                    assert fp.dfds is not None
                     fsync = os.fdatasync if sync == 1 else os.fsync
                     for fd in np.unique(fp.dfds[fi[bounce_sel]]).tolist():
                         fsync(int(fd))
@@ -717,10 +744,10 @@ class PosixBackend(Backend):
             ar = np.arange(hi - lo, dtype=np.int64)
             if to_file:
                 j = _native.submit(_native.OP_PWRITE, 0, faddr[lo:hi], ln[lo:hi], ar, b, ln[lo:hi], ar,
-                                   fds[lo:hi], guards, self.threads, 0, 0)
+                                   fds[lo:hi], guards, max(self.threads, _DIRECT_THREADS), 0, 0)
             else:
                 j = _native.submit(_native.OP_PREAD, 0, b, ln[lo:hi], ar, faddr[lo:hi], ln[lo:hi], ar,
-                                   fds[lo:hi], guards, self.threads, 0, 0)
+                                   fds[lo:hi], guards, max(self.threads, _DIRECT_THREADS), 0, 0)
             dreq.jobs.append(j)
             return j, b
 
