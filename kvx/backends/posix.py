@@ -646,7 +646,7 @@ class PosixBackend(Backend):
         sync = self.sync if to_file else 0
         total = int(ln.sum())
 
-        def args(sel: Any) -> tuple[Any, ...]:
+        def args(sel: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
             f, m = fi[sel], mi[sel]
             if to_file:
                 return (fp.addr, fp.nbytes, f, mp.addr, mp.nbytes, m)
@@ -681,6 +681,8 @@ class PosixBackend(Backend):
                 for sel, fds, nt in ((direct_sel, fp.dfds, nthr), (buffered_sel, fp.fds, self.threads)):
                     if sel.any():
                         j = _native.submit(code, 0, *args(sel), fds, guards, nt, 0, sync)
+                        if isinstance(j, int):  # nothing left to wait for
+                            continue
                         jobs.append(j)
                         dreq.jobs.append(j)
                 if bounce_sel.any():
