@@ -1,0 +1,142 @@
+"""Settings of the kvx connector, read from ``kv_connector_extra_config``.
+
+Every key is optional::
+
+    {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm",
+     "kv_role": "kv_producer",
+     "kv_connector_extra_config": {"side_channel_host": "10.0.0.5", "side_channel_port": 5600,
+                                   "lease_s": 120, "offload_host_gb": 8}}
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["KVXConnectorConfig"]
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+@dataclass(frozen=True, slots=True)
+class KVXConnectorConfig:
+    """Typed view of ``kv_connector_extra_config``.
+
+    Parameters
+    ----------
+    side_channel_host
+        Address the worker's kvx listener (side channel and tcp data path) binds to. ``0.0.0.0``
+        listens everywhere; peers are then told ``advertise_host``.
+    side_channel_port
+        Base port; tensor-parallel rank ``r`` listens on ``side_channel_port + r``. 0 picks free
+        ports (fine on one machine: the real address travels in the handshake metadata).
+    advertise_host
+        Host name or address decode instances dial to reach this prefill instance (default:
+        ``side_channel_host``, or the machine's first non-loopback address for ``0.0.0.0``).
+    lease_s
+        Seconds a prefill instance keeps a finished request's blocks for its decode instance;
+        unclaimed blocks are freed afterwards.
+    load_timeout_s
+        Bound on one request's pull (handshake plus transfer) on the decode side.
+    backends
+        kvx backend names in preference order (default: every available one).
+    pd
+        Whether prefill/decode transfer is on (default: on unless the role is ``kv_both`` with
+        offloading configured).
+    offload
+        Whether blocks are offloaded to a kvx ``TieredStore`` (default: on when a size is given).
+    offload_host_gb, offload_host_bytes
+        Size of the host-memory tier (per worker).
+    offload_disk_path, offload_disk_gb, offload_disk_bytes
+        Optional disk tier below it.
+    offload_policy
+        Eviction policy name (``kvx.tiers.policies.POLICIES``); empty for the store's default.
+    check_model_name
+        Also require equal model names (not only equal geometry) between prefill and decode.
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    advertise_host: str = ""
+    lease_s: float = 120.0
+    load_timeout_s: float = 60.0
+    backends: tuple[str, ...] = ()
+    pd: bool | None = None
+    offload: bool | None = None
+    offload_host_bytes: int = 0
+    offload_disk_path: str = ""
+    offload_disk_bytes: int = 0
+    offload_policy: str = ""
+    check_model_name: bool = True
+    staging_blocks: int = 64
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "KVXConnectorConfig":
+        """Parse ``kv_connector_extra_config``; unknown keys raise ``ValueError``."""
+        extra = dict(extra or {})
+        gb = 1 << 30
+        kw: dict[str, Any] = {}
+        if "offload_host_gb" in extra:
+            kw["offload_host_bytes"] = int(float(extra.pop("offload_host_gb")) * gb)
+        if "offload_disk_gb" in extra:
+            kw["offload_disk_bytes"] = int(float(extra.pop("offload_disk_gb")) * gb)
+        known = {f.name: f for f in fields(cls)}
+        for k, v in extra.items():
+            if k not in known:
+                raise ValueError(f"unknown kv_connector_extra_config key for KVXConnector: {k!r} "
+                                 f"(known: {', '.join(sorted(known))}, offload_host_gb, offload_disk_gb)")
+            if k in ("side_channel_port", "offload_host_bytes", "offload_disk_bytes", "staging_blocks"):
+                kw[k] = int(v)
+            elif k in ("lease_s", "load_timeout_s"):
+                kw[k] = float(v)
+            elif k in ("pd", "offload"):
+                kw[k] = None if v is None else _bool(v)
+            elif k == "check_model_name":
+                kw[k] = _bool(v)
+            elif k == "backends":
+                kw[k] = tuple(v.split(",")) if isinstance(v, str) else tuple(v)
+            else:
+                kw[k] = str(v)
+        cfg = cls(**kw)
+        if cfg.lease_s <= 0 or cfg.load_timeout_s <= 0:
+            raise ValueError("lease_s and load_timeout_s must be positive")
+        if cfg.offload_disk_path and cfg.offload_disk_bytes <= 0:
+            raise ValueError("offload_disk_path needs offload_disk_gb (or offload_disk_bytes)")
+        return cfg
+
+    @property
+    def offload_enabled(self) -> bool:
+        """Offloading is on (explicitly, or by giving the host tier a size)."""
+        if self.offload is not None:
+            return self.offload and self.offload_host_bytes > 0
+        return self.offload_host_bytes > 0
+
+    def pd_enabled(self, role: str | None) -> bool:
+        """Prefill/decode transfer is on for this ``kv_role``."""
+        if self.pd is not None:
+            return self.pd
+        return not (role == "kv_both" and self.offload_enabled)
+
+    def advertised_host(self) -> str:
+        """The host peers should dial."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.side_channel_host not in ("0.0.0.0", "::", ""):
+            return self.side_channel_host
+        return os.environ.get("VLLM_HOST_IP", "") or _first_address()
+
+
+def _first_address() -> str:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

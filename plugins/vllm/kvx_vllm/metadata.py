@@ -1,0 +1,131 @@
+"""What the scheduler-side and worker-side halves of the connector tell each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = [
+    "KVXConnectorMetadata",
+    "KVXHandshakeMetadata",
+    "KVXWorkerMetadata",
+    "LayerLayout",
+    "RecvSpec",
+    "LoadSpec",
+    "SaveSpec",
+    "SendSpec",
+]
+
+#: Version of the kv_transfer_params this connector writes; a decode instance refuses others.
+PARAMS_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """Where one layer's blocks sit: block ``b`` is ``page`` bytes at ``base + b * stride``."""
+
+    name: str
+    base: int
+    stride: int
+    page: int
+    num_blocks: int
+    group: int
+
+    def to_list(self) -> list[Any]:
+        return [self.name, self.base, self.stride, self.page, self.num_blocks, self.group]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> "LayerLayout":
+        if not isinstance(v, (list, tuple)) or len(v) != 6:
+            raise ValueError(f"malformed layer layout {v!r}")
+        name, base, stride, page, nb, group = v
+        for x in (base, stride, page, nb, group):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise ValueError(f"malformed layer layout {v!r}")
+        return cls(str(name), base, stride, page, nb, group)
+
+
+@dataclass
+class KVXHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's kvx endpoint, sent to its scheduler once the KV caches are registered."""
+
+    agent_name: str
+    host: str
+    port: int
+    tp_rank: int
+    layout: list[list[Any]]
+    compat: dict[str, Any]
+
+
+@dataclass(slots=True)
+class RecvSpec:
+    """Decode side: pull ``remote_block_ids`` of a prefill instance into ``local_block_ids``.
+
+    Block id lists are per KV cache group. Empty local lists only notify the prefill instance
+    (its blocks are not needed: a full local prefix hit, or the request was aborted).
+    """
+
+    req_id: str
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+    params: dict[str, Any]
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Offload: copy stored blocks (store keys per group) into ``block_ids`` (per group)."""
+
+    req_id: str
+    keys: list[list[bytes]]
+    block_ids: list[list[int]]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Offload: store ``block_ids`` (per group) under ``keys`` (per group, chained)."""
+
+    req_id: str
+    keys: list[list[bytes]]
+    block_ids: list[list[int]]
+
+
+@dataclass(slots=True)
+class SendSpec:
+    """Prefill side: keep a finished request's blocks for a decode instance until ``lease_s``."""
+
+    req_id: str
+    lease_s: float
+
+
+@dataclass
+class KVXConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    load: list[LoadSpec] = field(default_factory=list)
+    save: list[SaveSpec] = field(default_factory=list)
+    send: list[SendSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVXWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler: the offload stores' events, per tensor-parallel rank.
+
+    Each event is ``("stored" | "removed", keys, parent_key, medium)``.
+    """
+
+    events: dict[int, list[tuple[str, list[bytes], bytes | None, str]]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge another worker's events into these."""
+        assert isinstance(other, KVXWorkerMetadata)
+        out = KVXWorkerMetadata({k: list(v) for k, v in self.events.items()})
+        for rank, evs in other.events.items():
+            out.events.setdefault(rank, []).extend(evs)
+        return out

@@ -1,0 +1,322 @@
+"""The scheduler-side half of :class:`kvx_vllm.KVXConnector`.
+
+It decides, per request, what the workers move:
+
+- **decode side** (``kv_transfer_params["do_remote_prefill"]``): every prompt token not found in
+  the local prefix cache is pulled asynchronously from the prefill instance named in the params;
+- **prefill side** (``"do_remote_decode"``): a finished request's blocks are kept (delay-free)
+  and described in the returned kv_transfer_params until the decode instance has read them or
+  the lease runs out;
+- **offloading**: finished requests' full blocks are stored in the workers' kvx TieredStores
+  under vLLM's block hashes; later prompts whose prefix is stored load it back asynchronously.
+  The scheduler mirrors what the stores hold from the events the workers report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, maybe_convert_block_hash
+from vllm.v1.request import RequestStatus
+
+from .config import KVXConnectorConfig
+from .metadata import (
+    PARAMS_VERSION,
+    KVXConnectorMetadata,
+    KVXHandshakeMetadata,
+    KVXWorkerMetadata,
+    LoadSpec,
+    RecvSpec,
+    SaveSpec,
+    SendSpec,
+)
+from .util import compat_info
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVXScheduler", "REQUIRED_REMOTE_KEYS"]
+
+log = logging.getLogger(__name__)
+
+#: kv_transfer_params keys a decode instance needs to pull a request's blocks.
+REQUIRED_REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
+                        "remote_port", "remote_agents")
+
+
+class KVXScheduler:
+    """Scheduler-side state of the connector (one per engine)."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                 cfg: KVXConnectorConfig) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.engine_id = str(ktc.engine_id)
+        self.role = ktc.kv_role
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.pd = cfg.pd_enabled(self.role)
+        self.offload = cfg.offload_enabled
+        hbs = getattr(kv_cache_config, "hash_block_size", None)
+        if self.offload and hbs not in (None, self.block_size):
+            log.warning("kvx offloading is off: hash block size %s differs from block size %s",
+                        hbs, self.block_size)
+            self.offload = False
+        self.groups = tuple(kv_cache_config.prefix_cacheable_group_ids) or (0,)
+        self.compat = compat_info(vllm_config)
+        # tp_rank -> handshake metadata of the workers of this engine
+        self.workers: dict[int, KVXHandshakeMetadata] = {}
+        # step state, cleared by build_connector_meta
+        self._recv: list[RecvSpec] = []
+        self._load: list[LoadSpec] = []
+        self._save: list[SaveSpec] = []
+        self._send: list[SendSpec] = []
+        # offload: key -> medium -> ranks whose store holds it there
+        self._stored: dict[bytes, dict[str, set[int]]] = {}
+        # request id -> (first block index, keys per group) planned by get_num_new_matched_tokens
+        self._planned: dict[str, tuple[int, list[list[bytes]]]] = {}
+        self._events: list[KVCacheEvent] = []
+        self._saving: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------
+    # handshake
+    def set_worker_metadata(self, metadata: dict[int, Any]) -> None:
+        """Workers' :class:`KVXHandshakeMetadata`, keyed by tensor-parallel rank."""
+        for rank, meta in metadata.items():
+            if isinstance(meta, KVXHandshakeMetadata):
+                self.workers[int(rank)] = meta
+            else:
+                log.warning("ignoring handshake metadata of type %s from rank %s", type(meta).__name__, rank)
+
+    # ------------------------------------------------------------------------------------------
+    def _keys(self, request: "Request", first: int, n: int) -> list[list[bytes]]:
+        hashes = request.block_hashes[first:first + n]
+        return [[make_block_hash_with_group_id(h, g) for h in hashes] for g in self.groups]
+
+    def _is_stored(self, keys: list[bytes]) -> bool:
+        """Every rank holds every key (in some tier)."""
+        want = self.tp_size
+        for k in keys:
+            media = self._stored.get(k)
+            if not media:
+                return False
+            if want > 1 and len(set().union(*media.values())) < want:
+                return False
+        return True
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` this connector can load, and whether async."""
+        params = request.kv_transfer_params
+        if self.pd and params and params.get("do_remote_prefill"):
+            if not all(k in params for k in REQUIRED_REMOTE_KEYS):
+                log.warning("request %s asks for a remote prefill without the kvx parameters %s; "
+                            "computing it locally", request.request_id, REQUIRED_REMOTE_KEYS)
+                return 0, False
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        self._planned.pop(request.request_id, None)
+        if not self.offload or request.skip_reading_prefix_cache:
+            return 0, False
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        # never cover the last prompt token: the model must compute at least one
+        limit = max(0, (request.num_tokens - 1) // bs)
+        n = 0
+        for i in range(first, min(limit, len(request.block_hashes))):
+            if not self._is_stored([make_block_hash_with_group_id(request.block_hashes[i], g)
+                                    for g in self.groups]):
+                break
+            n += 1
+        if n == 0:
+            return 0, False
+        self._planned[request.request_id] = (first, self._keys(request, first, n))
+        return (first + n) * bs - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Record the blocks allocated for a load planned by ``get_num_new_matched_tokens``."""
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if self.pd and params and params.get("do_remote_prefill"):
+            if not all(k in params for k in REQUIRED_REMOTE_KEYS):
+                return
+            remote = _as_groups(params["remote_block_ids"])
+            local: list[list[int]] = [[] for _ in remote]
+            remote_sel: list[list[int]] = [[] for _ in remote]
+            if num_external_tokens > 0:
+                all_ids = blocks.get_block_ids()
+                unhashed = blocks.get_unhashed_block_ids_all_groups()
+                for g, (ids, new) in enumerate(zip(all_ids, unhashed)):
+                    if g >= len(remote):
+                        break
+                    newset = set(new)
+                    for pos, bid in enumerate(ids):
+                        if bid in newset and pos < len(remote[g]):
+                            local[g].append(bid)
+                            remote_sel[g].append(remote[g][pos])
+            self._recv.append(RecvSpec(rid, local, remote_sel, dict(params)))
+            # a second call (after the load) must not pull again
+            params["do_remote_prefill"] = False
+            return
+        plan = self._planned.pop(rid, None)
+        if plan is None or num_external_tokens <= 0:
+            return
+        first, keys = plan
+        n = min(num_external_tokens // self.block_size, len(keys[0]))
+        ids = blocks.get_block_ids()
+        block_ids = [list(ids[g][first:first + n]) for g in self.groups]
+        if any(len(b) != n for b in block_ids):
+            log.warning("request %s: allocated blocks do not cover the planned load; skipped", rid)
+            return
+        self._load.append(LoadSpec(rid, [k[:n] for k in keys], block_ids))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
+        """This step's work for the workers; resets the step state."""
+        meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send)
+        self._recv, self._load, self._save, self._send = [], [], [], []
+        return meta
+
+    # ------------------------------------------------------------------------------------------
+    def request_finished(self, request: "Request", block_ids: tuple[list[int], ...] | list[list[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Keep blocks for a decode instance and/or save them to the offload stores."""
+        params = request.kv_transfer_params
+        rid = request.request_id
+        self._planned.pop(rid, None)
+        if self.pd and params and params.get("do_remote_prefill"):
+            # aborted before it was scheduled: tell the prefill instance to free its blocks
+            if all(k in params for k in REQUIRED_REMOTE_KEYS):
+                self._recv.append(RecvSpec(rid, [], [], dict(params)))
+            params["do_remote_prefill"] = False
+            return False, None
+        groups = [list(b) for b in block_ids]
+        finished_ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        delay = False
+        out: dict[str, Any] | None = None
+        if self.offload and request.status != RequestStatus.FINISHED_ERROR:
+            delay = self._plan_save(request, groups)
+        if self.pd and params and params.get("do_remote_decode") and finished_ok and any(groups):
+            out = self._remote_params(request, groups)
+            self._send.append(SendSpec(rid, self.cfg.lease_s))
+            delay = True
+        return delay, out
+
+    def _plan_save(self, request: "Request", groups: list[list[int]]) -> bool:
+        bs = self.block_size
+        n = min(len(request.block_hashes), request.num_computed_tokens // bs)
+        n = min([n] + [len(groups[g]) for g in self.groups if g < len(groups)])
+        if n <= 0:
+            return False
+        keys = self._keys(request, 0, n)
+        # skip the stored prefix; store the rest (chained from the prefix's last key)
+        first = 0
+        while first < n and self._is_stored([k[first] for k in keys]):
+            first += 1
+        if first == n:
+            return False
+        self._save.append(SaveSpec(request.request_id,
+                                   [k[max(first - 1, 0):n] for k in keys],
+                                   [groups[g][max(first - 1, 0):n] for g in self.groups]))
+        self._saving.add(request.request_id)
+        return True
+
+    def _remote_params(self, request: "Request", groups: list[list[int]]) -> dict[str, Any]:
+        agents: dict[str, list[Any]] = {}
+        for rank, w in sorted(self.workers.items()):
+            agents[str(rank)] = [w.agent_name, w.host, w.port, w.layout, w.compat]
+        w0 = self.workers.get(0)
+        if w0 is None:
+            log.warning("no handshake metadata from the workers yet: decode instances cannot pull "
+                        "request %s", request.request_id)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": groups,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": w0.host if w0 else self.cfg.advertised_host(),
+            "remote_port": w0.port if w0 else self.cfg.side_channel_port,
+            "remote_agents": agents,
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": self.tp_size,
+            "kvx_version": PARAMS_VERSION,
+            "kvx_compat": self.compat,
+        }
+
+    # ------------------------------------------------------------------------------------------
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Mirror the workers' store events; forget finished saves."""
+        for rid in output.finished_sending or ():
+            self._saving.discard(rid)
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVXWorkerMetadata):
+            return
+        want = self.tp_size
+        for rank, events in meta.events.items():
+            for kind, keys, parent, medium in events:
+                changed = []
+                for k in keys:
+                    media = self._stored.setdefault(k, {})
+                    ranks = media.setdefault(medium, set())
+                    was = len(ranks) >= want
+                    if kind == "stored":
+                        ranks.add(rank)
+                    else:
+                        ranks.discard(rank)
+                        if not ranks:
+                            del media[medium]
+                            if not media:
+                                del self._stored[k]
+                    if was != (len(ranks) >= want):
+                        changed.append(k)
+                if not changed:
+                    continue
+                hashes = [maybe_convert_block_hash(k[:-4]) for k in changed]  # type: ignore[arg-type]
+                group = int.from_bytes(changed[0][-4:], "big")
+                if kind == "stored":
+                    self._events.append(BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=maybe_convert_block_hash(parent[:-4]) if parent else None,  # type: ignore[arg-type]
+                        token_ids=[], block_size=self.block_size, lora_id=None, medium=medium, lora_name=None,
+                        group_idx=group))
+                else:
+                    self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events (offload store stored/removed, with medium) since the last call."""
+        ev, self._events = self._events, []
+        yield from ev
+
+    def reset_cache(self) -> bool:
+        """Forget the mirrored offload index (the stores keep their blocks)."""
+        self._stored.clear()
+        return True
+
+    def has_pending_work(self) -> bool:
+        """Whether saves are still in flight."""
+        return bool(self._saving)
+
+
+def _as_groups(v: Any) -> list[list[int]]:
+    """kv_transfer_params' block ids: a list per group (or one flat list: one group)."""
+    if not isinstance(v, (list, tuple)):
+        raise ValueError("remote_block_ids must be a list")
+    if v and all(isinstance(x, int) for x in v):
+        return [list(v)]
+    return [[int(b) for b in g] for g in v]
+
+
+def now() -> float:
+    return time.monotonic()
