@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvx.tiers.policies import DEFAULT_POLICY  # noqa: E402
-from kvx.tiers.sim import belady, load_trace, simulate  # noqa: E402
+from kvx.tiers.policies import DEFAULT_POLICY
+from kvx.tiers.sim import belady, load_trace, simulate
 
 CAPACITIES = [1000, 3000, 6000, 12000, 25000]
 CLASSICS = ["lru", "fifo", "s3fifo"]
