@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 
 import kvx
+from kvx.testing import seaweed as _seaweed
 from kvx.tiers import DiskTier, HostTier, TieredStore
 from kvx.tiers.events import BlockRemoved, BlockStored, decode_batch
 from kvx.tiers.replay import load_requests, replay
 from kvx.tiers.sim import simulate
+
+seaweedfs = _seaweed.seaweedfs
+s3_env = _seaweed.s3_env
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CONV = TRACES / "mooncake_conversation_trace.jsonl"
@@ -218,3 +222,22 @@ def test_bad_arguments() -> None:
     with pytest.raises(kvx.UsageError):
         st.lookup([1])
     assert zlib.crc32(b"") == 0
+
+
+def test_three_tiers_host_disk_s3(tmp_path: Path, s3_env: _seaweed.SeaweedFS) -> None:
+    from kvx.tiers import ObjectTier
+
+    with TieredStore([HostTier(blocks=2), DiskTier(tmp_path, blocks=2), ObjectTier("kvx-tiers", blocks=4,
+                                                                                   prefix="t3")],
+                     block_bytes=BB, policy="lru") as st:
+        data = blocks(6, seed=9)
+        src = source(st, data)
+        assert st.put([f"k{i}" for i in range(6)], src) == 6
+        assert st.lookup([f"k{i}" for i in range(6)]).tiers == (2, 2, 1, 1, 0, 0)  # oldest went deepest
+        out = np.zeros(BB, np.uint8)
+        dst = source(st, out)
+        st.get(["k0"], dst, [0])  # from the object tier, verified, promoted
+        assert np.array_equal(out, data[:BB])
+        assert st.lookup(["k0"]).tiers == (0,)
+        s = st.stats()
+        assert [t["medium"] for t in s.tiers] == ["CPU", "DISK", "OBJECT"] and s.tiers[2]["promoted"] == 1

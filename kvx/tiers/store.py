@@ -377,7 +377,7 @@ class TieredStore:
             if v not in lt.index:
                 lslot = self._make_room(lower, events)
                 assert t.plist is not None and lt.plist is not None
-                self.agent.write(t.plist, [slot], lt.plist, [lslot]).wait()
+                self._move(t, slot, lt, lslot)
                 parent = self._parent_hint(t, v)
                 lt.index[v] = (lslot, crc)
                 lt.policy.inserted(v, parent if parent in lt.index else None)  # type: ignore[union-attr]
@@ -393,6 +393,19 @@ class TieredStore:
         self._forget(ti, v, slot, events)
         t.stats.evicted += 1
         return slot
+
+    def _move(self, src: Tier, sslot: int, dst: Tier, dslot: int) -> None:
+        """Copy one block between tiers: directly when one side is the host pool, else through
+        a host staging buffer (no backend moves FILE <-> OBJECT)."""
+        assert src.plist is not None and dst.plist is not None
+        if isinstance(src, HostTier):
+            self.agent.write(src.plist, [sslot], dst.plist, [dslot]).wait()
+        elif isinstance(dst, HostTier):
+            self.agent.read(dst.plist, [dslot], src.plist, [sslot]).wait()
+        else:
+            _buf, sl = self._staging_buf()
+            self.agent.read(sl, [0], src.plist, [sslot]).wait()
+            self.agent.write(sl, [0], dst.plist, [dslot]).wait()
 
     def _parent_hint(self, t: Tier, key: Hashable) -> Hashable | None:
         assert t.policy is not None
@@ -499,7 +512,7 @@ class TieredStore:
                 continue
             lslot = self._make_room(1, events)
             slot, crc = top.index[h]
-            self.agent.write(top.plist, [slot], lt.plist, [lslot]).wait()
+            self._move(top, slot, lt, lslot)
             lt.index[h] = (lslot, crc)
             lt.policy.inserted(h, p if p in lt.index else None)
             lt.committed(h, p, lslot, crc)
@@ -580,17 +593,26 @@ class TieredStore:
         """Bring a lower-tier block to the top tier after verifying it; False if corrupt."""
         t, top = self.tiers[ti], self.tiers[0]
         assert t.plist is not None and top.plist is not None and top.policy is not None
+        # make room first: demotions below may use the staging buffer themselves
+        tslot = self._make_room(0, events)
+        if key not in t.index:  # the demotions pushed this very block further down, or out
+            ti2 = self._where.get(key)
+            if ti2 is None or ti2 == 0:
+                top.free.append(tslot)
+                return ti2 == 0
+            t, ti = self.tiers[ti2], ti2
+        assert t.plist is not None
         slot, crc = t.index[key]
         buf, sl = self._staging_buf()
         self.agent.read(sl, [0], t.plist, [slot]).wait()
         if zlib.crc32(buf.data) != crc:
             log.warning("block %r in %s tier failed its checksum: dropped", key, t.medium)
             self._drop_corrupt(ti, key, events)
+            top.free.append(tslot)
             return False
         parent = getattr(t, "parents", {}).get(key) if isinstance(t, DiskTier) else None
         if parent is None and t.policy is not None:
             parent = t.policy.parent_of(key)
-        tslot = self._make_room(0, events)
         self.agent.write(sl, [0], top.plist, [tslot]).wait()
         top.index[key] = (tslot, crc)
         top.policy.inserted(key, parent if parent in top.index else None)
