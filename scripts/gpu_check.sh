@@ -18,6 +18,13 @@ TESTS=${GPU_CHECK_TESTS:-1}
 
 $PY -c "import msgpack" 2>/dev/null || $PY -m pip install -q --no-index --find-links .carry msgpack \
   || { echo "msgpack missing and not installable"; exit 1; }
+# NIXL for the side-by-side comparison: the nixl-cu13 wheel from .venv-nixl (git-ignored; carry it)
+if ! $PY -c "import nixl_cu13._api" 2>/dev/null && ls .venv-nixl/nixl_cu13*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-deps --no-index .venv-nixl/nixl_cu13*.whl || echo "nixl-cu13 not installable"
+fi
+COMPARE=""
+$PY -c "import kvx.compare.nixl as n; raise SystemExit(n.nixl_available() is not None)" 2>/dev/null \
+  && COMPARE="--compare nixl" || echo "NIXL not importable: no NIXL columns"
 echo "== build"
 $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,7 +45,7 @@ echo "== benchmark: $TOTAL, permuted, block sizes $SIZES"
 for seg in $SEGS; do
   tag=${seg/,/-}
   $PY -m kvx.cli bench --backend cuda --seg "$seg" --total "$TOTAL" --block-sizes "$SIZES" --iters "$ITERS" \
-    --latency-samples 500 --quiet --json "$OUT/bench-cuda-$tag.json" --plot "$OUT/bench-cuda-$tag.png" \
+    $COMPARE --latency-samples 500 --quiet --json "$OUT/bench-cuda-$tag.json" --plot "$OUT/bench-cuda-$tag.png" \
     >"$OUT/bench-cuda-$tag.txt" 2>&1 || { echo "bench $seg failed:"; tail -30 "$OUT/bench-cuda-$tag.txt"; rc=1; }
 done
 
@@ -58,19 +65,22 @@ for path in sorted(glob.glob(os.path.join(out, "bench-cuda-*.json"))):
     print(f"\n### {seg}  ({h.get('gpu', '?')}, {h['date']}, total {h['total'] >> 20} MiB, permuted)\n")
     rows = [r for r in d["rows"] if "gbps" in r]
     raw = next((r["impl"] for r in rows if r["impl"].startswith("raw")), None)
-    print(f"| op | block | kernel GB/s | ce GB/s | {raw} GB/s | kernel/raw | ce/raw |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| op | block | kernel GB/s | ce GB/s | NIXL GB/s | {raw} GB/s | kernel/raw | ce/raw | best kvx/NIXL |")
+    print("|---|---|---|---|---|---|---|---|---|")
     keys = []
     for r in rows:
         if (r["op"], r["block_bytes"]) not in keys:
             keys.append((r["op"], r["block_bytes"]))
     for op, bs in keys:
         v = {r["impl"]: r["gbps"] for r in rows if r["op"] == op and r["block_bytes"] == bs}
-        k, c, w = v.get("kvx-kernel"), v.get("kvx-ce"), v.get(raw)
-        f = lambda x: f"{x:.1f}" if x is not None else "-"
+        k, c, w, x = v.get("kvx-kernel"), v.get("kvx-ce"), v.get(raw), v.get("nixl")
+        f = lambda x: f"{x:.2f}" if x is not None and x < 10 else (f"{x:.1f}" if x is not None else "-")
         q = lambda a, b: f"{a / b:.2f}" if a and b else "-"
-        print(f"| {op} | {fs(bs)} | {f(k)} | {f(c)} | {f(w)} | {q(k, w)} | {q(c, w)} |")
+        b = max(k or 0, c or 0)
+        print(f"| {op} | {fs(bs)} | {f(k)} | {f(c)} | {f(x)} | {f(w)} | {q(k, w)} | {q(c, w)} | {q(b, x)} |")
     for r in d["rows"]:
+        if "error" in r:
+            print(f"\n{r['impl']} {r['op']} failed: {r['error'][:300]}")
         if "lat_us_median" in r:
             print(f"\nlatency {r['impl']}, one 4 KiB write (auto path): median {r['lat_us_median']:.1f} us, "
                   f"p99 {r['lat_us_p99']:.1f} us")

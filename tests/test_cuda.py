@@ -166,6 +166,50 @@ def test_write_then_read_permuted(agent: kvx.Agent, helper: Helper, path: str, l
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("exec_on", ["initiator", "owner"])
+@pytest.mark.parametrize("bs", [4096, 4097])
+def test_exec_gpu_choice_cross_gpu(helper: Helper, monkeypatch: pytest.MonkeyPatch, path: str, exec_on: str,
+                                   bs: int) -> None:
+    """Every executing-GPU policy moves the right bytes between GPU 0 and another process's GPU 1,
+    also when the source was filled on GPU 0's default stream just before the post."""
+    from kvx.backends import cuda as kc
+
+    if _ndev() < 2:
+        pytest.skip("needs two GPUs")
+    import cupy
+
+    monkeypatch.setattr(kc, "EXEC_ON", exec_on)
+    n = 256
+    rid, rdescs = helper.register("vram", n * bs, 1)
+    a = kvx.Agent(f"exec-{exec_on}", _config())
+    try:
+        _set_path(a, path)
+        peer = a.add_peer(helper.meta)
+        with cupy.cuda.Device(0):
+            view = cupy.zeros(n * bs, cupy.uint8)
+        reg = a.register(view)
+        local = a.prepare(kvx.DescList.blocks(reg, bs))
+        remote = a.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        perm = np.random.default_rng(bs).permutation(n)
+        with cupy.cuda.Device(0):
+            view[:] = pattern(cupy, n * bs, bs + 1)  # queued on GPU 0's default stream, not synchronized
+        a.write(local, np.arange(n), remote, perm).wait(30)
+        src = pattern(np, n * bs, bs + 1)
+        exp = np.empty(n * bs, np.uint8)
+        exp.reshape(n, bs)[perm] = src.reshape(n, bs)
+        assert helper.digest(rid) == digest(np, exp)
+        with cupy.cuda.Device(0):
+            view[:] = 0
+        a.read(local, np.arange(n), remote, perm).wait(30)
+        assert np.array_equal(view.get(), src)
+        reg.release()
+    finally:
+        a.close()
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -> None:
     """Unequal lengths, odd offsets on both sides (every co-alignment class), large and tiny."""
     _set_path(agent, path)

@@ -86,9 +86,22 @@ CE_MIN_BLOCK = 2 << 20
 CHUNK_SHIFT = 14
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
 THREADS = 256
-BLOCKS_PER_SM = 8
+BLOCKS_PER_SM = 4
 #: Resident blocks per SM when one side is host memory (PCIe saturates with fewer warps).
 BLOCKS_PER_SM_HOST = 8
+#: Copy kernel variant: ``warp`` (8 loads in flight per lane), ``warp16`` (16 in flight) or ``bulk``
+#: (Hopper TMA bulk copies through shared memory, one warp per CTA; warp copy on older GPUs).
+KERNEL = "warp"
+#: CTAs (of one warp) per SM for the ``bulk`` kernel.
+BLOCKS_PER_SM_BULK = 6
+#: Which GPU runs GPU<->GPU copies with another process's memory when both GPUs are visible here:
+#: ``initiator`` (default: the GPU of the initiator's own memory; a write pushes, a read pulls) or
+#: ``owner`` (the GPU holding the peer's memory, where it is then imported: a write pulls, a read
+#: pushes; measured +3-9% on writes and -0-10% on reads, docs/gpu.md). Read when a peer's region is
+#: imported (prepare). A memory imported on one GPU cannot be touched from the other one (measured:
+#: illegal address), so "always pull" would need one import per GPU. ``KVX_CUDA_EXEC`` sets it at
+#: import (to move into kvx.config).
+EXEC_ON = (os.environ.get("KVX_CUDA_EXEC") or "initiator").strip().lower()
 
 _ENTRY = 32  # control-table entry: state, addr, nbytes, info
 _CTRL_BYTES = MAX_SLOTS * _ENTRY
@@ -100,6 +113,7 @@ _F_IPC = 1 << 2  # CUDA region exportable through cudaIpcGetMemHandle
 
 _KERNEL_FILE = "kvx_copy.cu"
 _KERNEL_NAME = "kvx_gather_copy"
+_KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy"}
 _H2D = 1  # cudaMemcpyHostToDevice
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -405,7 +419,8 @@ class _Device:
             src = kernel_source_path()
             assert src is not None
             mod = cp.RawModule(code=src.read_text(), options=("--std=c++17",))
-            self.kernel = mod.get_function(_KERNEL_NAME)
+            self.kernels = {k: mod.get_function(v) for k, v in _KERNEL_NAMES.items()}
+            self.kernel = self.kernels["warp"]
             sms = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
         self.sms = sms
         self.peers: set[int] = set()
@@ -1041,7 +1056,10 @@ class CudaBackend(Backend):
             return "ipc", dev, 0
         # import on the GPU that will run the copies: the one holding this agent's own GPU memory,
         # else the memory's own GPU when it is visible here
-        dev = self._home if self._home is not None else (owner if owner >= 0 else self._home_dev())
+        if EXEC_ON == "owner" and owner >= 0:
+            dev = owner
+        else:
+            dev = self._home if self._home is not None else (owner if owner >= 0 else self._home_dev())
         with p.lock:
             ent = p.ipc.get(handle)
             if ent is not None:
@@ -1216,11 +1234,14 @@ class CudaBackend(Backend):
         if n == 0:
             return DoneRequest(0)
         dev = lp.dev if lp.kind == MemoryKind.CUDA else rp.dev
+        if (peer is not None and not peer.same_process and rp.kind == MemoryKind.CUDA and rp.dev >= 0
+                and rp.dev != lp.dev):
+            dev = rp.dev  # IPC memory is reachable only from the GPU it was imported on (_map_ipc)
         if dev < 0:
             dev = self._home_dev()
         d = self._device(dev)
-        if lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA and rp.dev != dev:
-            self._ensure_peer_access(d, rp.dev)
+        if lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA:
+            self._ensure_peer_access(d, rp.dev if rp.dev != dev else lp.dev)
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
         path = self.mode
         if path == "auto":
@@ -1228,6 +1249,8 @@ class CudaBackend(Backend):
         counters = self._acquire(peer, rp.guards) if peer is not None else []
         try:
             with d.lock:
+                if lp.kind == MemoryKind.CUDA and lp.dev != dev:
+                    self._order_after_default(lp.dev, d)
                 if path == "ce":
                     ev, keep = self._launch_ce(d, dst, didx, src, sidx)
                 else:
@@ -1241,6 +1264,19 @@ class CudaBackend(Backend):
         req = _CudaRequest(self, ev, total, peer, counters, notify, keep)
         self._reaper.add(req)
         return req
+
+    def _order_after_default(self, src_dev: int, d: _Device) -> None:
+        """Order ``d``'s copy stream after the work queued so far on ``src_dev``'s legacy default stream.
+
+        (The copy runs on another GPU than the caller's memory: the blocking stream of ``d`` orders
+        it only against ``d``'s own default stream.)
+        """
+        cp = self.cp
+        with cp.cuda.Device(src_dev):
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(cp.cuda.Stream.null)
+        with cp.cuda.Device(d.dev):
+            d.stream.wait_event(ev)
 
     def _launch_kernel(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
                        ulen: int) -> tuple[Any, Any]:
@@ -1264,10 +1300,14 @@ class CudaBackend(Backend):
             st = d.stream
             cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, host.ctypes.data, host.nbytes, _H2D, st.ptr)
             per_sm = BLOCKS_PER_SM_HOST if MemoryKind.HOST in (dst.kind, src.kind) else BLOCKS_PER_SM
-            grid = max(1, min(d.sms * per_sm, (items * 32 + THREADS - 1) // THREADS))
+            kname = KERNEL if KERNEL in d.kernels else "warp"
+            threads = THREADS
+            if kname == "bulk":
+                threads, per_sm = 32, BLOCKS_PER_SM_BULK
+            grid = max(1, min(d.sms * per_sm, (items * 32 + threads - 1) // threads))
             first = dbuf.data.ptr + 16 * n if not ulen else 0
             with st:
-                d.kernel((grid,), (THREADS,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
+                d.kernels[kname]((grid,), (threads,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
                                                np.uint64(dbuf.data.ptr), np.uint64(sL.data.ptr), np.uint64(first),
                                                np.uint64(n), np.uint64(ulen), np.uint64(items), np.uint32(shift)))
             ev = cp.cuda.Event(block=False, disable_timing=True)

@@ -488,12 +488,109 @@ def _tune(argv: list[str]) -> int:
     return 0
 
 
+def _xtune(argv: list[str]) -> int:
+    """``python -m kvx.bench.cuda xtune``: two processes (target on GPU 1), sweep kernel variants.
+
+    For each executing GPU (``initiator``: GPU 0 pushes writes and pulls reads; ``owner``: GPU 1,
+    which holds the target's memory, pulls writes and pushes reads), each kernel variant and launch
+    knob, and the copy engines: GB/s of permuted write/read transfers, every variant's bytes checked once.
+    """
+    import cupy as cp
+
+    from ..backends import cuda as kc
+    from . import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m kvx.bench.cuda xtune")
+    ap.add_argument("--total", default="256M")
+    ap.add_argument("--block-sizes", default="4K,32K,256K,2M")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--exec", default="initiator,owner")
+    ap.add_argument("--variants", default="warp:8:14,warp:4:14,warp:8:16,warp16:4:14,warp16:4:16,bulk:4:14,"
+                                          "bulk:6:14,bulk:8:14,bulk:6:16,ce:0:0")
+    a = ap.parse_args(argv)
+    total = parse_size(a.total)
+    sizes = [parse_size(x) for x in a.block_sizes.split(",")]
+    variants = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in a.variants.split(",")]
+    rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
+    target = Helper("xtune-target", {"backends": ["cuda"]})
+    try:
+        rid, rdescs = target.register("vram", total, rdev)
+        for ex in a.exec.split(","):
+            kc.EXEC_ON = ex
+            with kvx.Agent(f"xtune-{ex}", kvx.AgentConfig(backends=("cuda",))) as ag:
+                be = ag.backend("cuda")
+                with cp.cuda.Device(0):
+                    g0 = cp.zeros(total, dtype=cp.uint8)
+                reg = ag.register(g0)
+                peer = ag.add_peer(target.meta)
+                for op in ("write", "read"):
+                    for bs in sizes:
+                        n = total // bs
+                        lo = ag.prepare(kvx.DescList.blocks(reg, bs))
+                        re = ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+                        li = np.arange(n, dtype=np.int64)
+                        ri = np.random.default_rng(0).permutation(n).astype(np.int64)
+                        fn = ag.write if op == "write" else ag.read
+                        res = []
+                        for kern, per_sm, sh in variants:
+                            if kern == "ce":
+                                if not be.drv.has_batch:  # type: ignore[attr-defined]
+                                    continue
+                                be.mode = "ce"  # type: ignore[attr-defined]
+                            else:
+                                be.mode = "kernel"  # type: ignore[attr-defined]
+                                kc.KERNEL = kern
+                                kc.BLOCKS_PER_SM = kc.BLOCKS_PER_SM_BULK = per_sm
+                                kc.CHUNK_SHIFT = sh
+                            seed = bs + per_sm + sh
+                            if op == "write":
+                                with cp.cuda.Device(0):
+                                    g0[:] = pattern(cp, total, seed)
+                                target.call(cmd="zero", id=rid)
+                            else:
+                                target.call(cmd="fill", id=rid, seed=seed)
+                                with cp.cuda.Device(0):
+                                    g0[:] = 0
+                            _sync_all(cp)
+
+                            def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
+                                fn(lo, li, re, ri).wait()
+
+                            try:
+                                med, _mn = timed(once, a.iters)
+                            except Exception as exc:  # a variant that cannot run here
+                                print(f"  {ex} {op} {bs} {kern}:{per_sm}:{sh} failed: {exc}", flush=True)
+                                continue
+                            with cp.cuda.Device(0):
+                                src = pattern(cp, total, seed)[: n * bs]
+                                exp = cp.zeros(total, dtype=cp.uint8)
+                                rix = cp.asarray(ri)
+                                if op == "write":
+                                    exp[: n * bs].reshape(n, bs)[rix] = src.reshape(n, bs)
+                                    ok = target.digest(rid) == digest(cp, exp)
+                                else:
+                                    exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[rix]
+                                    ok = digest(cp, g0) == digest(cp, exp)
+                                del exp, src
+                            res.append((n * bs / med / 1e9, f"{kern}:{per_sm}:{sh}", ok))
+                        res.sort(reverse=True)
+                        cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for g, v, ok in res)
+                        print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
+                kc.KERNEL, kc.BLOCKS_PER_SM, kc.CHUNK_SHIFT = "warp", 4, 14
+                reg.release()
+    finally:
+        target.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["target"]:
         return _serve(args[1:])
     if args[:1] == ["tune"]:
         return _tune(args[1:])
+    if args[:1] == ["xtune"]:
+        return _xtune(args[1:])
     print("usage: python -m kvx.bench.cuda target [--name N] [--config JSON]  (or: kvx bench --backend cuda)",
           file=sys.stderr)
     return 2

@@ -1,6 +1,6 @@
 """NIXL comparison runner for ``kvx bench --compare nixl``.
 
-Drives NVIDIA NIXL (the ``nixl-cu12`` wheel, Python API in ``nixl_cu12._api``) "at its best"
+Drives NVIDIA NIXL (the ``nixl-cu12`` or ``nixl-cu13`` wheel, Python API in ``nixl_cu1x._api``) "at its best"
 on the workload kvx benchmarks, and returns the figures in kvx's benchmark JSON shape.
 
 ``mem="dram"`` (first priority): two separate processes, an *initiator* and a *target*, each
@@ -17,6 +17,12 @@ DONE, after one warm-up.  The buffer that receives data is zeroed before every b
 checked afterwards against the expected permuted layout (by the target for writes, after a
 NIXL notification; by the initiator for reads).  Latency is measured last: single prepared
 4 KiB descriptors posted to completion.
+
+``mem="vram"``: the same two processes with GPU memory on both sides (cupy arrays): the
+initiator's on GPU 0, the target's on GPU 1 when two GPUs exist (else GPU 0), registered as
+``"VRAM"`` with the GPU index as device id (descriptor lists too), so UCX moves them with its
+cuda_ipc transport (NVLink between the GPUs). Bytes are checked on the GPU. ``mem="pinned"``:
+initiator VRAM, target host memory page-locked with ``cudaHostRegister`` (NIXL ``"DRAM"``).
 
 ``mem="file"``: one process, NIXL's POSIX plugin moving permuted blocks between a registered
 DRAM buffer and a registered file (DRAM<->FILE in the same agent, loopback prepared list).
@@ -63,12 +69,17 @@ _STDERR_TAIL = 4000
 
 
 def _import_nixl_api() -> ModuleType:
-    """Import NIXL's Python API module (``nixl_cu12._api``, or ``nixl._api`` of other wheels)."""
-    try:
-        from nixl_cu12 import _api  # type: ignore[import-not-found]
-    except ImportError:
-        from nixl import _api  # type: ignore[import-not-found,no-redef]
-    return _api
+    """Import NIXL's Python API (``nixl_cu12._api``, ``nixl_cu13._api``, or ``nixl._api``)."""
+    import importlib
+
+    first: ImportError | None = None
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def nixl_available() -> str | None:
@@ -110,10 +121,13 @@ def parse_size(text: str | int) -> int:
     return value << {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}[unit]
 
 
-def _pattern(nbytes: int) -> np.ndarray:
-    """A deterministic byte pattern in which every aligned 4-byte word is unique (< 16 GiB)."""
-    words = np.arange((nbytes + 3) // 4, dtype=np.uint32)
-    return words.view(np.uint8)[:nbytes]
+def _pattern(nbytes: int, xp: Any = np) -> Any:
+    """A deterministic byte pattern in which every aligned 4-byte word is unique (< 16 GiB).
+
+    ``xp`` is numpy (host) or cupy (the same bytes built on the current GPU).
+    """
+    words = xp.arange((nbytes + 3) // 4, dtype=xp.uint32)
+    return words.view(xp.uint8)[:nbytes]
 
 
 def _permutation(n: int, seed: int, permute: bool) -> np.ndarray:
@@ -143,9 +157,88 @@ def _layout_ok(received: np.ndarray, source: np.ndarray, block_bytes: int, perm:
     used = n * block_bytes
     got = received[:used].reshape(n, block_bytes)
     src = source[:used].reshape(n, block_bytes)
+    xp = _xp(received)
+    if xp is not np:
+        perm = xp.asarray(perm)
     if source_is_local:
-        return bool(np.array_equal(got[perm], src))
-    return bool(np.array_equal(got, src[perm]))
+        return bool(xp.array_equal(got[perm], src))
+    return bool(xp.array_equal(got, src[perm]))
+
+
+def _xp(arr: Any) -> Any:
+    """numpy for host arrays, cupy for GPU arrays."""
+    if isinstance(arr, np.ndarray):
+        return np
+    import cupy  # type: ignore[import-not-found,unused-ignore]
+
+    return cupy
+
+
+#: mem mode -> (initiator memory, target memory): "dram" host, "vram" GPU, "pinned" host memory
+#: page-locked with cudaHostRegister (registered with NIXL as DRAM)
+_MEMS = {"dram": ("dram", "dram"), "vram": ("vram", "vram"), "pinned": ("vram", "pinned")}
+
+
+def _gpu_count() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+class _Buffer:
+    """One side's registered buffer: host numpy (``dram``/``pinned``) or a cupy GPU array (``vram``).
+
+    The initiator's GPU is 0; the target's is 1 when this machine has two GPUs, else 0.
+    """
+
+    def __init__(self, kind: str, nbytes: int, role: str, fill: bool) -> None:
+        self.kind = kind
+        self.dev = 0
+        self._pinned = False
+        if kind == "vram":
+            import cupy
+
+            self.dev = 1 if role == "target" and _gpu_count() > 1 else 0
+            cupy.cuda.Device(self.dev).use()  # this thread's CUDA context: UCX's cuda_ipc uses it
+            self.arr: Any = _pattern(nbytes, cupy).copy() if fill else cupy.zeros(nbytes, cupy.uint8)
+            self.addr = int(self.arr.data.ptr)
+        else:
+            self.arr = _pattern(nbytes).copy() if fill else np.zeros(nbytes, np.uint8)
+            self.addr = int(self.arr.ctypes.data)
+            if kind == "pinned":
+                import cupy
+
+                cupy.cuda.runtime.hostRegister(self.addr, nbytes, 1)  # cudaHostRegisterPortable
+                self._pinned = True
+        self.sync()
+
+    @property
+    def seg(self) -> str:
+        """NIXL's memory segment type."""
+        return "VRAM" if self.kind == "vram" else "DRAM"
+
+    def descs(self, block_bytes: int, nblocks: int) -> np.ndarray:
+        return _block_descs(self.addr, block_bytes, nblocks, dev_id=self.dev)
+
+    def pattern(self, nbytes: int) -> Any:
+        return _pattern(nbytes, _xp(self.arr))
+
+    def zero(self) -> None:
+        self.arr[:] = 0
+        self.sync()
+
+    def sync(self) -> None:
+        if self.kind == "vram":
+            import cupy
+
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def close(self) -> None:
+        if self._pinned:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self.addr)
+            self._pinned = False
 
 
 class _Deadline:
@@ -315,11 +408,13 @@ def _make_agent(api: ModuleType, name: str, backend: str, progress_thread: bool,
 def _target_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> None:
     """Register the target buffer, publish metadata, serve prepare/verify requests."""
     api = _import_nixl_api()
+    mem = _Buffer(_MEMS[cfg.mem][1], cfg.total, "target", fill=cfg.op == "read")
+    buf = mem.arr
     agent = _make_agent(api, TARGET_NAME, cfg.backend, True, cfg.target_progress_delay_us)
-    buf = _pattern(cfg.total).copy() if cfg.op == "read" else np.zeros(cfg.total, np.uint8)
-    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM",
+    reg = agent.register_memory([(mem.addr, cfg.total, mem.dev, "")], mem.seg,
                                 backends=[cfg.backend])
-    ch.send({"type": "hello", "name": TARGET_NAME, "addr": buf.ctypes.data, "size": buf.nbytes,
+    ch.send({"type": "hello", "name": TARGET_NAME, "addr": mem.addr, "size": cfg.total,
+             "dev": mem.dev, "seg": mem.seg,
              "md": base64.b64encode(agent.get_agent_metadata()).decode()})
     hello = ch.recv("hello")
     agent.add_remote_agent(base64.b64decode(hello["md"]))
@@ -328,7 +423,7 @@ def _target_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> None:
         kind = msg["type"]
         if kind == "prepare":
             if cfg.op == "write":
-                buf[:] = 0  # so that the verification proves this block size's bytes arrived
+                mem.zero()  # so that the verification proves this block size's bytes arrived
             ch.send({"type": "ready"})
         elif kind == "verify":
             tag = msg["tag"].encode()
@@ -337,7 +432,8 @@ def _target_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> None:
                 time.sleep(0.0005)
             bs, n = msg["block_bytes"], msg["nblocks"]
             perm = _permutation(n, cfg.seed, cfg.permute)
-            ok = _layout_ok(buf, _pattern(n * bs), bs, perm, source_is_local=True)
+            mem.sync()
+            ok = _layout_ok(buf, mem.pattern(n * bs), bs, perm, source_is_local=True)
             logger.info("target verified block size %d: %s", bs, ok)
             ch.send({"type": "verified", "ok": ok})
         elif kind == "done":
@@ -346,6 +442,7 @@ def _target_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> None:
             raise RuntimeError(f"protocol error: unexpected {kind!r}")
     agent.remove_remote_agent(INITIATOR_NAME)
     agent.deregister_memory(reg, backends=[cfg.backend])
+    mem.close()
     ch.send({"type": "bye"})
 
 
@@ -357,9 +454,10 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
     """Run the sweep and the latency test against the target; return the result dict."""
     api = _import_nixl_api()
     backends = [cfg.backend]
+    mem = _Buffer(_MEMS[cfg.mem][0], cfg.total, "initiator", fill=cfg.op == "write")
+    buf = mem.arr
     agent = _make_agent(api, INITIATOR_NAME, cfg.backend, cfg.progress_thread)
-    buf = _pattern(cfg.total).copy() if cfg.op == "write" else np.zeros(cfg.total, np.uint8)
-    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM",
+    reg = agent.register_memory([(mem.addr, cfg.total, mem.dev, "")], mem.seg,
                                 backends=backends)
     hello = ch.recv("hello")
     remote_name = agent.add_remote_agent(base64.b64decode(hello["md"]))
@@ -367,7 +465,8 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
         remote_name = remote_name.decode()
     if remote_name != TARGET_NAME or hello["size"] < cfg.total:
         raise RuntimeError(f"unexpected target {remote_name!r} / size {hello['size']}")
-    remote_addr = int(hello["addr"])
+    remote_addr, remote_dev, remote_seg = int(hello["addr"]), int(hello.get("dev", 0)), \
+        str(hello.get("seg", "DRAM"))
     ch.send({"type": "hello", "name": INITIATOR_NAME,
              "md": base64.b64encode(agent.get_agent_metadata()).decode()})
     agent.make_connection(TARGET_NAME, backends)
@@ -380,11 +479,11 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
         ch.send({"type": "prepare", "block_bytes": bs, "nblocks": n})
         ch.recv("ready")
         if cfg.op == "read":
-            buf[:] = 0
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_descs(buf.ctypes.data, bs, n),
-                                      "DRAM", backends=backends)
-        remote = agent.prep_xfer_dlist(TARGET_NAME, _block_descs(remote_addr, bs, n), "DRAM",
-                                       backends=backends)
+            mem.zero()
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", mem.descs(bs, n), mem.seg,
+                                      backends=backends)
+        remote = agent.prep_xfer_dlist(TARGET_NAME, _block_descs(remote_addr, bs, n, remote_dev),
+                                       remote_seg, backends=backends)
         xfer = agent.make_prepped_xfer(op, local, np.arange(n, dtype=np.int32), remote, perm,
                                        backends=backends)
         _post_and_wait(agent, xfer, deadline)  # warm-up
@@ -395,7 +494,8 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
             ch.send({"type": "verify", "block_bytes": bs, "nblocks": n, "tag": tag})
             ok = bool(ch.recv("verified")["ok"])
         else:
-            ok = _layout_ok(buf, _pattern(n * bs), bs, perm, source_is_local=False)
+            mem.sync()
+            ok = _layout_ok(buf, mem.pattern(n * bs), bs, perm, source_is_local=False)
         xfer.release()
         local.release()
         remote.release()
@@ -405,10 +505,10 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
 
     latency = None
     if cfg.latency_samples > 0:
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.ctypes.data, LATENCY_BLOCK, 0)],
-                                      "DRAM", backends=backends)
-        remote = agent.prep_xfer_dlist(TARGET_NAME, [(remote_addr, LATENCY_BLOCK, 0)], "DRAM",
-                                       backends=backends)
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(mem.addr, LATENCY_BLOCK, mem.dev)],
+                                      mem.seg, backends=backends)
+        remote = agent.prep_xfer_dlist(TARGET_NAME, [(remote_addr, LATENCY_BLOCK, remote_dev)],
+                                       remote_seg, backends=backends)
         xfer = agent.make_prepped_xfer("WRITE", local, [0], remote, [0], backends=backends)
         latency = _measure_latency(agent, xfer, cfg.latency_samples, deadline)
         xfer.release()
@@ -419,6 +519,7 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
     ch.recv("bye")
     agent.remove_remote_agent(TARGET_NAME)
     agent.deregister_memory(reg, backends=backends)
+    mem.close()
     return _result(cfg, results, latency)
 
 
@@ -543,8 +644,13 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
     """Benchmark NIXL on kvx's workload and return kvx-shaped results.
 
     Args:
-        mem: ``"dram"`` (two processes, DRAM->DRAM over ``backend``, default UCX) or ``"file"``
-            (one process, DRAM<->file over the POSIX plugin; ``backend`` UCX is replaced by POSIX).
+        mem: ``"dram"`` (two processes, DRAM->DRAM over ``backend``, default UCX), ``"vram"``
+            (two processes, GPU memory on both sides: initiator on GPU 0, target on GPU 1 when
+            there are two GPUs, registered as VRAM with the GPU index as device id; over UCX
+            that is its cuda_ipc transport, NVLink where present; needs cupy), ``"pinned"``
+            (initiator VRAM on GPU 0, target host DRAM page-locked with ``cudaHostRegister``)
+            or ``"file"`` (one process, DRAM<->file over the POSIX plugin; ``backend`` UCX is
+            replaced by POSIX).
         op: ``"write"`` or ``"read"``, from the initiator's point of view.
         block_sizes: block sizes in bytes; each is swept over ``total // bs`` blocks.
         total: bytes of each buffer (and of the file).
@@ -577,8 +683,8 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
     reason = nixl_available()
     if reason is not None:
         raise RuntimeError(reason)
-    if mem not in ("dram", "file"):
-        raise ValueError(f"mem must be 'dram' or 'file', not {mem!r}")
+    if mem not in ("dram", "vram", "pinned", "file"):
+        raise ValueError(f"mem must be 'dram', 'vram', 'pinned' or 'file', not {mem!r}")
     if op not in _OPS:
         raise ValueError(f"op must be 'write' or 'read', not {op!r}")
     if not block_sizes or any(bs <= 0 or bs > total for bs in block_sizes):
@@ -621,7 +727,7 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
                              for role, path in logs.items())
 
         try:
-            if mem == "dram":
+            if mem != "file":
                 init_sock, target_sock = socket.socketpair()
                 try:
                     spawn("target", target_sock.fileno())
@@ -707,7 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvx.compare.nixl --block-sizes 4K,32K,256K,2M --total 256M --op write``."""
     parser = argparse.ArgumentParser(prog="python -m kvx.compare.nixl",
                                      description="Benchmark NIXL like kvx bench does; print JSON.")
-    parser.add_argument("--mem", choices=["dram", "file"], default="dram")
+    parser.add_argument("--mem", choices=["dram", "vram", "pinned", "file"], default="dram")
     parser.add_argument("--op", choices=sorted(_OPS), default="write")
     parser.add_argument("--block-sizes", default="4K,32K,256K,2M",
                         help="comma-separated block sizes (e.g. 4K,32K,256K,2M)")

@@ -17,9 +17,7 @@
 typedef unsigned long long u64;
 typedef long long i64;
 
-#define KVX_UNROLL 8
-
-template <typename V>
+template <typename V, int KVX_UNROLL>
 __device__ __forceinline__ void kvx_vec_copy(char* __restrict__ dst, const char* __restrict__ src, u64 nv,
                                              unsigned lane) {
     const V* __restrict__ s = reinterpret_cast<const V*>(src);
@@ -35,7 +33,7 @@ __device__ __forceinline__ void kvx_vec_copy(char* __restrict__ dst, const char*
     for (; i < nv; i += 32) d[i] = s[i];
 }
 
-template <typename V>
+template <typename V, int U>
 __device__ __forceinline__ void kvx_aligned_copy(char* dst, const char* src, u64 len, unsigned lane) {
     const u64 a = sizeof(V) - 1;
     u64 head = (sizeof(V) - ((u64)dst & a)) & a;
@@ -45,20 +43,85 @@ __device__ __forceinline__ void kvx_aligned_copy(char* dst, const char* src, u64
     src += head;
     len -= head;
     const u64 nv = len / sizeof(V);
-    kvx_vec_copy<V>(dst, src, nv, lane);
+    kvx_vec_copy<V, U>(dst, src, nv, lane);
     for (u64 b = nv * sizeof(V) + lane; b < len; b += 32) dst[b] = src[b];
 }
 
+template <int U>
 __device__ __forceinline__ void kvx_warp_copy(char* dst, const char* src, u64 len, unsigned lane) {
     const u64 m = (u64)dst ^ (u64)src;  // co-alignment of the two pointers
     if ((m & 15) == 0) {
-        kvx_aligned_copy<uint4>(dst, src, len, lane);
+        kvx_aligned_copy<uint4, U>(dst, src, len, lane);
     } else if ((m & 7) == 0) {
-        kvx_aligned_copy<uint2>(dst, src, len, lane);
+        kvx_aligned_copy<uint2, U>(dst, src, len, lane);
     } else if ((m & 3) == 0) {
-        kvx_aligned_copy<unsigned int>(dst, src, len, lane);
+        kvx_aligned_copy<unsigned int, U>(dst, src, len, lane);
     } else {
         for (u64 b = lane; b < len; b += 32) dst[b] = src[b];
+    }
+}
+
+// One work item: pair p, chunk c -> (dst, src, nbytes). Shared by the kernels below.
+struct kvx_item {
+    char* d;
+    const char* s;
+    u64 nb;
+};
+
+__device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const u64* __restrict__ sA,
+                                              const i64* __restrict__ didx, const i64* __restrict__ sidx,
+                                              const u64* __restrict__ L, const u64* __restrict__ F, u64 n, u64 ulen,
+                                              u64 cpd, unsigned chunk_shift, u64 it) {
+    u64 p, c, len;
+    if (ulen) {
+        if (cpd == 1) {
+            p = it;
+            c = 0;
+        } else {
+            p = it / cpd;
+            c = it - p * cpd;
+        }
+        len = ulen;
+    } else {
+        u64 lo = 0, hi = n;  // largest p with F[p] <= it
+        while (hi - lo > 1) {
+            const u64 mid = (lo + hi) >> 1;
+            if (F[mid] <= it) lo = mid; else hi = mid;
+        }
+        p = lo;
+        c = it - F[p];
+        len = L[sidx[p]];
+    }
+    const u64 chunk = 1ull << chunk_shift;
+    const u64 off = c << chunk_shift;
+    u64 nb = len - off;
+    if (nb > chunk) nb = chunk;
+    kvx_item r;
+    r.d = reinterpret_cast<char*>(dA[didx[p]] + off);
+    r.s = reinterpret_cast<const char*>(sA[sidx[p]] + off);
+    r.nb = nb;
+    return r;
+}
+
+#define KVX_KERNEL_ARGS                                                                                      \
+    u64 dst_addrs, u64 src_addrs, u64 idx, u64 lens, u64 first, u64 n, u64 ulen, u64 items, unsigned int chunk_shift
+#define KVX_KERNEL_PROLOGUE                                                                                  \
+    const u64* __restrict__ dA = reinterpret_cast<const u64*>(dst_addrs);                                   \
+    const u64* __restrict__ sA = reinterpret_cast<const u64*>(src_addrs);                                   \
+    const i64* __restrict__ didx = reinterpret_cast<const i64*>(idx);                                       \
+    const i64* __restrict__ sidx = didx + n;                                                                \
+    const u64* __restrict__ L = reinterpret_cast<const u64*>(lens);                                         \
+    const u64* __restrict__ F = reinterpret_cast<const u64*>(first);                                        \
+    const unsigned lane = threadIdx.x & 31u;                                                                \
+    const u64 cpd = ulen ? (ulen + (1ull << chunk_shift) - 1) >> chunk_shift : 0;
+
+template <int U>
+__device__ __forceinline__ void kvx_gather_body(KVX_KERNEL_ARGS) {
+    KVX_KERNEL_PROLOGUE
+    const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; it < items; it += nwarps) {
+        const kvx_item w = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
+        kvx_warp_copy<U>(w.d, w.s, w.nb, lane);
     }
 }
 
@@ -67,45 +130,85 @@ __device__ __forceinline__ void kvx_warp_copy(char* dst, const char* src, u64 le
 // lens: device array of u64 lengths of the source list (used when ulen == 0)
 // first: n+1 u64 prefix sums of items per pair (used when ulen == 0)
 // ulen: the common length of every pair, or 0 when lengths differ
-extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy(u64 dst_addrs, u64 src_addrs, u64 idx, u64 lens,
-                                                                  u64 first, u64 n, u64 ulen, u64 items,
-                                                                  unsigned int chunk_shift) {
-    const u64* __restrict__ dA = reinterpret_cast<const u64*>(dst_addrs);
-    const u64* __restrict__ sA = reinterpret_cast<const u64*>(src_addrs);
-    const i64* __restrict__ didx = reinterpret_cast<const i64*>(idx);
-    const i64* __restrict__ sidx = didx + n;
-    const u64* __restrict__ L = reinterpret_cast<const u64*>(lens);
-    const u64* __restrict__ F = reinterpret_cast<const u64*>(first);
-    const unsigned lane = threadIdx.x & 31u;
-    const u64 chunk = 1ull << chunk_shift;
-    const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
-    const u64 cpd = ulen ? (ulen + chunk - 1) >> chunk_shift : 0;  // items per pair (uniform case)
-    for (u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; it < items; it += nwarps) {
-        u64 p, c, len;
-        if (ulen) {
-            if (cpd == 1) {
-                p = it;
-                c = 0;
-            } else {
-                p = it / cpd;
-                c = it - p * cpd;
-            }
-            len = ulen;
-        } else {
-            u64 lo = 0, hi = n;  // largest p with F[p] <= it
-            while (hi - lo > 1) {
-                const u64 mid = (lo + hi) >> 1;
-                if (F[mid] <= it) lo = mid; else hi = mid;
-            }
-            p = lo;
-            c = it - F[p];
-            len = L[sidx[p]];
+extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy(KVX_KERNEL_ARGS) {
+    kvx_gather_body<8>(dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift);
+}
+
+// The same with 16 loads in flight per lane.
+extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_u16(KVX_KERNEL_ARGS) {
+    kvx_gather_body<16>(dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift);
+}
+
+// Hopper (sm_90+) bulk copies: one warp per CTA (blockDim.x == 32). Lane 0 moves the 16-byte
+// co-aligned part of each item with the TMA engine, global -> shared (cp.async.bulk, completion on
+// an mbarrier) -> global (cp.async.bulk bulk_group), through KVX_BULK_STAGES shared buffers so the
+// store of one stage overlaps the load of the next; the warp copies heads/tails and items of
+// other co-alignment with plain loads/stores. Older GPUs run the warp copy for everything.
+#define KVX_BULK_STAGE 16384
+#define KVX_BULK_STAGES 2
+
+extern "C" __global__ void __launch_bounds__(32) kvx_bulk_copy(KVX_KERNEL_ARGS) {
+    KVX_KERNEL_PROLOGUE
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ __align__(128) char sbuf[KVX_BULK_STAGES][KVX_BULK_STAGE];
+    __shared__ __align__(8) u64 bar[KVX_BULK_STAGES];
+    if (lane == 0) {
+        for (int i = 0; i < KVX_BULK_STAGES; ++i) {
+            const unsigned a = (unsigned)__cvta_generic_to_shared(&bar[i]);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a));
         }
-        const u64 off = c << chunk_shift;
-        u64 nb = len - off;
-        if (nb > chunk) nb = chunk;
-        char* d = reinterpret_cast<char*>(dA[didx[p]] + off);
-        const char* s = reinterpret_cast<const char*>(sA[sidx[p]] + off);
-        kvx_warp_copy(d, s, nb, lane);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+    __syncwarp();
+    unsigned k = 0;  // stages issued by this CTA
+    for (u64 it = blockIdx.x; it < items; it += gridDim.x) {
+        const kvx_item w = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
+        const u64 m = (u64)w.d ^ (u64)w.s;
+        if ((m & 15) != 0 || w.nb < 1024) {
+            kvx_warp_copy<8>(w.d, w.s, w.nb, lane);
+            continue;
+        }
+        u64 head = (16 - ((u64)w.d & 15)) & 15;
+        const u64 body = (w.nb - head) & ~15ull;
+        const u64 tail0 = head + body;
+        if (lane < head) w.d[lane] = w.s[lane];
+        for (u64 b = tail0 + lane; b < w.nb; b += 32) w.d[b] = w.s[b];
+        if (lane == 0) {
+            for (u64 off = 0; off < body; off += KVX_BULK_STAGE) {
+                const unsigned sz = (unsigned)((body - off) < KVX_BULK_STAGE ? (body - off) : KVX_BULK_STAGE);
+                const unsigned st = k % KVX_BULK_STAGES;
+                const unsigned phase = (k / KVX_BULK_STAGES) & 1u;
+                const unsigned sm = (unsigned)__cvta_generic_to_shared(&sbuf[st][0]);
+                const unsigned ba = (unsigned)__cvta_generic_to_shared(&bar[st]);
+                // the store that last read this stage must have read it
+                asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(KVX_BULK_STAGES - 1) : "memory");
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(ba), "r"(sz) : "memory");
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sm),
+                    "l"(w.s + head + off), "r"(sz), "r"(ba)
+                    : "memory");
+                unsigned done = 0;
+                while (!done) {
+                    asm volatile(
+                        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                        : "=r"(done)
+                        : "r"(ba), "r"(phase)
+                        : "memory");
+                }
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(w.d + head + off),
+                             "r"(sm), "r"(sz)
+                             : "memory");
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                ++k;
+            }
+        }
+    }
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#else
+    const u64 nwarps = gridDim.x;
+    for (u64 it = blockIdx.x; it < items; it += nwarps) {
+        const kvx_item w = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
+        kvx_warp_copy<8>(w.d, w.s, w.nb, lane);
+    }
+#endif
 }
