@@ -149,3 +149,46 @@ def test_fetch_peer_over_side_channel() -> None:
         with kvx.Agent("intruder", kvx.AgentConfig(backends=("host", "tcp"), auth_token="wrong")) as bad:
             with pytest.raises(kvx.AuthError):
                 bad.fetch_peer(host, port)
+
+
+def test_torch_cpu_tensors_register_and_move() -> None:
+    torch = pytest.importorskip("torch")
+    with kvx.Agent("t", kvx.AgentConfig(backends=("host",))) as a:
+        src = torch.arange(4096, dtype=torch.float32)
+        dst = torch.zeros(4096, dtype=torch.float32)
+        ls = a.prepare(kvx.DescList.blocks(a.register(src), 1024))
+        ld = a.prepare(kvx.DescList.blocks(a.register(dst), 1024))
+        a.write(ls, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], ld,
+                [15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]).wait(5)
+        assert torch.equal(dst.view(16, 256).flip(0), src.view(16, 256))
+        with pytest.raises(kvx.RegistrationError):
+            a.register(torch.zeros(4, 4).t())  # not contiguous
+
+
+def test_registry_third_party_backend() -> None:
+    from kvx.backends import Backend, Op, register_backend, registry
+    from kvx.backends.base import DoneRequest
+
+    class Null(Backend):
+        """Pretends to move host memory locally; counts posts."""
+
+        name = "null"
+        kinds = frozenset({kvx.MemoryKind.HOST})
+        local = True
+        posts = 0
+
+        def post(self, op, local, lidx, remote, ridx, notify):  # type: ignore[no-untyped-def]
+            type(self).posts += 1
+            assert op in (Op.READ, Op.WRITE)
+            return DoneRequest(0)
+
+    register_backend("null", Null)
+    assert "null" in registry.names()
+    with kvx.Agent("r", kvx.AgentConfig(backends=("null", "host"))) as a:
+        b = np.zeros(64, np.uint8)
+        pl = a.prepare(kvx.DescList.blocks(a.register(b), 32))
+        x = a.write(pl, [0], pl, [1])
+        assert x.backend == "null" and Null.posts == 1  # first in preference order
+        assert a.write(pl, [0], pl, [1], backend="host").backend == "host"
+        with pytest.raises(kvx.BackendUnavailable):
+            a.write(pl, [0], pl, [1], backend="tcp")
