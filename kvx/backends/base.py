@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..agent import PreparedList
     from ..config import AgentConfig
 
-__all__ = ["Backend", "BackendContext", "Op", "Request", "DoneRequest", "PeerInfo", "ThreadRequest"]
+__all__ = ["Backend", "BackendContext", "DoneRequest", "JobRequest", "Op", "PeerInfo", "Request", "ThreadRequest"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,54 @@ class ThreadRequest(Request):
         if not self._ev.wait(timeout):
             return False
         return self.test()
+
+
+class JobRequest(Request):
+    """A request over a native ``kvx._native.Job``.
+
+    ``where`` names what the job touches (a peer, files) for error messages; ``translate(exc,
+    where)`` maps the job's OSError to a TransferError; ``after`` runs once when the job is
+    seen finished successfully (a notification, say).
+    """
+
+    __slots__ = ("_fired", "after", "job", "nbytes", "translate", "where")
+
+    def __init__(self, job: Any, where: Any, translate: Callable[[OSError, Any], Exception],
+                 after: Callable[[], None] | None = None) -> None:
+        self.job = job
+        self.nbytes = int(job.nbytes)
+        self.where = where
+        self.translate = translate
+        self.after = after
+        self._fired = False
+
+    def _done(self) -> None:
+        if not self._fired:
+            self._fired = True
+            if self.after is not None:
+                self.after()
+
+    def test(self) -> bool:
+        try:
+            ok = self.job.test()
+        except OSError as exc:
+            raise self.translate(exc, self.where) from exc
+        if ok:
+            self._done()
+        return bool(ok)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            ok = self.job.wait(timeout)
+        except OSError as exc:
+            raise self.translate(exc, self.where) from exc
+        if ok:
+            self._done()
+        return bool(ok)
+
+    def cancel(self) -> bool:
+        self.job.cancel()
+        return True
 
 
 class Backend(ABC):

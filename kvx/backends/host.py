@@ -45,7 +45,7 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, PeerInfo, Request, ThreadRequest
+from .base import Backend, BackendContext, JobRequest, Op, PeerInfo, Request, ThreadRequest
 
 __all__ = ["HostBackend"]
 
@@ -85,45 +85,6 @@ class _Prep:
     nbytes: np.ndarray
     guards: np.ndarray | None = None
     raw: np.ndarray | None = None  # target-side addresses (uds)
-
-
-class _JobRequest(Request):
-    __slots__ = ("_fired", "after", "job", "nbytes", "peer")
-
-    def __init__(self, job: Any, peer: str | None, after: Any = None) -> None:
-        self.job = job
-        self.nbytes = job.nbytes
-        self.peer = peer
-        self.after = after
-        self._fired = False
-
-    def _done(self) -> None:
-        if not self._fired:
-            self._fired = True
-            if self.after is not None:
-                self.after()
-
-    def test(self) -> bool:
-        try:
-            ok = self.job.test()
-        except OSError as exc:
-            raise translate_oserror(exc, self.peer) from exc
-        if ok:
-            self._done()
-        return bool(ok)
-
-    def wait(self, timeout: float) -> bool:
-        try:
-            ok = self.job.wait(timeout)
-        except OSError as exc:
-            raise translate_oserror(exc, self.peer) from exc
-        if ok:
-            self._done()
-        return bool(ok)
-
-    def cancel(self) -> bool:
-        self.job.cancel()
-        return True
 
 
 class _Peer:
@@ -546,7 +507,7 @@ class HostBackend(Backend):
             if send_notif is not None:
                 send_notif()
             return res  # type: ignore[no-any-return]
-        req = _JobRequest(res, remote.peer)
+        req = JobRequest(res, remote.peer, translate_oserror)
         if send_notif is not None:
             # deliver the notification once the data has landed, even if nobody polls
             def waiter() -> None:
@@ -594,7 +555,7 @@ class HostBackend(Backend):
                     res = start()
                 except OSError as exc:
                     raise translate_oserror(exc, name) from exc
-                return res if type(res) is int else _JobRequest(res, name)
+                return res if type(res) is int else JobRequest(res, name, translate_oserror)
 
             return post_fast
 

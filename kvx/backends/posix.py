@@ -62,7 +62,7 @@ from .. import config as _config
 from ..agent import MAX_SLOTS, PreparedList
 from ..errors import BackendUnavailable, KVXError, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, Request
+from .base import Backend, BackendContext, JobRequest, Op, Request
 
 __all__ = ["PosixBackend", "ALIGN", "SYNC_MODES", "open_preallocated", "translate_oserror"]
 
@@ -240,47 +240,6 @@ class _Prep:
     maligned: np.ndarray | None = None  # HOST: address 4096-aligned
     unit: int = 0  # FILE: every block has this length and starts at a multiple of it (else 0)
     paths: list[str] = field(default_factory=list)
-
-
-class _JobRequest(Request):
-    """A native job; errors translated with the files it touched."""
-
-    __slots__ = ("_fired", "after", "job", "nbytes", "paths")
-
-    def __init__(self, job: Any, paths: list[str], after: Any = None) -> None:
-        self.job = job
-        self.nbytes = int(job.nbytes)
-        self.paths = paths
-        self.after = after
-        self._fired = False
-
-    def _done(self) -> None:
-        if not self._fired:
-            self._fired = True
-            if self.after is not None:
-                self.after()
-
-    def test(self) -> bool:
-        try:
-            ok = self.job.test()
-        except OSError as exc:
-            raise translate_oserror(exc, self.paths) from exc
-        if ok:
-            self._done()
-        return bool(ok)
-
-    def wait(self, timeout: float) -> bool:
-        try:
-            ok = self.job.wait(timeout)
-        except OSError as exc:
-            raise translate_oserror(exc, self.paths) from exc
-        if ok:
-            self._done()
-        return bool(ok)
-
-    def cancel(self) -> bool:
-        self.job.cancel()
-        return True
 
 
 class _FailedRequest(Request):
@@ -542,7 +501,7 @@ class PosixBackend(Backend):
             if after is not None:
                 after()
             return int(job) if job is not None else int(fp.nbytes[fi].sum())
-        req = _JobRequest(job, fp.paths, after)
+        req = JobRequest(job, fp.paths, translate_oserror, after)
         if after is not None:
             self._notify_when_done(req)
         return req
