@@ -195,3 +195,28 @@ def test_default_beats_lru_on_conversation_slice():
     default = simulate(reqs, 1000, DEFAULT_POLICY).hit_rate
     bound = belady(reqs, 1000)
     assert lru <= default <= bound
+
+
+def test_adaptive_frequency_class_outlives_scan():
+    """A block reused often stays through a one-shot scan longer than the cache (LRU loses it)."""
+    cap = 20
+    for name, survives in (("adaptive", True), ("lru", False)):
+        s = Store(make_policy(name, cap))
+        for _ in range(4):
+            s.offer(["hot"])
+        for i in range(3 * cap):  # one-shot blocks, 3 x capacity
+            s.offer([("cold", i)])
+        assert (s.offer(["hot"]) == 1) is survives, name
+
+
+def test_adaptive_classes_and_due_order():
+    p = make_policy("adaptive", 100)
+    for _ in range(5):  # 1st access: class 0, then 1, 2, 2, 3
+        p.miss("k") if "k" not in p else p.hit("k")
+        if "k" not in p:
+            p.inserted("k", None)
+    assert p._class_of["k"] == 3  # count before the 5th access: 4 -> bit_length 3
+    p.miss("n")
+    p.inserted("n", None)
+    assert p._class_of["n"] == 0
+    assert p.victim() == "n"  # new block due now, "k" due 3 x lifetime later

@@ -467,18 +467,23 @@ class _MiniCache:
         return False
 
 
-class AdaptivePolicy(ARCPolicy):
-    """Default policy: chain-aware ARC with long ghosts and a self-tuning admission gate.
+class AdaptivePolicy(EvictionPolicy):
+    """Default policy: frequency-class expiry eviction, long reuse memory, self-tuning admission.
 
-    * Eviction: ARC (recency list T1 / frequency list T2, target split ``p`` moved by hits in
-      the ghost lists B1 / B2), leaves first, a chosen candidate's subtree tail first.  The
-      ghosts remember ``ghost_mult`` x capacity evicted keys, so reuse at distances a bit
-      longer than the cache itself still counts as evidence of frequency.
+    * Memory: a history of the last ``history_mult`` x capacity distinct keys seen (stored or
+      not) with their access counts, so reuse at distances many times the cache size (the next
+      turn of a conversation, the next call of an agent loop) is still recognised.
+    * Eviction: a block's *class* is ``bit_length`` of its count before its latest access
+      (0: first sighting, 1: second, 2: 3rd-4th, 3: 5th-8th, 4: more), capped at
+      ``classes - 1``.  Each class is an LRU queue; a block of class ``c`` last touched at tick
+      ``t`` (one tick per block access) is due at ``t + c * lifetime_mult * capacity``, and the
+      candidate is the earliest-due queue head (``classes`` comparisons).  Leaves first, a chosen
+      candidate's subtree tail first (base class).
     * Admission: a block never seen before is either admitted at once (classic) or only on its
       second sighting within ``door_mult`` x capacity first sightings (a doorkeeper: one-shot
-      blocks, e.g. unique tails of prompts, never displace anything).  Keys in the ghosts are
-      always admitted (they proved reuse).  A block whose parent is not stored is not admitted
-      (prefix semantics: it cannot be hit before its parent returns).
+      blocks, e.g. unique tails of prompts, never displace anything).  Recently evicted keys
+      (a ghost of ``ghost_mult`` x capacity) are always admitted.  A block whose parent is not
+      stored is not admitted (prefix semantics: it cannot be hit before its parent returns).
     * Which admission rule is in force is decided online by two miniature shadow caches
       (spatially sampled keys, capacity scaled by the sampling rate), one per rule; a
       saturating counter moves toward the rule whose shadow hit where the other missed.
@@ -487,6 +492,9 @@ class AdaptivePolicy(ARCPolicy):
     name = "adaptive"
     ghost_mult: ClassVar[float] = 2.0
     door_mult: ClassVar[float] = 4.0
+    history_mult: ClassVar[int] = 32
+    classes: ClassVar[int] = 5
+    lifetime_mult: ClassVar[float] = 1.5
     shadow_blocks: ClassVar[int] = 256  # target shadow capacity (sets the sampling rate)
     min_rate: ClassVar[float] = 1 / 64
     psel_max: ClassVar[int] = 256
@@ -501,7 +509,16 @@ class AdaptivePolicy(ARCPolicy):
         self._psel = 0  # > 0: the doorkeeper rule wins
         self._door: OrderedDict[Hashable, None] = OrderedDict()
         self._door_cap = max(1, int(capacity * self.door_mult))
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # recently evicted keys
         self._ghost_cap = max(1, int(capacity * self.ghost_mult))
+        self._hist: OrderedDict[Hashable, int] = OrderedDict()  # key -> accesses, LRU-bounded
+        self._hist_cap = max(1, int(capacity * self.history_mult))
+        self._tick = 0
+        self._cls = 0  # class of the key last accessed (hit / miss)
+        n = max(1, int(self.classes))
+        self._queues: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(n)]
+        self._life = [int(c * self.lifetime_mult * capacity) for c in range(n)]
+        self._class_of: dict[Hashable, int] = {}
 
     @property
     def filtering(self) -> bool:
@@ -518,6 +535,21 @@ class AdaptivePolicy(ARCPolicy):
                         self._psel += 1
                 elif self._psel > -self.psel_max:
                     self._psel -= 1
+        # access history -> class of this access
+        self._tick += 1
+        h = self._hist
+        n = h.get(key)
+        if n is None:
+            h[key] = 1
+            if len(h) > self._hist_cap:
+                h.popitem(last=False)
+            self._cls = 0
+        else:
+            h[key] = n + 1
+            h.move_to_end(key)
+            c = n.bit_length()
+            last = len(self._queues) - 1
+            self._cls = c if c < last else last
 
     def hit(self, key: Hashable) -> None:
         self._observe(key)
@@ -525,7 +557,6 @@ class AdaptivePolicy(ARCPolicy):
 
     def miss(self, key: Hashable) -> None:
         self._observe(key)
-        super().miss(key)
 
     def admit(self, key: Hashable, parent: Hashable | None) -> bool:
         door = self._door
@@ -536,7 +567,7 @@ class AdaptivePolicy(ARCPolicy):
             if len(door) > self._door_cap:
                 door.popitem(last=False)
             return False
-        if key in self._b1 or key in self._b2:
+        if key in self._ghost:
             return True
         if key in door:
             del door[key]
@@ -548,18 +579,49 @@ class AdaptivePolicy(ARCPolicy):
             door.popitem(last=False)
         return False
 
+    # ordering hooks: one LRU queue per class, value = tick of the last access
+    def _on_insert(self, key, parent):
+        self._ghost.pop(key, None)
+        n = self._hist.get(key, 1)  # accesses, the one that brought it in included
+        c = (n - 1).bit_length()
+        if c >= len(self._queues):
+            c = len(self._queues) - 1
+        self._class_of[key] = c
+        self._queues[c][key] = self._tick
+
+    def _on_hit(self, key):
+        del self._queues[self._class_of[key]][key]
+        c = self._cls
+        self._class_of[key] = c
+        self._queues[c][key] = self._tick
+
     def _on_remove(self, key):
-        c = self._ghost_cap
-        if self._in_t2.pop(key):
-            del self._t2[key]
-            self._b2[key] = None
-            if len(self._b2) > c:
-                self._b2.popitem(last=False)
-        else:
-            del self._t1[key]
-            self._b1[key] = None
-            if len(self._b1) > c:
-                self._b1.popitem(last=False)
+        del self._queues[self._class_of.pop(key)][key]
+        g = self._ghost
+        g[key] = None
+        if len(g) > self._ghost_cap:
+            g.popitem(last=False)
+
+    def _detach(self, key):
+        del self._queues[self._class_of[key]][key]
+
+    def _attach_front(self, key):
+        q = self._queues[self._class_of[key]]
+        q[key] = -1  # due before anything of its class
+        q.move_to_end(key, last=False)
+
+    def _peek(self):
+        best = None
+        due = 0
+        for q, life in zip(self._queues, self._life):
+            if q:
+                k = next(iter(q))
+                d = q[k] + life
+                if best is None or d < due:
+                    best, due = k, d
+        if best is None:
+            raise TierFull("every stored block is pinned or has pinned descendants")
+        return best
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
