@@ -80,7 +80,10 @@ def cmd_info(a: argparse.Namespace) -> int:
             reason = cls.unavailable_reason()
         except kvx.KVXError as exc:
             reason = str(exc)
-        out["backends"][name] = "available" if reason is None else f"unavailable: {reason}"
+        state = "available" if reason is None else f"unavailable: {reason}"
+        if reason is None and name == "gds":
+            state += f" ({cls.mode()} mode)"  # type: ignore[attr-defined]
+        out["backends"][name] = state
     out["host_paths"] = _host_paths()
     if a.json:
         print(json.dumps(out, indent=1))

@@ -67,6 +67,10 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_CUDA_COPY", str, "auto",
                 "GPU copy path: kernel (batched NVRTC gather kernel), ce (cuMemcpyBatchAsync on the copy "
                 "engines), auto (ce when the mean block is >= 2 MiB, else kernel)."),
+        Setting("KVX_GDS_COMPAT", _bool, False,
+                "Let the gds backend run where GPUDirect Storage is not usable, in kvikio's compat mode (POSIX "
+                "through kvikio's bounce buffers). Off by default: measured 2-8x slower than staging through "
+                "pinned host memory with the cuda and posix backends (docs/benchmarks.md)."),
         Setting("KVX_TCP_STREAMS", int, 2, "TCP connections per peer (a large transfer is striped over them)."),
         Setting("KVX_TCP_CHUNK", int, 4 << 20, "Bytes per TCP data frame (pipelining unit of large transfers)."),
         Setting("KVX_ETCD_ENDPOINTS", _list, (), "etcd endpoints (http://host:port,...) for discovery."),

@@ -16,6 +16,8 @@ def test_unavailable_reason_is_clear_or_none() -> None:
     why = GdsBackend.unavailable_reason()
     if why is not None:
         assert ("pip install kvx[gds]" in why or "CUDA" in why or "GPUDirect" in why), why
+    else:
+        assert GdsBackend.mode() in ("gds", "compat")
 
 
 def test_agent_without_gds_still_serves_files(tmp_path: Path) -> None:

@@ -1,8 +1,12 @@
 """``gds``: CUDA memory <-> files with GPUDirect Storage through kvikio (cuFile).
 
-Available only where kvikio imports, a CUDA driver with a device is present, and kvikio would
-really use GDS (``kvikio.defaults.is_compat_mode_preferred()`` is false). Elsewhere the backend
-reports itself unavailable and the ``posix`` backend serves files (host memory only).
+Available where kvikio imports and a CUDA driver with a device is present. Where GPUDirect
+Storage itself is not usable (no ``nvidia-fs``, a file system cuFile cannot drive), kvikio runs in
+*compat mode*: POSIX I/O through its own pinned bounce buffers -- the posix fallback for GPU
+memory. It is slow (on an H100 without GDS, 0.12-0.47x of staging through pinned host memory
+with the cuda and posix backends), so by default the backend is unavailable there;
+``KVX_GDS_COMPAT=1`` allows it. ``GdsBackend.mode()`` says which (``"gds"`` or ``"compat"``) and
+``kvx info`` shows it.
 
 A FILE registration is opened once with ``kvikio.CuFile(path, "r+")`` after the posix helper
 created and preallocated it (kvikio keeps a buffered and an ``O_DIRECT`` descriptor). A
@@ -146,9 +150,21 @@ class GdsBackend(Backend):
             compat = kvikio.defaults.is_compat_mode_preferred()
         except AttributeError:  # kvikio < 24.12
             compat = bool(kvikio.defaults.compat_mode())
-        if compat:
-            return "GPUDirect Storage (cuFile) is not usable here (kvikio would run in compat mode); posix serves files"
+        if compat and not _config.get("KVX_GDS_COMPAT"):
+            return ("GPUDirect Storage (cuFile) is not usable here; kvikio's compat mode is off (KVX_GDS_COMPAT=1 "
+                    "allows it): stage through pinned host memory with the cuda and posix backends")
         return None
+
+    @staticmethod
+    def mode() -> str:
+        """``"gds"`` when cuFile drives the I/O, ``"compat"`` when kvikio bounces through host memory."""
+        import kvikio.defaults
+
+        try:
+            compat = kvikio.defaults.is_compat_mode_preferred()
+        except AttributeError:  # kvikio < 24.12
+            compat = bool(kvikio.defaults.compat_mode())
+        return "compat" if compat else "gds"
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
