@@ -56,6 +56,8 @@ CFG = {"backends": ["cuda"], "peer_timeout": 3.0}
 #: legacy CUDA IPC cannot export VMM memory (PyTorch's expandable segments)
 TORCH_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 PATHS = ["kernel", "ce"]
+#: ``split``: part of the bytes on the copy engines, the rest by the kernel, at once
+PATHS_SPLIT = [*PATHS, "split"]
 
 
 def _ndev() -> int:
@@ -104,7 +106,7 @@ def _host(view: Any) -> np.ndarray:
 
 def _set_path(agent: kvx.Agent, path: str) -> None:
     be = agent.backend("cuda")
-    if path == "ce" and not be.drv.has_batch:  # type: ignore[attr-defined]
+    if path in ("ce", "split") and not be.drv.has_batch:  # type: ignore[attr-defined]
         pytest.skip("cuMemcpyBatchAsync not available (CUDA < 12.8)")
     be.mode = path  # type: ignore[attr-defined]
 
@@ -165,8 +167,8 @@ def test_write_then_read_permuted(agent: kvx.Agent, helper: Helper, path: str, l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("exec_on", ["initiator", "owner"])
+@pytest.mark.parametrize("path", PATHS_SPLIT)
+@pytest.mark.parametrize("exec_on", ["initiator", "owner", "pull"])
 @pytest.mark.parametrize("bs", [4096, 4097])
 def test_exec_gpu_choice_cross_gpu(helper: Helper, monkeypatch: pytest.MonkeyPatch, path: str, exec_on: str,
                                    bs: int) -> None:
@@ -209,7 +211,7 @@ def test_exec_gpu_choice_cross_gpu(helper: Helper, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS_SPLIT)
 def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -> None:
     """Unequal lengths, odd offsets on both sides (every co-alignment class), large and tiny."""
     _set_path(agent, path)
@@ -257,7 +259,7 @@ def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS_SPLIT)
 def test_loopback_same_and_peer_device_and_pinned(path: str) -> None:
     import cupy
 

@@ -82,6 +82,19 @@ COPY_ENV = "KVX_CUDA_COPY"
 #: ``auto`` uses the copy engines when the mean block of a transfer is at least this large
 #: (bytes); below it, the kernel. Chosen from the measurements in docs/gpu.md.
 CE_MIN_BLOCK = 2 << 20
+#: What ``auto`` does per mean block of a GPU<->GPU transfer: sorted (minimum mean block, path,
+#: fraction of the bytes given to the copy engines when the path is ``split``). From the
+#: measurements in docs/gpu.md. Transfers touching host memory use :data:`CE_MIN_BLOCK` alone.
+AUTO_PLAN: list[tuple[int, str, float]] = [(0, "kernel", 0.0), (CE_MIN_BLOCK, "ce", 0.0)]
+#: ``split``: this fraction of a transfer's bytes goes to the copy engines (cuMemcpyBatchAsync on a
+#: second stream) while the kernel copies the rest, both at once; one event waits for both.
+SPLIT_FRACTION = 0.3
+#: Kernel path: above this many pairs, upload the indices and launch the kernel in pieces of this
+#: many pairs, so the GPU starts copying while the next piece is staged (0: one launch).
+PIPE_PAIRS = 0
+#: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
+#: ``python -m kvx.bench.cuda xtune2``.
+PROFILE: list[dict[str, Any]] | None = None
 #: One warp copies one chunk of 2**CHUNK_SHIFT bytes of a block (a work item of the kernel).
 CHUNK_SHIFT = 14
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
@@ -99,8 +112,10 @@ BLOCKS_PER_SM_BULK = 6
 #: ``owner`` (the GPU holding the peer's memory, where it is then imported: a write pulls, a read
 #: pushes; measured +3-9% on writes and -0-10% on reads, docs/gpu.md). Read when a peer's region is
 #: imported (prepare). A memory imported on one GPU cannot be touched from the other one (measured:
-#: illegal address), so "always pull" would need one import per GPU. ``KVX_CUDA_EXEC`` sets it at
-#: import (to move into kvx.config).
+#: illegal address), hence ``pull`` imports it on a second GPU when needed (no gain measured either:
+#: docs/gpu.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
+#: ``pull``: every GPU<->GPU copy runs on the GPU of its destination (a write on the owner's GPU,
+#: a read on the initiator's); the peer's memory is then imported on both GPUs, once each.
 EXEC_ON = (os.environ.get("KVX_CUDA_EXEC") or "initiator").strip().lower()
 
 _ENTRY = 32  # control-table entry: state, addr, nbytes, info
@@ -113,7 +128,8 @@ _F_IPC = 1 << 2  # CUDA region exportable through cudaIpcGetMemHandle
 
 _KERNEL_FILE = "kvx_copy.cu"
 _KERNEL_NAME = "kvx_gather_copy"
-_KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy"}
+_KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
+                 "pf": "kvx_gather_copy_pf"}
 _H2D = 1  # cudaMemcpyHostToDevice
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -181,8 +197,8 @@ def copy_mode() -> str:
     from .. import config
 
     v = str(config.get(COPY_ENV) or "auto").strip().lower()
-    if v not in ("kernel", "ce", "auto"):
-        raise UsageError(f"{COPY_ENV}={v!r}: expected kernel, ce or auto")
+    if v not in ("kernel", "ce", "split", "auto"):
+        raise UsageError(f"{COPY_ENV}={v!r}: expected kernel, ce, split or auto")
     return v
 
 
@@ -425,6 +441,14 @@ class _Device:
         self.sms = sms
         self.peers: set[int] = set()
         self.lock = threading.Lock()
+        self._side: Any = None
+
+    def side_stream(self, cp: Any) -> Any:
+        """A second (non-blocking) stream for the copy-engine part of a split transfer."""
+        if self._side is None:
+            with cp.cuda.Device(self.dev):
+                self._side = cp.cuda.Stream(non_blocking=True)
+        return self._side
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +468,12 @@ class _Prep:
     plist: Any = None
     on_dev: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # dev -> (addr, nbytes) device arrays
     lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: int = -1  # GPU (here) that holds the memory, -1: host memory or not visible
+    alt: dict[int, np.ndarray] = field(default_factory=dict)  # dev -> addresses of a second IPC import
+
+    def addr_on(self, dev: int) -> np.ndarray:
+        """Addresses valid for copies run on GPU ``dev`` (a remote list may be imported on two GPUs)."""
+        return self.alt.get(dev, self.addr)
 
     def device_arrays(self, cp: Any, dev: int) -> tuple[Any, Any]:
         got = self.on_dev.get(dev)
@@ -452,7 +482,7 @@ class _Prep:
                 got = self.on_dev.get(dev)
                 if got is None:
                     with cp.cuda.Device(dev):
-                        got = (cp.asarray(self.addr), cp.asarray(self.nbytes))
+                        got = (cp.asarray(self.addr_on(dev)), cp.asarray(self.nbytes))
                         cp.cuda.Stream.null.synchronize()
                     self.on_dev[dev] = got
         return got
@@ -583,8 +613,9 @@ class _Peer:
         self.devmap = devmap  # peer device ordinal -> local ordinal (-1: not visible here)
         self.lock = threading.Lock()
         self.clock = threading.Lock()  # counters
-        self.maps: dict[tuple[int, int], tuple[str, Any, int]] = {}  # (slot, gen) -> (kind, key, delta)
-        self.ipc: dict[bytes, list[int]] = {}  # handle -> [opened pointer, references]
+        # (slot, gen) -> (kind, key, delta) of the first import; (slot, gen, dev) of another GPU's
+        self.maps: dict[tuple[int, ...], tuple[str, Any, int]] = {}
+        self.ipc: dict[tuple[bytes, int], list[int]] = {}  # (handle, dev) -> [opened pointer, references]
         self.hostmaps: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, gen) -> (base, size)
         self.dropped = False
 
@@ -621,7 +652,7 @@ def _index(idx: Any, n: int) -> np.ndarray:
         if a.size and a.dtype.kind not in "iu":
             raise TypeError(f"indices must be integers, not {a.dtype}")
         a = a.astype(np.int64).reshape(-1)
-    if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+    if a.size and int(a.view(np.uint64).max()) >= n:  # one pass: a negative index is a huge uint64
         raise IndexError(f"descriptor index out of range for a list of {n}")
     return a
 
@@ -961,8 +992,8 @@ class CudaBackend(Backend):
                 pass
         with p.lock:
             keys = list(p.maps)
-        for slot, gen in keys:
-            self._unmap(p, slot, gen)
+        for k in keys:
+            self._unmap(p, k[0], k[1])
         with p.clock:
             if p.ctrl:
                 for addr, size in ((p.ctrl, _CTRL_BYTES), (p.infl, _INFL_BYTES)):
@@ -973,19 +1004,23 @@ class CudaBackend(Backend):
                 p.ctrl = p.infl = 0
 
     def _unmap(self, p: _Peer, slot: int, gen: int) -> None:
+        """Drop every import of the peer's region (slot, gen): the first one and those on other GPUs."""
         with p.lock:
-            m = p.maps.pop((slot, gen), None)
-            if m is None:
-                return
+            ms = [p.maps.pop(k) for k in [k for k in p.maps if k[0] == slot and k[1] == gen]]
+        for m in ms:
+            self._unmap_one(p, slot, gen, m)
+
+    def _unmap_one(self, p: _Peer, slot: int, gen: int, m: tuple[str, Any, int]) -> None:
+        with p.lock:
             kind, key, _delta = m
             if kind == "ipc":
-                ent = p.ipc.get(key[0])
+                ent = p.ipc.get((key[0], key[1]))
                 if ent is None:
                     return
                 ent[1] -= 1
                 if ent[1] > 0:
                     return
-                del p.ipc[key[0]]
+                del p.ipc[(key[0], key[1])]
                 ptr = ent[0]
                 host = None
             else:
@@ -993,7 +1028,8 @@ class CudaBackend(Backend):
                 ptr = 0
         try:
             if ptr:
-                self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+                with self.cp.cuda.Device(key[1]):
+                    self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
             if host is not None:
                 try:
                     self.cp.cuda.runtime.hostUnregister(host[0])
@@ -1002,12 +1038,18 @@ class CudaBackend(Backend):
         except Exception:
             log.debug("closing a mapping of %s", p.name, exc_info=True)
 
-    def _map(self, p: _Peer, slot: int, gen: int, region_addr: int) -> tuple[str, int, int]:
-        """Import the peer's region (slot, gen); return (kind, local device or -1, address delta)."""
+    def _map(self, p: _Peer, slot: int, gen: int, region_addr: int,
+             want: int | None = None) -> tuple[str, int, int, int]:
+        """Import the peer's region (slot, gen) (GPU memory: on GPU ``want``, else by :data:`EXEC_ON`);
+        return (kind, local device or -1, address delta, GPU holding the memory here or -1)."""
         with p.lock:
-            m = p.maps.get((slot, gen))
+            m = p.maps.get((slot, gen) if want is None else (slot, gen, want))
+            if m is None and want is not None:
+                m0 = p.maps.get((slot, gen))
+                if m0 is not None and (m0[0] != "ipc" or int(m0[1][1]) == want or p.same_process):
+                    m = m0
         if m is not None:
-            return m[0], int(m[1][1]) if m[0] == "ipc" else -1, m[2]
+            return m[0], int(m[1][1]) if m[0] == "ipc" else -1, m[2], int(m[1][2]) if m[0] == "ipc" else -1
         msg, _, fds = p.chan.request("cuget", self.cfg.handshake_timeout, slot=slot, gen=gen)
         try:
             wire.check(msg, "cumem", {"kind": int})
@@ -1015,7 +1057,7 @@ class CudaBackend(Backend):
                 wire.check(msg, "cumem", {"handle": bytes, "base": int, "bsize": int, "dev": int})
                 if not (msg["base"] <= region_addr < msg["base"] + msg["bsize"]):
                     raise ProtocolError("cuget reply does not contain the region")
-                return self._map_ipc(p, slot, gen, msg)
+                return self._map_ipc(p, slot, gen, msg, want)
             wire.check(msg, "cumem", {"off": int, "size": int})
             if len(fds) != 1:
                 raise ProtocolError("cuget reply without a descriptor")
@@ -1040,28 +1082,32 @@ class CudaBackend(Backend):
             if dup:
                 self.cp.cuda.runtime.hostUnregister(base)
                 _native.unmap(base, size)
-                return "host", -1, p.maps[(slot, gen)][2]
-            return "host", -1, delta
+                return "host", -1, p.maps[(slot, gen)][2], -1
+            return "host", -1, delta, -1
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _map_ipc(self, p: _Peer, slot: int, gen: int, msg: dict[str, Any]) -> tuple[str, int, int]:
+    def _map_ipc(self, p: _Peer, slot: int, gen: int, msg: dict[str, Any],
+                 want: int | None = None) -> tuple[str, int, int, int]:
         handle, base = msg["handle"], msg["base"]
         owner = p.devmap[msg["dev"]] if 0 <= msg["dev"] < len(p.devmap) else -1
         if p.same_process:
             dev = owner if owner >= 0 else self._home_dev()
             with p.lock:
-                p.maps.setdefault((slot, gen), ("ipc", (b"", dev), 0))
-            return "ipc", dev, 0
+                p.maps.setdefault((slot, gen), ("ipc", (b"", dev, owner), 0))
+            return "ipc", dev, 0, owner
         # import on the GPU that will run the copies: the one holding this agent's own GPU memory,
         # else the memory's own GPU when it is visible here
-        if EXEC_ON == "owner" and owner >= 0:
+        if want is not None:
+            dev = want
+        elif EXEC_ON == "owner" and owner >= 0:
             dev = owner
         else:
             dev = self._home if self._home is not None else (owner if owner >= 0 else self._home_dev())
+        mkey: tuple[int, ...] = (slot, gen) if want is None else (slot, gen, dev)
         with p.lock:
-            ent = p.ipc.get(handle)
+            ent = p.ipc.get((handle, dev))
             if ent is not None:
                 ent[1] += 1
                 ptr = ent[0]
@@ -1073,24 +1119,25 @@ class CudaBackend(Backend):
                     raise BackendUnavailable(f"cannot open {p.name!r}'s GPU memory with CUDA IPC on GPU {dev}: "
                                              f"{exc}") from exc
             with p.lock:
-                got = p.ipc.get(handle)
+                got = p.ipc.get((handle, dev))
                 if got is not None:  # another thread opened it meanwhile
                     got[1] += 1
                     dup, ptr2 = ptr, got[0]
                     ptr = ptr2
                 else:
-                    p.ipc[handle] = [ptr, 1]
+                    p.ipc[(handle, dev)] = [ptr, 1]
                     dup = 0
             if dup:
-                self.cp.cuda.runtime.ipcCloseMemHandle(dup)
+                with self.cp.cuda.Device(dev):
+                    self.cp.cuda.runtime.ipcCloseMemHandle(dup)
         delta = (ptr - base) % (1 << 64)
         with p.lock:
-            if (slot, gen) in p.maps:
-                p.ipc[handle][1] -= 1
-                m = p.maps[(slot, gen)]
-                return "ipc", int(m[1][1]), m[2]
-            p.maps[(slot, gen)] = ("ipc", (handle, dev), delta)
-        return "ipc", dev, delta
+            if mkey in p.maps:
+                p.ipc[(handle, dev)][1] -= 1
+                m = p.maps[mkey]
+                return "ipc", int(m[1][1]), m[2], owner
+            p.maps[mkey] = ("ipc", (handle, dev, owner), delta)
+        return "ipc", dev, delta, owner
 
     # ---- preparation -----------------------------------------------------------------------
     def prepare(self, plist: PreparedList) -> _Prep:
@@ -1120,7 +1167,7 @@ class CudaBackend(Backend):
             devs = np.unique(plist.descs.dev)
             if len(devs) != 1:
                 raise BackendUnavailable("a prepared list of GPU memory must lie on one GPU for the cuda backend")
-            return _Prep(MemoryKind.CUDA, int(devs[0]), addr, nb, ulen, plist=plist)
+            return _Prep(MemoryKind.CUDA, int(devs[0]), addr, nb, ulen, plist=plist, owner=int(devs[0]))
         delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
         for s, i in infos.items():
             assert i is not None
@@ -1142,17 +1189,35 @@ class CudaBackend(Backend):
             for s in plist.used.tolist():
                 starts[s] = int(t[s, 1])
         delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
-        devs = set()
+        devs, owners = set(), set()
         for s in plist.used.tolist():
-            _kind, dev, dl = self._map(p, s, plist.gens[s], starts[s])
+            _kind, dev, dl, own = self._map(p, s, plist.gens[s], starts[s])
             delta[s] = np.uint64(dl)
             if dev >= 0:
                 devs.add(dev)
+            owners.add(own)
         if len(devs) > 1:
             raise BackendUnavailable("remote GPU memory of one prepared list was imported on several GPUs")
         prep.addr = np.ascontiguousarray(prep.addr + delta[plist.slots])
         prep.dev = devs.pop() if devs else -1
+        prep.owner = owners.pop() if len(owners) == 1 else -1
         prep.pending_host = False
+
+    def _import_on(self, prep: _Prep, dev: int) -> None:
+        """Import a remote GPU list on GPU ``dev`` too (``pull``: the copies run on either GPU)."""
+        p, plist = prep.peer, prep.plist
+        with p.clock:
+            if not p.alive or not p.ctrl:
+                raise PeerDisconnected(f"peer {p.name!r} is not connected")
+            t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+            starts = {s: int(t[s, 1]) for s in plist.used.tolist()}
+        delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
+        for s in plist.used.tolist():
+            _kind, got, dl, _own = self._map(p, s, plist.gens[s], starts[s], want=dev)
+            if got != dev:
+                raise BackendUnavailable(f"could not import {p.name!r}'s GPU memory on GPU {dev}")
+            delta[s] = np.uint64(dl)
+        prep.alt[dev] = np.ascontiguousarray(np.asarray(plist.descs.addr, dtype=np.uint64) + delta[plist.slots])
 
     # ---- transfers -------------------------------------------------------------------------
     def _acquire(self, p: _Peer, guards: list[tuple[int, int, int]]) -> list[int]:
@@ -1234,18 +1299,29 @@ class CudaBackend(Backend):
         if n == 0:
             return DoneRequest(0)
         dev = lp.dev if lp.kind == MemoryKind.CUDA else rp.dev
-        if (peer is not None and not peer.same_process and rp.kind == MemoryKind.CUDA and rp.dev >= 0
-                and rp.dev != lp.dev):
+        gpu2gpu = lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA
+        ipc = peer is not None and not peer.same_process
+        if ipc and rp.kind == MemoryKind.CUDA and rp.dev >= 0 and rp.dev != lp.dev:
             dev = rp.dev  # IPC memory is reachable only from the GPU it was imported on (_map_ipc)
+        if EXEC_ON == "pull" and gpu2gpu:
+            rhome = rp.owner if rp.owner >= 0 else rp.dev
+            want = rhome if op is Op.WRITE else lp.dev
+            if want >= 0 and want != dev:
+                if ipc and want != rp.dev and want not in rp.alt:
+                    with rp.lock:
+                        if want not in rp.alt:
+                            self._import_on(rp, want)
+                dev = want
         if dev < 0:
             dev = self._home_dev()
         d = self._device(dev)
-        if lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA:
-            self._ensure_peer_access(d, rp.dev if rp.dev != dev else lp.dev)
+        if gpu2gpu:
+            self._ensure_peer_access(d, lp.dev)
+            self._ensure_peer_access(d, rp.owner if rp.owner >= 0 else rp.dev)
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
-        path = self.mode
+        path, frac = self.mode, SPLIT_FRACTION
         if path == "auto":
-            path = "ce" if self.drv.has_batch and total >= CE_MIN_BLOCK * n else "kernel"
+            path, frac = self._plan(total, n, gpu2gpu)
         counters = self._acquire(peer, rp.guards) if peer is not None else []
         try:
             with d.lock:
@@ -1253,6 +1329,8 @@ class CudaBackend(Backend):
                     self._order_after_default(lp.dev, d)
                 if path == "ce":
                     ev, keep = self._launch_ce(d, dst, didx, src, sidx)
+                elif path == "split" and self.drv.has_batch:
+                    ev, keep = self._launch_split(d, dst, didx, src, sidx, n, ulen, frac)
                 else:
                     ev, keep = self._launch_kernel(d, dst, didx, src, sidx, n, ulen)
         except self.cp.cuda.runtime.CUDARuntimeError as exc:
@@ -1278,53 +1356,116 @@ class CudaBackend(Backend):
         with cp.cuda.Device(d.dev):
             d.stream.wait_event(ev)
 
+    def _plan(self, total: int, n: int, gpu2gpu: bool) -> tuple[str, float]:
+        """``auto``: the copy path (and copy-engine fraction) for a transfer of ``n`` pairs."""
+        if not self.drv.has_batch:
+            return "kernel", 0.0
+        if not gpu2gpu:
+            return ("ce" if total >= CE_MIN_BLOCK * n else "kernel"), 0.0
+        mean = total // max(1, n)
+        path, frac = "kernel", 0.0
+        for lo, pth, f in AUTO_PLAN:
+            if mean >= lo:
+                path, frac = pth, f
+        return path, frac
+
     def _launch_kernel(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
-                       ulen: int) -> tuple[Any, Any]:
+                       ulen: int, record: bool = True) -> tuple[Any, Any]:
         cp = self.cp
         shift = CHUNK_SHIFT
+        prof = PROFILE
+        t0 = time.perf_counter() if prof is not None else 0.0
         with cp.cuda.Device(d.dev):
             dA, _ = dst.device_arrays(cp, d.dev)
             sA, sL = src.device_arrays(cp, d.dev)
-            extra = 0 if ulen else n + 1
-            host = _pinned_empty(cp, 2 * n + extra)
-            host[:n] = didx
-            host[n:2 * n] = sidx
-            if ulen:
-                items = n * ((ulen + (1 << shift) - 1) >> shift)
-            else:
-                per = (src.nbytes[sidx] + np.uint64((1 << shift) - 1)) >> np.uint64(shift)
-                host[2 * n] = 0
-                np.cumsum(per, out=host[2 * n + 1:].view(np.uint64))
-                items = int(host[-1])
-            dbuf = cp.empty(2 * n + extra, dtype=cp.int64)
             st = d.stream
-            cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, host.ctypes.data, host.nbytes, _H2D, st.ptr)
             per_sm = BLOCKS_PER_SM_HOST if MemoryKind.HOST in (dst.kind, src.kind) else BLOCKS_PER_SM
             kname = KERNEL if KERNEL in d.kernels else "warp"
             threads = THREADS
             if kname == "bulk":
                 threads, per_sm = 32, BLOCKS_PER_SM_BULK
-            grid = max(1, min(d.sms * per_sm, (items * 32 + threads - 1) // threads))
-            first = dbuf.data.ptr + 16 * n if not ulen else 0
-            with st:
-                d.kernels[kname]((grid,), (threads,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
+            kern = d.kernels[kname]
+            step = PIPE_PAIRS if 0 < PIPE_PAIRS < n else n
+            keep = []
+            evs = []
+            for lo in range(0, n, step):
+                m = min(step, n - lo)
+                extra = 0 if ulen else m + 1
+                host = _pinned_empty(cp, 2 * m + extra)
+                host[:m] = didx[lo:lo + m]
+                host[m:2 * m] = sidx[lo:lo + m]
+                if ulen:
+                    items = m * ((ulen + (1 << shift) - 1) >> shift)
+                else:
+                    per = (src.nbytes[sidx[lo:lo + m]] + np.uint64((1 << shift) - 1)) >> np.uint64(shift)
+                    host[2 * m] = 0
+                    np.cumsum(per, out=host[2 * m + 1:].view(np.uint64))
+                    items = int(host[-1])
+                dbuf = cp.empty(2 * m + extra, dtype=cp.int64)
+                if prof is not None:
+                    e0 = cp.cuda.Event()
+                    e0.record(st)
+                cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, host.ctypes.data, host.nbytes, _H2D, st.ptr)
+                if prof is not None:
+                    e1 = cp.cuda.Event()
+                    e1.record(st)
+                grid = max(1, min(d.sms * per_sm, (items * 32 + threads - 1) // threads))
+                first = dbuf.data.ptr + 16 * m if not ulen else 0
+                with st:
+                    kern((grid,), (threads,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
                                                np.uint64(dbuf.data.ptr), np.uint64(sL.data.ptr), np.uint64(first),
-                                               np.uint64(n), np.uint64(ulen), np.uint64(items), np.uint32(shift)))
-            ev = cp.cuda.Event(block=False, disable_timing=True)
-            ev.record(st)
-        return ev, (host, dbuf)
+                                               np.uint64(m), np.uint64(ulen), np.uint64(items), np.uint32(shift)))
+                if prof is not None:
+                    e2 = cp.cuda.Event()
+                    e2.record(st)
+                    evs.append((e0, e1, e2))
+                keep.append((host, dbuf))
+            ev = None
+            if record:
+                ev = cp.cuda.Event(block=False, disable_timing=True)
+                ev.record(st)
+        if prof is not None:
+            prof.append({"cpu_launch_us": (time.perf_counter() - t0) * 1e6, "events": evs})
+        return ev, keep
 
-    def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray) -> tuple[Any, Any]:
+    def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray,
+                   stream: Any = None) -> tuple[Any, Any]:
         cp = self.cp
-        dsts = np.ascontiguousarray(dst.addr[didx])
-        srcs = np.ascontiguousarray(src.addr[sidx])
+        dsts = np.ascontiguousarray(dst.addr_on(d.dev)[didx])
+        srcs = np.ascontiguousarray(src.addr_on(d.dev)[sidx])
         sizes = np.ascontiguousarray(src.nbytes[sidx])
         with cp.cuda.Device(d.dev):
-            st = d.stream
+            st = d.stream if stream is None else stream
             self.drv.batch(dsts, srcs, sizes, st.ptr)
             ev = cp.cuda.Event(block=False, disable_timing=True)
             ev.record(st)
         return ev, None
+
+    def _launch_split(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
+                      ulen: int, frac: float) -> tuple[Any, Any]:
+        """The first ``frac`` of the bytes on the copy engines (side stream), the rest by the kernel
+        (copy stream), at the same time; the returned event completes when both have."""
+        if ulen:
+            k = round(n * frac)
+        else:
+            cum = np.cumsum(src.nbytes[sidx])
+            k = int(np.searchsorted(cum, frac * float(cum[-1]))) if n else 0
+        if k <= 0:
+            return self._launch_kernel(d, dst, didx, src, sidx, n, ulen)
+        if k >= n:
+            return self._launch_ce(d, dst, didx, src, sidx)
+        cp = self.cp
+        with cp.cuda.Device(d.dev):
+            side = d.side_stream(cp)
+            ev0 = cp.cuda.Event(block=False, disable_timing=True)
+            ev0.record(d.stream)  # after what the copy stream is ordered after (default stream, other GPU)
+            side.wait_event(ev0)
+            ev1, _ = self._launch_ce(d, dst, didx[:k], src, sidx[:k], stream=side)
+            _, keep = self._launch_kernel(d, dst, didx[k:], src, sidx[k:], n - k, ulen, record=False)
+            d.stream.wait_event(ev1)
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(d.stream)
+        return ev, keep
 
     def notify(self, peer_name: str, message: bytes) -> None:
         p = self._peers.get(peer_name)

@@ -583,6 +583,145 @@ def _xtune(argv: list[str]) -> int:
     return 0
 
 
+def _xtune2(argv: list[str]) -> int:
+    """``python -m kvx.bench.cuda xtune2``: two processes (target on GPU 1), GPU0<->GPU1.
+
+    Executing GPU ``initiator`` (write pushes, read pulls) or ``pull`` (every copy on its
+    destination's GPU). Variants: ``kernel`` (warp kernel, 4 CTAs/SM), ``pf`` (next item's
+    descriptors prefetched), ``k8`` (8 CTAs/SM), ``pipeN`` (indices uploaded and launched in pieces
+    of N pairs), ``ce`` (copy engines), ``splitF`` (fraction F of the bytes on the copy engines while
+    the kernel copies the rest). Every variant's bytes are checked once. With ``--profile``, the
+    kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU events).
+    """
+    import cupy as cp
+
+    from ..backends import cuda as kc
+    from . import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m kvx.bench.cuda xtune2")
+    ap.add_argument("--total", default="256M")
+    ap.add_argument("--block-sizes", default="4K,32K,256K,2M,64M")
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--exec", default="initiator,pull")
+    ap.add_argument("--small", default="kernel,pf,k8,pipe16384,pipe4096,ce,split0.05")
+    ap.add_argument("--large", default="kernel,ce,split0.1,split0.2,split0.3,split0.4,split0.5,split0.6")
+    ap.add_argument("--profile", default="4K,32K")
+    a = ap.parse_args(argv)
+    total = parse_size(a.total)
+    sizes = [parse_size(x) for x in a.block_sizes.split(",")]
+    prof_sizes = {parse_size(x) for x in a.profile.split(",") if x}
+    rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
+    target = Helper("xtune2-target", {"backends": ["cuda"]})
+    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION)
+
+    def setv(be: Any, v: str) -> None:
+        kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION = defaults
+        kc.KERNEL = "warp"
+        if v == "ce":
+            be.mode = "ce"
+        elif v.startswith("split"):
+            be.mode, kc.SPLIT_FRACTION = "split", float(v[5:])
+        else:
+            be.mode = "kernel"
+            if v == "pf":
+                kc.KERNEL = "pf"
+            elif v == "k8":
+                kc.BLOCKS_PER_SM = 8
+            elif v.startswith("pipe"):
+                kc.PIPE_PAIRS = int(v[4:])
+
+    try:
+        rid, rdescs = target.register("vram", total, rdev)
+        for ex in a.exec.split(","):
+            kc.EXEC_ON = ex
+            with kvx.Agent(f"xtune2-{ex}", kvx.AgentConfig(backends=("cuda",))) as ag:
+                be = ag.backend("cuda")
+                with cp.cuda.Device(0):
+                    g0 = cp.zeros(total, dtype=cp.uint8)
+                reg = ag.register(g0)
+                peer = ag.add_peer(target.meta)
+                for op in ("write", "read"):
+                    for bs in sizes:
+                        n = total // bs
+                        lo = ag.prepare(kvx.DescList.blocks(reg, bs))
+                        re = ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+                        li = np.arange(n, dtype=np.int64)
+                        ri = np.random.default_rng(0).permutation(n).astype(np.int64)
+                        fn = ag.write if op == "write" else ag.read
+                        res: list[tuple[str, float, bool]] = []
+                        for v in (a.small if bs <= (32 << 10) else a.large).split(","):
+                            if v in ("ce",) or v.startswith("split"):
+                                if not be.drv.has_batch:  # type: ignore[attr-defined]
+                                    continue
+                            setv(be, v)
+                            seed = bs + len(res) + 3
+                            if op == "write":
+                                with cp.cuda.Device(0):
+                                    g0[:] = pattern(cp, total, seed)
+                                target.call(cmd="zero", id=rid)
+                            else:
+                                target.call(cmd="fill", id=rid, seed=seed)
+                                with cp.cuda.Device(0):
+                                    g0[:] = 0
+                            _sync_all(cp)
+
+                            def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
+                                fn(lo, li, re, ri).wait()
+
+                            try:
+                                med, _mn = timed(once, a.iters)
+                            except Exception as exc:  # a variant that cannot run here
+                                print(f"  {ex} {op} {bs} {v} failed: {exc}", flush=True)
+                                continue
+                            with cp.cuda.Device(0):
+                                src = pattern(cp, total, seed)[: n * bs]
+                                exp = cp.zeros(total, dtype=cp.uint8)
+                                rix = cp.asarray(ri)
+                                if op == "write":
+                                    exp[: n * bs].reshape(n, bs)[rix] = src.reshape(n, bs)
+                                    ok = target.digest(rid) == digest(cp, exp)
+                                else:
+                                    exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[rix]
+                                    ok = digest(cp, g0) == digest(cp, exp)
+                                del exp, src
+                            res.append((v, n * bs / med / 1e9, ok))
+                        cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for v, g, ok in res)
+                        print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
+                        if bs in prof_sizes:
+                            setv(be, "kernel")
+                            kc.PROFILE = []
+                            posts, walls = [], []
+                            for i in range(a.iters + 1):
+                                t0 = time.perf_counter()
+                                x = fn(lo, li, re, ri)
+                                t1 = time.perf_counter()
+                                x.wait()
+                                t2 = time.perf_counter()
+                                if i:
+                                    posts.append((t1 - t0) * 1e6)
+                                    walls.append((t2 - t0) * 1e6)
+                            recs = kc.PROFILE[1:]
+                            kc.PROFILE = None
+                            el = cp.cuda.get_elapsed_time
+                            up = [sum(el(e0, e1) for e0, e1, _ in r["events"]) * 1e3 for r in recs]
+                            kt = [el(r["events"][0][1], r["events"][-1][2]) * 1e3 for r in recs]
+                            gpu = [el(r["events"][0][0], r["events"][-1][2]) * 1e3 for r in recs]
+                            lau = [r["cpu_launch_us"] for r in recs]
+                            med_ = lambda xs: float(np.median(xs))  # noqa: E731
+                            print(f"  profile {ex} {op} {bs >> 10}K kernel: wall {med_(walls):.0f} us, "
+                                  f"post() {med_(posts):.0f}"
+                                  f" (of which staging+launch {med_(lau):.0f}), upload {med_(up):.0f}, kernel "
+                                  f"{med_(kt):.0f}, gpu first-upload..end {med_(gpu):.0f} us; kernel-only "
+                                  f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
+                setv(be, "kernel")
+                be.mode = kc.copy_mode()  # type: ignore[attr-defined]
+                reg.release()
+    finally:
+        kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION = defaults
+        target.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["target"]:
@@ -591,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tune(args[1:])
     if args[:1] == ["xtune"]:
         return _xtune(args[1:])
+    if args[:1] == ["xtune2"]:
+        return _xtune2(args[1:])
     print("usage: python -m kvx.bench.cuda target [--name N] [--config JSON]  (or: kvx bench --backend cuda)",
           file=sys.stderr)
     return 2

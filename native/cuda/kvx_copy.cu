@@ -139,6 +139,25 @@ extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_u16(KVX_KERNEL
     kvx_gather_body<16>(dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift);
 }
 
+// The same, with the next item's descriptors (indices, then addresses) loaded before the current
+// item is copied, so their latency overlaps the copy (small blocks: one item per block).
+extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_pf(KVX_KERNEL_ARGS) {
+    KVX_KERNEL_PROLOGUE
+    const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (it >= items) return;
+    kvx_item w = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
+    for (;;) {
+        const u64 nx = it + nwarps;
+        kvx_item nw = w;
+        if (nx < items) nw = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, nx);
+        kvx_warp_copy<8>(w.d, w.s, w.nb, lane);
+        if (nx >= items) break;
+        w = nw;
+        it = nx;
+    }
+}
+
 // Hopper (sm_90+) bulk copies: one warp per CTA (blockDim.x == 32). Lane 0 moves the 16-byte
 // co-aligned part of each item with the TMA engine, global -> shared (cp.async.bulk, completion on
 // an mbarrier) -> global (cp.async.bulk bulk_group), through KVX_BULK_STAGES shared buffers so the
