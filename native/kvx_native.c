@@ -30,6 +30,9 @@
 #define IOV_MAX 1024
 #endif
 
+/* posts of at most this many descriptors build their job on the stack */
+#define SMALL_N 16
+
 /* jobs at least this large use non-temporal stores */
 #define STREAM_MIN (4u << 20)
 
@@ -698,11 +701,23 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     Py_ssize_t nd = bda.len / 8, ns = bsa.len / 8;
     const uint64_t *pda = bda.buf, *pdl = bdl.buf, *psa = bsa.buf, *psl = bsl.buf;
     const int64_t *pfd = have_fd ? bfd.buf : NULL;
-    j = calloc(1, sizeof(job_t));
-    if (!j) { PyErr_NoMemory(); goto e8; }
-    size_t cap = n ? (size_t)n : 1;
-    j->t = malloc(cap * sizeof(triplet_t));
-    if (!j->t) { PyErr_NoMemory(); goto e9; }
+    /* small posts (the latency path) build their job on the stack: no allocation at all */
+    job_t sjob;
+    triplet_t strip[SMALL_N];
+    guard_t sguard[SMALL_N];
+    size_t ngu = have_g ? (size_t)(bg.len / 24) : 0;
+    int on_stack = !as_plan && n <= SMALL_N && ngu <= SMALL_N;
+    if (on_stack) {
+        memset(&sjob, 0, sizeof sjob);
+        j = &sjob;
+        j->t = strip;
+    } else {
+        j = calloc(1, sizeof(job_t));
+        if (!j) { PyErr_NoMemory(); goto e8; }
+        size_t cap = n ? (size_t)n : 1;
+        j->t = malloc(cap * sizeof(triplet_t));
+        if (!j->t) { PyErr_NoMemory(); goto e9; }
+    }
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         long long a, b;
@@ -730,8 +745,8 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     j->pid = (pid_t)pid;
     j->sync = sync;
     if (have_g) {
-        size_t ng = (size_t)(bg.len / 24);
-        j->g = malloc((ng ? ng : 1) * sizeof(guard_t));
+        size_t ng = ngu;
+        j->g = on_stack ? sguard : malloc((ng ? ng : 1) * sizeof(guard_t));
         if (!j->g) { PyErr_NoMemory(); goto e9; }
         const uint64_t *pg = bg.buf;
         for (size_t k = 0; k < ng; k++) {
@@ -740,6 +755,38 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
             j->g[k].inflight = (_Atomic uint32_t *)(uintptr_t)pg[3 * k + 2];
         }
         j->ng = ng;
+    }
+    if (on_stack) {
+        if (total <= inline_bytes) {
+            int ge = guards_enter(j->g, j->ng);
+            if (ge) { raise_errno(ge); j = NULL; goto e8; }
+            int e;
+            if (total >= 65536) {
+                Py_BEGIN_ALLOW_THREADS
+                e = run_range(j, 0, j->nt);
+                Py_END_ALLOW_THREADS
+            } else {
+                e = run_range(j, 0, j->nt);
+            }
+            if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
+            guards_exit(j);
+            j = NULL;
+            if (e) { raise_errno(e); goto e8; }
+            ret = PyLong_FromUnsignedLongLong(total);
+            goto e8;
+        }
+        /* too big to run inline: move it to the heap for the pool */
+        job_t *h = calloc(1, sizeof(job_t));
+        triplet_t *ht = malloc((j->nt ? j->nt : 1) * sizeof(triplet_t));
+        guard_t *hg = malloc((j->ng ? j->ng : 1) * sizeof(guard_t));
+        if (!h || !ht || !hg) { free(h); free(ht); free(hg); j = NULL; PyErr_NoMemory(); goto e8; }
+        *h = *j;
+        memcpy(ht, j->t, j->nt * sizeof(triplet_t));
+        if (j->ng) memcpy(hg, j->g, j->ng * sizeof(guard_t));
+        h->t = ht;
+        h->g = hg;
+        j = h;
+        on_stack = 0;
     }
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
@@ -756,7 +803,7 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     j = NULL;
     goto e8;
 e9:
-    if (j) { free(j->t); free(j->g); free(j); }
+    if (j && !on_stack) { free(j->t); free(j->g); free(j); }
 e8:
     if (have_g) PyBuffer_Release(&bg);
 e7:
