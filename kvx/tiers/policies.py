@@ -67,6 +67,8 @@ class EvictionPolicy(abc.ABC):
         self._children: dict[Hashable, dict[Hashable, None]] = {}  # same keys -> stored children
         self._pinned: set[Hashable] = set()
         self._parked: set[Hashable] = set()  # stored, non-evictable, out of the queues
+        self._walk: list[Hashable] | None = None  # cached descent of _evictable_leaf_under
+        self._walk_set: set[Hashable] = set()
 
     # ---------------------------------------------------------------- public protocol
     def admit(self, key: Hashable, parent: Hashable | None) -> bool:
@@ -81,6 +83,9 @@ class EvictionPolicy(abc.ABC):
             parent = None
         self._parent[key] = parent
         if parent is not None:
+            if parent in self._walk_set:
+                self._walk = None
+                self._walk_set = set()
             kids = self._kids
             kids[parent] = kids.get(parent, 0) + 1
             ch = self._children.get(parent)
@@ -126,15 +131,29 @@ class EvictionPolicy(abc.ABC):
 
     def _evictable_leaf_under(self, k: Hashable) -> Hashable | None:
         children, pinned = self._children, self._pinned
-        # fast path: follow the most recently inserted child down to a leaf
-        c = k
+        # fast path: follow the most recently inserted child down to a leaf. The walk is kept
+        # (``_walk``) so that evicting a long chain tail first costs O(1) per block, not
+        # O(depth); inserting under a node of the walk, or removing one, invalidates it.
+        walk = self._walk
+        if walk is not None and walk[0] is k:
+            path = walk
+        else:
+            path = [k]
+            self._walk = path
+            self._walk_set = {k}
+        c = path[-1]
         while True:
             ch = children.get(c)
             if not ch:
                 break
             c = next(reversed(ch))
+            path.append(c)
+            self._walk_set.add(c)
         if c is not k and c not in pinned:
+            path.pop()  # the leaf is about to go
+            self._walk_set.discard(c)
             return c
+        self._walk = None
         stack = [k]
         while stack:  # slow path (pins in the subtree): any unpinned leaf
             c = stack.pop()
@@ -149,6 +168,9 @@ class EvictionPolicy(abc.ABC):
         """``key`` left the tier (eviction, checksum failure, delete)."""
         if key not in self._parent:
             return
+        if key in self._walk_set:
+            self._walk = None
+            self._walk_set = set()
         parent = self._parent.pop(key)
         if key in self._parked:
             self._parked.discard(key)
