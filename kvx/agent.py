@@ -220,6 +220,9 @@ class Agent:
         self._notif_cv = threading.Condition(self._notif_lock)
         self._pair_cache: dict[tuple[int, int], Backend] = {}
         self._epoch = 0  # bumped by every release: prepared lists re-check liveness only then
+        # (id(local), id(remote), op) -> (post function, backend name, local, remote): the
+        # routing of a list pair resolved once, for plain read/write calls
+        self._fast: dict[tuple[int, int, Op], tuple[Any, str, PreparedList, PreparedList]] = {}
         self._handles: dict[int, list[tuple[Backend, Any]]] = {}
         ctx = BackendContext(
             agent_name=name,
@@ -401,6 +404,7 @@ class Agent:
     def _release(self, reg: Registration) -> None:
         with self._lock:
             self._epoch += 1
+            self._fast = {}
             for slot in reg.slots:
                 entry = self._regions.pop(slot, None)
                 if entry is None:
@@ -520,6 +524,7 @@ class Agent:
         with self._lock:
             info = self._peers.pop(name, None)
             self._pair_cache.clear()
+            self._fast = {}
         if info is None:
             return
         for b in self.backends:
@@ -650,9 +655,29 @@ class Agent:
                          bytes(notify) if notify is not None else None)
         except (IndexError, ValueError, TypeError) as exc:
             raise UsageError(f"bad transfer request: {exc}") from exc
+        if notify is None and backend is None and len(self._fast) < 4096:
+            fp = b.fast_path(op, local, remote)
+            if fp is not None:
+                self._fast[(id(local), id(remote), op)] = (fp, b.name, local, remote)
         if isinstance(req, int):
             return Transfer._completed(req, b.name)
         return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
+
+    def _try_fast(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any) -> Transfer | None:
+        """The resolved route of a list pair already posted once, if it is still valid."""
+        f = self._fast.get((id(local), id(remote), op))
+        if f is None or f[2] is not local or f[3] is not remote or self.closed:
+            return None
+        ep = self._epoch
+        if local.epoch != ep or (remote.peer is None and remote.epoch != ep):
+            return None
+        try:
+            r = f[0](lidx, ridx)
+        except (TypeError, ValueError, IndexError):
+            return None  # the general path converts what it can and raises UsageError for the rest
+        if type(r) is int:
+            return Transfer._completed(r, f[1])
+        return Transfer(r, r.nbytes, f[1], self.config.transfer_timeout)
 
     def make_transfer(self, op: str, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any,
                       *, notify: bytes | None = None, backend: str | None = None) -> TransferPlan:
@@ -701,11 +726,19 @@ class Agent:
         backend
             Force a backend by name.
         """
+        if notify is None and backend is None:
+            x = self._try_fast(Op.READ, local, local_idx, remote, remote_idx)
+            if x is not None:
+                return x
         return self._post(Op.READ, local, local_idx, remote, remote_idx, notify, backend)
 
     def write(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
               notify: bytes | None = None, backend: str | None = None) -> Transfer:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
+        if notify is None and backend is None:
+            x = self._try_fast(Op.WRITE, local, local_idx, remote, remote_idx)
+            if x is not None:
+                return x
         return self._post(Op.WRITE, local, local_idx, remote, remote_idx, notify, backend)
 
     # ------------------------------------------------------------------------------------------

@@ -615,7 +615,9 @@ static int idx_open(PyObject *o, idx_t *ix) {
     }
     if (PyObject_GetBuffer(o, &ix->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     ix->has_buf = 1;
-    if (ix->buf.itemsize != 8) {
+    const char *f = ix->buf.format ? ix->buf.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (ix->buf.itemsize != 8 || !(*f == 'q' || *f == 'l' || *f == 'Q' || *f == 'L' || *f == 'n' || *f == 'N')) {
         PyErr_SetString(PyExc_TypeError, "index arrays must be 64-bit integers");
         PyBuffer_Release(&ix->buf);
         ix->has_buf = 0;

@@ -192,3 +192,27 @@ def test_registry_third_party_backend() -> None:
         assert a.write(pl, [0], pl, [1], backend="host").backend == "host"
         with pytest.raises(kvx.BackendUnavailable):
             a.write(pl, [0], pl, [1], backend="tcp")
+
+
+def test_fast_path_keeps_every_check() -> None:
+    with kvx.Agent("p", kvx.AgentConfig(backends=("host",))) as p, kvx.Agent("q", kvx.AgentConfig(
+            backends=("host",))) as q:
+        name = p.add_peer(q.metadata())
+        dst = kvx.alloc_host(8192)
+        reg = q.register(dst)
+        src = np.arange(8192, dtype=np.uint8)
+        ll = p.prepare(kvx.DescList.blocks(p.register(src), 4096))
+        rl = p.prepare(kvx.DescList.blocks(reg, 4096), peer=name)
+        p.write(ll, [0], rl, [1]).wait(5)  # the route is now cached
+        assert (dst[4096:] == src[:4096]).all()
+        for bad in (np.array([1.0]), np.array([True]), [0.5], [2]):
+            with pytest.raises(kvx.UsageError):
+                p.write(ll, [0], rl, bad)
+        p.write(ll, np.array([1], np.int32), rl, np.array([0], np.uint64)).wait(5)
+        assert (dst[:4096] == src[4096:]).all()
+        reg.release()  # the target releases: the cached route must not reach it any more
+        with pytest.raises(kvx.TransferError):
+            p.write(ll, [0], rl, [0]).wait(5)
+        p.remove_peer(name)
+        with pytest.raises(kvx.PeerDisconnected):
+            p.write(ll, [0], rl, [0])

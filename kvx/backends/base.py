@@ -297,6 +297,16 @@ class Backend(ABC):
         """
         return lambda: self.post(op, local, lidx, remote, ridx, notify)
 
+    def fast_path(self, op: Op, local: "PreparedList", remote: "PreparedList"
+                  ) -> Callable[[Any, Any], "Request | int"] | None:
+        """Optionally, a function ``(local_idx, remote_idx) -> Request | int`` that posts this
+        (op, list pair) with the routing resolved once (no notification, no forced backend).
+
+        It may raise TypeError/ValueError/IndexError for index forms it does not take; the agent
+        then takes the general path. Default: none.
+        """
+        return None
+
     def notify(self, peer_name: str, message: bytes) -> None:
         """Send a notification to a peer (backends with ``notifications = True``)."""
         raise NotImplementedError

@@ -540,6 +540,31 @@ class HostBackend(Backend):
             raise translate_oserror(exc, remote.peer) from exc
         return self._finish(res, remote, self._notifier(peer, notify))
 
+    def fast_path(self, op: Op, local: PreparedList, remote: PreparedList) -> Any:
+        lp, rp, peer, code, pid = self._route(op, local, remote)
+        if rp.mode == "uds":
+            return None
+        submit, guards, threads, inline = _native.submit, rp.guards, self.threads, self.inline
+        name = remote.peer
+        chan = peer.chan if peer is not None else None
+        if op is Op.WRITE:
+            da, dl, sa, sl = rp.addr, rp.nbytes, lp.addr, lp.nbytes
+        else:
+            da, dl, sa, sl = lp.addr, lp.nbytes, rp.addr, rp.nbytes
+        write = op is Op.WRITE
+
+        def post(lidx: Any, ridx: Any) -> Request | int:
+            if chan is not None and not chan.alive:
+                raise PeerDisconnected(f"peer {name!r} is not connected")
+            di, si = (ridx, lidx) if write else (lidx, ridx)
+            try:
+                res = submit(code, pid, da, dl, di, sa, sl, si, None, guards, threads, inline, 0)
+            except OSError as exc:
+                raise translate_oserror(exc, name) from exc
+            return res if type(res) is int else JobRequest(res, name, translate_oserror)
+
+        return post
+
     def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
                   notify: bytes | None) -> Any:
         lp, rp, peer, code, pid = self._route(op, local, remote)
