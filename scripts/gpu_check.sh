@@ -15,6 +15,8 @@ SIZES=${GPU_CHECK_SIZES:-4K,32K,256K,2M,64M}
 SEGS=${GPU_CHECK_SEGS:-vram,vram vram,pinned}
 ITERS=${GPU_CHECK_ITERS:-5}
 TESTS=${GPU_CHECK_TESTS:-1}
+# after the table: where the time of one kernel transfer goes at 4K/32K (CPU post, upload, kernel)
+PROFILE=${GPU_CHECK_PROFILE:-1}
 
 $PY -c "import msgpack" 2>/dev/null || $PY -m pip install -q --no-index --find-links .carry msgpack \
   || { echo "msgpack missing and not installable"; exit 1; }
@@ -37,7 +39,8 @@ $PY -c "import kvx.backends.cuda as c; print('cuda backend:', c.CudaBackend.unav
 rc=0
 if [ "$TESTS" = 1 ]; then
   echo "== tests (gpu)"
-  $PY -m pytest -q -p kvx.testing.plugin -rfE --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py 2>&1 | tail -40
+  $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py \
+    2>&1 | tee "$OUT/tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 
@@ -85,4 +88,9 @@ for path in sorted(glob.glob(os.path.join(out, "bench-cuda-*.json"))):
             print(f"\nlatency {r['impl']}, one 4 KiB write (auto path): median {r['lat_us_median']:.1f} us, "
                   f"p99 {r['lat_us_p99']:.1f} us")
 PYEOF
+if [ "$PROFILE" = 1 ]; then
+  echo "== profile: kernel path at 4K/32K (python -m kvx.bench.cuda xtune2, initiator)"
+  $PY -m kvx.bench.cuda xtune2 --total "$TOTAL" --exec initiator --block-sizes 4K,32K --small kernel,i64,zc,zcpf \
+    --profile 4K,32K 2>&1 | tee "$OUT/profile.txt" || echo "profile failed"
+fi
 exit $rc

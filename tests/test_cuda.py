@@ -443,6 +443,46 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["int32", "int64", "zerocopy"])
+def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch,
+                                   variant: str) -> None:
+    """Index staging: posts without waiting wrap a ring of 2 slots (the oldest is waited for), slots
+    grow on demand; int32 indices (default), int64 (forced) and indices read in place (zero copy)."""
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
+    if variant == "int64":
+        monkeypatch.setattr(kc, "_I32_MAX", 0)
+    elif variant == "zerocopy":
+        monkeypatch.setattr(kc, "INDEX_ZEROCOPY", True)
+    _set_path(agent, "kernel")
+    bs, n = 64, 1 << 14
+    rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", n * bs)
+        view[:] = pattern(_xp(view), n * bs, 21)
+        reg = agent.register(obj)
+        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        perm = np.random.default_rng(21).permutation(n)
+        reqs, lo = [], 0
+        for k in (1, 5000, 2, 9000, 300, 2000):  # 9000 pairs need more than a first slot's 64 KiB
+            ids = np.arange(lo, lo + k, dtype=np.int64)
+            reqs.append(agent.write(local, ids, remote, perm[ids]))
+            lo += k
+        for r in reqs:
+            r.wait(30)
+        b = pattern(np, n * bs, 21).reshape(n, bs)
+        exp = np.zeros((n, bs), np.uint8)
+        exp[perm[:lo]] = b[:lo]
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
 def test_bad_copy_setting() -> None:
     if _reason() is not None:
         pytest.skip(_reason() or "")

@@ -92,6 +92,13 @@ SPLIT_FRACTION = 0.3
 #: Kernel path: above this many pairs, upload the indices and launch the kernel in pieces of this
 #: many pairs, so the GPU starts copying while the next piece is staged (0: one launch).
 PIPE_PAIRS = 0
+#: Index staging per GPU: a ring of at most this many slots, each a pinned host buffer and a device
+#: buffer (reused across transfers, grown on demand). A slot is taken again once the event recorded
+#: after the kernel that read it has completed; back-to-back posts take the next free slot.
+STAGING_SLOTS = 8
+#: Kernel path: the kernel reads the indices straight from the pinned staging slot (mapped host
+#: memory, over PCIe) instead of one upload before it (opt-in, for measurement: ``xtune2`` ``zc``).
+INDEX_ZEROCOPY = False
 #: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
 #: ``python -m kvx.bench.cuda xtune2``.
 PROFILE: list[dict[str, Any]] | None = None
@@ -131,6 +138,10 @@ _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
                  "pf": "kvx_gather_copy_pf"}
 _H2D = 1  # cudaMemcpyHostToDevice
+_HOST_ALLOC_FLAGS = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped (staging slots)
+_STAGING_MIN = 64 << 10
+_I32_MAX = (1 << 31) - 1
+_ERR_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _ERR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
@@ -436,12 +447,65 @@ class _Device:
             assert src is not None
             mod = cp.RawModule(code=src.read_text(), options=("--std=c++17",))
             self.kernels = {k: mod.get_function(v) for k, v in _KERNEL_NAMES.items()}
+            self.kernels32 = {k: mod.get_function(v + "_i32") for k, v in _KERNEL_NAMES.items()}
             self.kernel = self.kernels["warp"]
             sms = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
         self.sms = sms
         self.peers: set[int] = set()
         self.lock = threading.Lock()
         self._side: Any = None
+        self.staging = _Staging()
+        # (variant, host side, int32) -> (kernel, CUfunction or 0, threads, grid cap); built once
+        self._cfg: dict[tuple[Any, ...], tuple[Any, int, int, int]] = {}
+        # cuLaunchKernel through ctypes with a parameter block built once (used under self.lock)
+        self._pv = (ctypes.c_uint64 * 8)()
+        self._pshift = ctypes.c_uint32(0)
+        base = ctypes.addressof(self._pv)
+        self._params = (ctypes.c_void_p * 9)(*[base + 8 * i for i in range(8)], ctypes.addressof(self._pshift))
+        self._params_addr = ctypes.addressof(self._params)
+        self._culaunch: Any = None
+        try:
+            f = _driver().lib.cuLaunchKernel
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                          ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            f.restype = ctypes.c_int
+            self._culaunch = f
+        except (AttributeError, BackendUnavailable):
+            self._culaunch = None
+
+    def config(self, cp: Any, variant: str, host_side: bool, i32: bool) -> tuple[Any, int, int, int]:
+        """(kernel, CUfunction handle or 0, threads per CTA, grid cap) for a launch; cached."""
+        key = (variant, host_side, i32, THREADS, BLOCKS_PER_SM, BLOCKS_PER_SM_HOST, BLOCKS_PER_SM_BULK)
+        got = self._cfg.get(key)
+        if got is None:
+            kname = variant if variant in self.kernels else "warp"
+            kern = (self.kernels32 if i32 else self.kernels)[kname]
+            threads = THREADS
+            per_sm = BLOCKS_PER_SM_HOST if host_side else BLOCKS_PER_SM
+            if kname == "bulk":
+                threads, per_sm = 32, BLOCKS_PER_SM_BULK
+            ptr: Any = 0
+            if self._culaunch is not None:
+                with cp.cuda.Device(self.dev):  # RawKernel.kernel: this device's Function (CUfunction in .ptr)
+                    ptr = getattr(getattr(kern, "kernel", kern), "ptr", 0)
+            got = (kern, int(ptr) if isinstance(ptr, int) else 0, threads, self.sms * per_sm)
+            self._cfg[key] = got
+        return got
+
+    def launch(self, cfg: tuple[Any, int, int, int], grid: int, stream: Any, a: tuple[int, ...], shift: int) -> None:
+        """One kernel launch on ``stream`` with the 8 u64 arguments ``a`` and ``shift``."""
+        kern, fptr, threads, _cap = cfg
+        if fptr:
+            pv = self._pv
+            pv[0], pv[1], pv[2], pv[3], pv[4], pv[5], pv[6], pv[7] = a
+            self._pshift.value = shift
+            rc = self._culaunch(fptr, grid, 1, 1, threads, 1, 1, 0, stream.ptr, self._params_addr, None)
+            if rc == 0:
+                return
+            if rc != _ERR_INVALID_CONTEXT:
+                raise TransferError(f"cuLaunchKernel failed with CUDA error {rc}")
+        with stream:  # no current context for the driver call: cupy's launch sets it up
+            kern((grid,), (threads,), tuple(np.uint64(x) for x in a) + (np.uint32(shift),))
 
     def side_stream(self, cp: Any) -> Any:
         """A second (non-blocking) stream for the copy-engine part of a split transfer."""
@@ -449,6 +513,82 @@ class _Device:
             with cp.cuda.Device(self.dev):
                 self._side = cp.cuda.Stream(non_blocking=True)
         return self._side
+
+
+class _Busy:
+    """Guard of a staging slot being filled (never done)."""
+
+    done = False
+
+
+_BUSY = _Busy()
+
+
+class _Slot:
+    """One staging slot: a pinned host buffer (mapped, portable) and a device buffer of the same size."""
+
+    __slots__ = ("cap", "dmem", "dptr", "guard", "hmem", "hptr", "hview")
+
+    def __init__(self) -> None:
+        self.cap = 0
+        self.hmem: Any = None
+        self.hptr = 0
+        self.hview = np.empty(0, dtype=np.uint8)
+        self.dmem: Any = None
+        self.dptr = 0
+        self.guard: Any = None  # event after the last kernel that read this slot (None: free)
+
+    def reserve(self, cp: Any, nbytes: int) -> None:
+        """At least ``nbytes`` in both buffers (the slot is free: its last kernel has finished)."""
+        if nbytes <= self.cap:
+            return
+        cap = max(_STAGING_MIN, 1 << (nbytes - 1).bit_length())
+        self.hmem = self.dmem = None
+        self.cap = 0
+        pm = getattr(cp.cuda, "PinnedMemory", None) or cp.cuda.pinned_memory.PinnedMemory
+        self.hmem = pm(cap, _HOST_ALLOC_FLAGS)
+        self.hptr = int(self.hmem.ptr)
+        self.hview = np.ctypeslib.as_array((ctypes.c_uint8 * cap).from_address(self.hptr))
+        self.dmem = cp.cuda.alloc(cap)
+        self.dptr = int(self.dmem.ptr)
+        self.cap = cap
+
+
+class _Staging:
+    """A small ring of staging slots of one GPU (used under the device's lock)."""
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.next = 0
+
+    def take(self, cp: Any, nbytes: int) -> _Slot:
+        slots = self.slots
+        k = len(slots)
+        i = -1
+        for j in range(k):
+            c = (self.next + j) % k
+            g = slots[c].guard
+            if g is None or g.done:
+                i = c
+                break
+        if i < 0:
+            if k < max(1, STAGING_SLOTS):
+                slots.append(_Slot())
+                i = k
+            else:  # every slot in flight: wait for the oldest
+                i = self.next
+                g = slots[i].guard
+                if g is not _BUSY:
+                    g.synchronize()
+        s = slots[i]
+        self.next = (i + 1) % len(slots)
+        s.guard = _BUSY
+        try:
+            s.reserve(cp, nbytes)
+        except BaseException:
+            s.guard = None
+            raise
+        return s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,9 +783,13 @@ def _u64view(addr: int, n: int) -> np.ndarray:
 
 
 def _index(idx: Any, n: int) -> np.ndarray:
-    if isinstance(idx, np.ndarray) and idx.dtype == np.int64 and idx.ndim == 1:
+    if isinstance(idx, np.ndarray) and idx.ndim == 1 and (idx.dtype == np.int64 or (
+            idx.dtype == np.int32 and n <= _I32_MAX)):
         a = idx
-    elif type(idx) is int:
+        if a.size and int(a.view(np.uint64 if a.itemsize == 8 else np.uint32).max()) >= n:
+            raise IndexError(f"descriptor index out of range for a list of {n}")
+        return a  # one pass: a negative index is a huge unsigned one
+    if type(idx) is int:
         a = np.array([idx], dtype=np.int64)
     else:
         a = np.atleast_1d(np.asarray(idx))
@@ -1371,62 +1515,81 @@ class CudaBackend(Backend):
 
     def _launch_kernel(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
                        ulen: int, record: bool = True) -> tuple[Any, Any]:
+        """Stage the indices in a slot of the GPU's ring (int32 when every list fits), upload them
+        with one copy, launch one kernel, record one event (which also guards the slot)."""
         cp = self.cp
         shift = CHUNK_SHIFT
         prof = PROFILE
         t0 = time.perf_counter() if prof is not None else 0.0
+        i32 = len(dst.addr) <= _I32_MAX and len(src.addr) <= _I32_MAX
+        itype = np.int32 if i32 else np.int64
+        isz = 4 if i32 else 8
+        host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
+        cfg = d.config(cp, KERNEL, host_side, i32)
+        threads, cap = cfg[2], cfg[3]
+        zc = INDEX_ZEROCOPY
+        cpd = (ulen + (1 << shift) - 1) >> shift
+        ev: Any = None
+        evs = []
+        taken: list[_Slot] = []
         with cp.cuda.Device(d.dev):
             dA, _ = dst.device_arrays(cp, d.dev)
             sA, sL = src.device_arrays(cp, d.dev)
+            dap, sap, slp = int(dA.data.ptr), int(sA.data.ptr), int(sL.data.ptr)
             st = d.stream
-            per_sm = BLOCKS_PER_SM_HOST if MemoryKind.HOST in (dst.kind, src.kind) else BLOCKS_PER_SM
-            kname = KERNEL if KERNEL in d.kernels else "warp"
-            threads = THREADS
-            if kname == "bulk":
-                threads, per_sm = 32, BLOCKS_PER_SM_BULK
-            kern = d.kernels[kname]
             step = PIPE_PAIRS if 0 < PIPE_PAIRS < n else n
-            keep = []
-            evs = []
-            for lo in range(0, n, step):
-                m = min(step, n - lo)
-                extra = 0 if ulen else m + 1
-                host = _pinned_empty(cp, 2 * m + extra)
-                host[:m] = didx[lo:lo + m]
-                host[m:2 * m] = sidx[lo:lo + m]
-                if ulen:
-                    items = m * ((ulen + (1 << shift) - 1) >> shift)
-                else:
-                    per = (src.nbytes[sidx[lo:lo + m]] + np.uint64((1 << shift) - 1)) >> np.uint64(shift)
-                    host[2 * m] = 0
-                    np.cumsum(per, out=host[2 * m + 1:].view(np.uint64))
-                    items = int(host[-1])
-                dbuf = cp.empty(2 * m + extra, dtype=cp.int64)
-                if prof is not None:
-                    e0 = cp.cuda.Event()
-                    e0.record(st)
-                cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, host.ctypes.data, host.nbytes, _H2D, st.ptr)
-                if prof is not None:
-                    e1 = cp.cuda.Event()
-                    e1.record(st)
-                grid = max(1, min(d.sms * per_sm, (items * 32 + threads - 1) // threads))
-                first = dbuf.data.ptr + 16 * m if not ulen else 0
-                with st:
-                    kern((grid,), (threads,), (np.uint64(dA.data.ptr), np.uint64(sA.data.ptr),
-                                               np.uint64(dbuf.data.ptr), np.uint64(sL.data.ptr), np.uint64(first),
-                                               np.uint64(m), np.uint64(ulen), np.uint64(items), np.uint32(shift)))
-                if prof is not None:
-                    e2 = cp.cuda.Event()
-                    e2.record(st)
-                    evs.append((e0, e1, e2))
-                keep.append((host, dbuf))
-            ev = None
-            if record:
-                ev = cp.cuda.Event(block=False, disable_timing=True)
-                ev.record(st)
+            try:
+                for lo in range(0, n, step):
+                    m = min(step, n - lo)
+                    ib = 2 * m * isz  # a multiple of 8: the u64 prefix array (unequal lengths) follows
+                    nb = ib if ulen else ib + 8 * (m + 1)
+                    slot = d.staging.take(cp, nb)
+                    taken.append(slot)
+                    hi = slot.hview[:ib].view(itype)
+                    di, si = (didx, sidx) if m == n else (didx[lo:lo + m], sidx[lo:lo + m])
+                    np.copyto(hi[:m], di, casting="unsafe")  # bounds-checked in _index: fits
+                    np.copyto(hi[m:], si, casting="unsafe")
+                    if ulen:
+                        items = m * cpd
+                    else:
+                        hf = slot.hview[ib:nb].view(np.uint64)
+                        hf[0] = 0
+                        np.cumsum((src.nbytes[si] + np.uint64((1 << shift) - 1)) >> np.uint64(shift), out=hf[1:])
+                        items = int(hf[m])
+                    if prof is not None:
+                        e0 = cp.cuda.Event()
+                        e0.record(st)
+                    if zc:
+                        ip = slot.hptr
+                    else:
+                        cp.cuda.runtime.memcpyAsync(slot.dptr, slot.hptr, nb, _H2D, st.ptr)
+                        ip = slot.dptr
+                    if prof is not None:
+                        e1 = cp.cuda.Event()
+                        e1.record(st)
+                    grid = max(1, min(cap, (items * 32 + threads - 1) // threads))
+                    d.launch(cfg, grid, st, (dap, sap, ip, slp, 0 if ulen else ip + ib, m, ulen, items), shift)
+                    if prof is not None:
+                        e2 = cp.cuda.Event()
+                        e2.record(st)
+                        evs.append((e0, e1, e2))
+                    g = cp.cuda.Event(block=False, disable_timing=True)
+                    g.record(st)
+                    slot.guard = g  # the slot is free again once this kernel has finished
+                    if record and lo + m >= n:
+                        ev = g
+            except BaseException:
+                for slot in taken:
+                    if slot.guard is _BUSY:
+                        try:
+                            st.synchronize()
+                        except Exception:
+                            log.debug("synchronizing GPU %d after a failed launch", d.dev, exc_info=True)
+                        slot.guard = None
+                raise
         if prof is not None:
             prof.append({"cpu_launch_us": (time.perf_counter() - t0) * 1e6, "events": evs})
-        return ev, keep
+        return ev, None
 
     def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray,
                    stream: Any = None) -> tuple[Any, Any]:
@@ -1506,12 +1669,6 @@ class CudaBackend(Backend):
             except Exception:
                 log.debug("synchronizing GPU %d at close", d.dev, exc_info=True)
         os.close(self._ctrl_fd)
-
-
-def _pinned_empty(cp: Any, n: int) -> np.ndarray:
-    """An int64 numpy array of ``n`` elements in pinned memory (cupy's pinned pool)."""
-    mem = cp.cuda.alloc_pinned_memory(max(8, 8 * n))
-    return np.frombuffer(mem, dtype=np.int64, count=n)
 
 
 def _max_message() -> int:

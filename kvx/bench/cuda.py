@@ -590,8 +590,10 @@ def _xtune2(argv: list[str]) -> int:
     destination's GPU). Variants: ``kernel`` (warp kernel, 4 CTAs/SM), ``pf`` (next item's
     descriptors prefetched), ``k8`` (8 CTAs/SM), ``pipeN`` (indices uploaded and launched in pieces
     of N pairs), ``ce`` (copy engines), ``splitF`` (fraction F of the bytes on the copy engines while
-    the kernel copies the rest). Every variant's bytes are checked once. With ``--profile``, the
-    kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU events).
+    the kernel copies the rest), ``i64`` (indices staged as int64 instead of int32), ``zc`` / ``zcpf``
+    (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload). Every
+    variant's bytes are checked once. With ``--profile``, the kernel's time at the small sizes is
+    split into CPU post, index upload and kernel (GPU events).
     """
     import cupy as cp
 
@@ -612,10 +614,11 @@ def _xtune2(argv: list[str]) -> int:
     prof_sizes = {parse_size(x) for x in a.profile.split(",") if x}
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
     target = Helper("xtune2-target", {"backends": ["cuda"]})
-    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION)
+    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX)
 
     def setv(be: Any, v: str) -> None:
-        kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION = defaults
+        (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
+         kc._I32_MAX) = defaults
         kc.KERNEL = "warp"
         if v == "ce":
             be.mode = "ce"
@@ -623,8 +626,12 @@ def _xtune2(argv: list[str]) -> int:
             be.mode, kc.SPLIT_FRACTION = "split", float(v[5:])
         else:
             be.mode = "kernel"
-            if v == "pf":
+            if v in ("pf", "zcpf"):
                 kc.KERNEL = "pf"
+            if v in ("zc", "zcpf"):
+                kc.INDEX_ZEROCOPY = True
+            elif v == "i64":
+                kc._I32_MAX = 0
             elif v == "k8":
                 kc.BLOCKS_PER_SM = 8
             elif v.startswith("pipe"):
@@ -717,7 +724,8 @@ def _xtune2(argv: list[str]) -> int:
                 be.mode = kc.copy_mode()  # type: ignore[attr-defined]
                 reg.release()
     finally:
-        kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION = defaults
+        (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
+         kc._I32_MAX) = defaults
         target.close()
     return 0
 

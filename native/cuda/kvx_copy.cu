@@ -5,6 +5,8 @@
 // A transfer is n pairs (dst[didx[p]], src[sidx[p]], len). The descriptor address arrays of
 // both prepared lists live on the device (uploaded once, at the first transfer that uses them);
 // each transfer uploads only the two index arrays (and, for unequal lengths, a prefix array).
+// Indices are int32 when every list is shorter than 2^31 (half the bytes to stage and upload),
+// else int64: every kernel has both entry points (name, name_i32).
 //
 // Work is cut into items: each pair into chunks of 2^chunk_shift bytes. One warp copies one
 // item; warps walk the items grid-stride, so a few huge descriptors spread over the whole GPU
@@ -68,8 +70,9 @@ struct kvx_item {
     u64 nb;
 };
 
+template <typename I>
 __device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const u64* __restrict__ sA,
-                                              const i64* __restrict__ didx, const i64* __restrict__ sidx,
+                                              const I* __restrict__ didx, const I* __restrict__ sidx,
                                               const u64* __restrict__ L, const u64* __restrict__ F, u64 n, u64 ulen,
                                               u64 cpd, unsigned chunk_shift, u64 it) {
     u64 p, c, len;
@@ -90,32 +93,34 @@ __device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const
         }
         p = lo;
         c = it - F[p];
-        len = L[sidx[p]];
+        len = L[(u64)sidx[p]];
     }
     const u64 chunk = 1ull << chunk_shift;
     const u64 off = c << chunk_shift;
     u64 nb = len - off;
     if (nb > chunk) nb = chunk;
     kvx_item r;
-    r.d = reinterpret_cast<char*>(dA[didx[p]] + off);
-    r.s = reinterpret_cast<const char*>(sA[sidx[p]] + off);
+    r.d = reinterpret_cast<char*>(dA[(u64)didx[p]] + off);
+    r.s = reinterpret_cast<const char*>(sA[(u64)sidx[p]] + off);
     r.nb = nb;
     return r;
 }
 
 #define KVX_KERNEL_ARGS                                                                                      \
     u64 dst_addrs, u64 src_addrs, u64 idx, u64 lens, u64 first, u64 n, u64 ulen, u64 items, unsigned int chunk_shift
+#define KVX_KERNEL_PASS dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift
+// I: the index type (int or long long), chosen by the entry point
 #define KVX_KERNEL_PROLOGUE                                                                                  \
     const u64* __restrict__ dA = reinterpret_cast<const u64*>(dst_addrs);                                   \
     const u64* __restrict__ sA = reinterpret_cast<const u64*>(src_addrs);                                   \
-    const i64* __restrict__ didx = reinterpret_cast<const i64*>(idx);                                       \
-    const i64* __restrict__ sidx = didx + n;                                                                \
+    const I* __restrict__ didx = reinterpret_cast<const I*>(idx);                                           \
+    const I* __restrict__ sidx = didx + n;                                                                  \
     const u64* __restrict__ L = reinterpret_cast<const u64*>(lens);                                         \
     const u64* __restrict__ F = reinterpret_cast<const u64*>(first);                                        \
     const unsigned lane = threadIdx.x & 31u;                                                                \
     const u64 cpd = ulen ? (ulen + (1ull << chunk_shift) - 1) >> chunk_shift : 0;
 
-template <int U>
+template <typename I, int U>
 __device__ __forceinline__ void kvx_gather_body(KVX_KERNEL_ARGS) {
     KVX_KERNEL_PROLOGUE
     const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -125,23 +130,10 @@ __device__ __forceinline__ void kvx_gather_body(KVX_KERNEL_ARGS) {
     }
 }
 
-// dst_addrs/src_addrs: device arrays of u64 addresses (one per descriptor of each list)
-// idx: 2n int64: destination indices [0, n), then source indices [n, 2n)
-// lens: device array of u64 lengths of the source list (used when ulen == 0)
-// first: n+1 u64 prefix sums of items per pair (used when ulen == 0)
-// ulen: the common length of every pair, or 0 when lengths differ
-extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy(KVX_KERNEL_ARGS) {
-    kvx_gather_body<8>(dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift);
-}
-
-// The same with 16 loads in flight per lane.
-extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_u16(KVX_KERNEL_ARGS) {
-    kvx_gather_body<16>(dst_addrs, src_addrs, idx, lens, first, n, ulen, items, chunk_shift);
-}
-
 // The same, with the next item's descriptors (indices, then addresses) loaded before the current
 // item is copied, so their latency overlaps the copy (small blocks: one item per block).
-extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_pf(KVX_KERNEL_ARGS) {
+template <typename I>
+__device__ __forceinline__ void kvx_gather_pf_body(KVX_KERNEL_ARGS) {
     KVX_KERNEL_PROLOGUE
     const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
     u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -158,6 +150,25 @@ extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_pf(KVX_KERNEL_
     }
 }
 
+// Entry points. dst_addrs/src_addrs: device arrays of u64 addresses (one per descriptor of each
+// list); idx: 2n indices (int64, or int32 for the _i32 entry points): destination indices
+// [0, n), then source indices [n, 2n); lens: device array of u64 lengths of the source list (used
+// when ulen == 0); first: n+1 u64 prefix sums of items per pair (used when ulen == 0); ulen: the
+// common length of every pair, or 0 when lengths differ.
+#define KVX_ENTRY(NAME, BOUNDS, BODY)                                                                        \
+    extern "C" __global__ void __launch_bounds__(BOUNDS) NAME(KVX_KERNEL_ARGS) { BODY<i64>(KVX_KERNEL_PASS); } \
+    extern "C" __global__ void __launch_bounds__(BOUNDS) NAME##_i32(KVX_KERNEL_ARGS) { BODY<int>(KVX_KERNEL_PASS); }
+
+template <typename I>
+__device__ __forceinline__ void kvx_gather_u8(KVX_KERNEL_ARGS) { kvx_gather_body<I, 8>(KVX_KERNEL_PASS); }
+// The same with 16 loads in flight per lane.
+template <typename I>
+__device__ __forceinline__ void kvx_gather_u16(KVX_KERNEL_ARGS) { kvx_gather_body<I, 16>(KVX_KERNEL_PASS); }
+
+KVX_ENTRY(kvx_gather_copy, 256, kvx_gather_u8)
+KVX_ENTRY(kvx_gather_copy_u16, 256, kvx_gather_u16)
+KVX_ENTRY(kvx_gather_copy_pf, 256, kvx_gather_pf_body)
+
 // Hopper (sm_90+) bulk copies: one warp per CTA (blockDim.x == 32). Lane 0 moves the 16-byte
 // co-aligned part of each item with the TMA engine, global -> shared (cp.async.bulk, completion on
 // an mbarrier) -> global (cp.async.bulk bulk_group), through KVX_BULK_STAGES shared buffers so the
@@ -166,7 +177,8 @@ extern "C" __global__ void __launch_bounds__(256) kvx_gather_copy_pf(KVX_KERNEL_
 #define KVX_BULK_STAGE 16384
 #define KVX_BULK_STAGES 2
 
-extern "C" __global__ void __launch_bounds__(32) kvx_bulk_copy(KVX_KERNEL_ARGS) {
+template <typename I>
+__device__ __forceinline__ void kvx_bulk_body(KVX_KERNEL_ARGS) {
     KVX_KERNEL_PROLOGUE
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     __shared__ __align__(128) char sbuf[KVX_BULK_STAGES][KVX_BULK_STAGE];
@@ -231,3 +243,5 @@ extern "C" __global__ void __launch_bounds__(32) kvx_bulk_copy(KVX_KERNEL_ARGS) 
     }
 #endif
 }
+
+KVX_ENTRY(kvx_bulk_copy, 32, kvx_bulk_body)
