@@ -120,7 +120,9 @@ def _host_paths() -> dict[str, str]:
         child.kill()
         child.wait()
     res["uds"] = "yes"
-    res["default"] = os.environ.get("KVX_HOST_PATH", "auto")
+    from . import config
+
+    res["default"] = str(config.get("KVX_HOST_PATH"))
     return res
 
 

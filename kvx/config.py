@@ -71,6 +71,20 @@ SETTINGS: dict[str, Setting] = {
                 "Let the gds backend run where GPUDirect Storage is not usable, in kvikio's compat mode (POSIX "
                 "through kvikio's bounce buffers). Off by default: measured 2-8x slower than staging through "
                 "pinned host memory with the cuda and posix backends (docs/benchmarks.md)."),
+        Setting("KVX_CUDA_EXEC", str, "initiator",
+                "Which GPU runs a GPU<->GPU copy: initiator (the caller's), owner (the target memory's GPU), "
+                "pull (the destination's GPU)."),
+        Setting("KVX_TCP_FAST_MAX", int, 65536,
+                "Largest TCP transfer (bytes, at most 16 descriptors) sent on the low-latency path where the "
+                "caller reads the reply itself; 0 turns the path off."),
+        Setting("KVX_TCP_SPIN_US", float, 50.0,
+                "Microseconds a waiter polls its socket (yielding) before sleeping in poll()."),
+        Setting("KVX_TCP_SERVE_SPIN_US", float, 50.0,
+                "Microseconds the serving thread polls for the next small request before sleeping."),
+        Setting("KVX_TCP_RCVLOWAT", int, 512 << 10,
+                "SO_RCVLOWAT for large TCP receives (bytes queued before the receiver wakes); 0 = off."),
+        Setting("KVX_BENCH_GPU_NAME", str, None, "GPU name printed in the kvx bench header (set by gpu_check.sh)."),
+        Setting("KVX_NIXL_LOG", str, "WARNING", "Log level of the NIXL comparison's child processes."),
         Setting("KVX_TCP_STREAMS", int, 2, "TCP connections per peer (a large transfer is striped over them)."),
         Setting("KVX_TCP_CHUNK", int, 4 << 20, "Bytes per TCP data frame (pipelining unit of large transfers)."),
         Setting("KVX_ETCD_ENDPOINTS", _list, (), "etcd endpoints (http://host:port,...) for discovery."),

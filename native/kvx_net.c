@@ -14,6 +14,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,9 +64,33 @@ static int send_iov(int fd, struct iovec *iov, size_t n, double timeout) {
     return 0;
 }
 
-/* Receive into iov[0..n) fully. *got counts bytes received. Returns 0, an errno, or -1 on EOF. */
-static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double idle, uint64_t *got) {
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/*
+ * Large receives (``lowat_max`` > 1): ask the kernel to wake us only once min(left, lowat_max)
+ * bytes are queued (SO_RCVLOWAT),
+ * so a bulk receiver copies out in big batches instead of waking per segment (each wakeup is
+ * a context switch, and an IPI in a VM). Set only while at least lowat_max/2 is still expected;
+ * restored to 1 before returning so frame reads see every byte.
+ */
+
+/*
+ * Receive into iov[0..n) fully. *got counts bytes received. Returns 0, an errno, -1 on EOF,
+ * -2 when ``idle`` >= 0 seconds passed with nothing received (idle < 0: no idle exit).
+ * ``spin`` > 0: on EAGAIN retry for up to that many seconds before sleeping in poll (small,
+ * latency-bound transfers: no wakeup when the reply comes within the spin).
+ */
+static int recv_iov2(int fd, struct iovec *iov, size_t n, double timeout, double idle, double spin,
+                     long lowat_max, uint64_t *got) {
     size_t i = 0;
+    uint64_t want = 0;
+    int lowat = 1, e = 0;
+    double spin_end = 0.0;
+    for (size_t j = 0; j < n; j++) want += iov[j].iov_len;
     *got = 0;
     while (i < n) {
         if (iov[i].iov_len == 0) { i++; continue; }
@@ -77,14 +102,28 @@ static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double 
         if (r < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int e = wait_fd(fd, POLLIN, (*got == 0 && idle > 0) ? idle : timeout);
-                if (e == ETIMEDOUT && *got == 0 && idle > 0) return -2; /* idle, nothing read */
-                if (e) return e;
+                if (spin > 0) {
+                    double t = now_s();
+                    if (spin_end == 0.0) spin_end = t + spin;
+                    if (t < spin_end) { sched_yield(); continue; } /* yield: let a runnable peer go first */
+                }
+                uint64_t left = want - *got;
+                int lw = (lowat_max > 1 && left >= (uint64_t)lowat_max / 2)
+                             ? (int)(left > (uint64_t)lowat_max ? (uint64_t)lowat_max : left) : 1;
+                if (lw != lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &lw, sizeof(lw)) == 0) lowat = lw;
+                if (*got == 0 && idle >= 0) {
+                    e = idle > 0 ? wait_fd(fd, POLLIN, idle) : ETIMEDOUT;
+                    if (e == ETIMEDOUT) { e = -2; break; }
+                } else {
+                    e = wait_fd(fd, POLLIN, timeout);
+                }
+                if (e) break;
                 continue;
             }
-            return errno;
+            e = errno;
+            break;
         }
-        if (r == 0) return -1;
+        if (r == 0) { e = -1; break; }
         *got += (uint64_t)r;
         size_t left = (size_t)r;
         while (left && i < n) {
@@ -92,7 +131,16 @@ static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double 
             else { iov[i].iov_base = (char *)iov[i].iov_base + left; iov[i].iov_len -= left; left = 0; }
         }
     }
-    return 0;
+    if (lowat != 1) {
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
+    }
+    return e;
+}
+
+/* The original contract: ``idle`` > 0 allows an idle exit, 0 means none. */
+static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double idle, uint64_t *got) {
+    return recv_iov2(fd, iov, n, timeout, idle > 0 ? idle : -1.0, 0.0, 0, got);
 }
 
 static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
@@ -173,8 +221,9 @@ static PyObject *py_recvv(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
     PyObject *ao, *lo;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "iOOd", &fd, &ao, &lo, &timeout)) return NULL;
+    double timeout, spin = 0.0;
+    long lowat = 0;
+    if (!PyArg_ParseTuple(args, "iOOd|dl", &fd, &ao, &lo, &timeout, &spin, &lowat)) return NULL;
     Py_buffer ba, bl;
     if (get_u64(ao, &ba, "addr") < 0) return NULL;
     if (get_u64(lo, &bl, "nbytes") < 0) { PyBuffer_Release(&ba); return NULL; }
@@ -189,7 +238,7 @@ static PyObject *py_recvv(PyObject *self, PyObject *args) {
     uint64_t got = 0;
     if (!iov) { PyBuffer_Release(&ba); PyBuffer_Release(&bl); return PyErr_NoMemory(); }
     Py_BEGIN_ALLOW_THREADS
-    e = recv_iov(fd, iov, n, timeout, 0.0, &got);
+    e = recv_iov2(fd, iov, n, timeout, -1.0, spin, lowat, &got);
     Py_END_ALLOW_THREADS
     free(iov);
     PyBuffer_Release(&ba);
@@ -248,9 +297,56 @@ static PyObject *py_discard(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/*
+ * recv_frame(fd, max_bytes, timeout, idle, spin) -> bytes | int: read one frame (8-byte header
+ * "KX", kind 1 little-endian, u32 length; then the body) and return its body.
+ * Returns 0 on a clean EOF before the first byte, -1 when nothing arrived within ``idle``
+ * seconds (``idle`` < 0: wait up to ``timeout`` of no progress; 0: just try). Raises
+ * ValueError on a bad header or a body over ``max_bytes``. ``spin``: see recv_iov2.
+ */
+static PyObject *py_recv_frame(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    unsigned long long maxb;
+    double timeout, idle, spin;
+    if (!PyArg_ParseTuple(args, "iKddd", &fd, &maxb, &timeout, &idle, &spin)) return NULL;
+    unsigned char h[8];
+    struct iovec iov = {.iov_base = h, .iov_len = 8};
+    uint64_t got = 0;
+    int e;
+    Py_BEGIN_ALLOW_THREADS
+    e = recv_iov2(fd, &iov, 1, timeout, idle, spin, 0, &got);
+    Py_END_ALLOW_THREADS
+    if (e == -2) return PyLong_FromLong(-1);
+    if (e == -1 && got == 0) return PyLong_FromLong(0);
+    if (e) return raise_err(e);
+    if (h[0] != 'K' || h[1] != 'X' || h[2] != 1 || h[3] != 0) {
+        PyErr_SetString(PyExc_ValueError, "bad frame header");
+        return NULL;
+    }
+    uint32_t len = (uint32_t)h[4] | ((uint32_t)h[5] << 8) | ((uint32_t)h[6] << 16) | ((uint32_t)h[7] << 24);
+    if ((unsigned long long)len > maxb) {
+        PyErr_Format(PyExc_ValueError, "frame of %u bytes exceeds the limit of %llu", len, maxb);
+        return NULL;
+    }
+    PyObject *body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+    if (!body) return NULL;
+    if (len) {
+        iov.iov_base = PyBytes_AS_STRING(body);
+        iov.iov_len = len;
+        Py_BEGIN_ALLOW_THREADS
+        e = recv_iov2(fd, &iov, 1, timeout, -1.0, spin, 0, &got);
+        Py_END_ALLOW_THREADS
+        if (e) { Py_DECREF(body); return raise_err(e); }
+    }
+    return body;
+}
+
 static PyMethodDef methods[] = {
+    {"recv_frame", py_recv_frame, METH_VARARGS,
+     "recv_frame(fd, max_bytes, timeout, idle, spin) -> body bytes, 0 on EOF, -1 when idle."},
     {"sendv", py_sendv, METH_VARARGS, "sendv(fd, head, addr, nbytes, timeout): send head then every descriptor."},
-    {"recvv", py_recvv, METH_VARARGS, "recvv(fd, addr, nbytes, timeout): receive into every descriptor."},
+    {"recvv", py_recvv, METH_VARARGS, "recvv(fd, addr, nbytes, timeout, spin=0, lowat=0): receive into every descriptor."},
     {"recv_into", py_recv_into, METH_VARARGS, "recv_into(fd, buf, timeout, idle) -> n, 0 on EOF, -1 when idle."},
     {"discard", py_discard, METH_VARARGS, "discard(fd, n, timeout): read and drop n bytes."},
     {NULL, NULL, 0, NULL},

@@ -216,3 +216,14 @@ def test_fast_path_keeps_every_check() -> None:
         p.remove_peer(name)
         with pytest.raises(kvx.PeerDisconnected):
             p.write(ll, [0], rl, [0])
+
+
+def test_only_config_reads_kvx_variables() -> None:
+    import pathlib
+    import re
+
+    root = pathlib.Path(kvx.__file__).parent
+    pat = re.compile(r"""(environ(\.get)?\s*[\[(]\s*|getenv\(\s*)["']KVX_""")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "config.py" and pat.search(p.read_text())]
+    assert offenders == [], f"read KVX_* through kvx.config.get, not os.environ: {offenders}"

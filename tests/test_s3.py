@@ -8,6 +8,7 @@ credentials, a server killed mid-transfer, cancel, and release racing transfers.
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
 from typing import Any, Iterator
@@ -279,3 +280,174 @@ def test_endpoint_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     s = s3mod.settings_from_env()
     assert s.endpoint == "http://kvx-var:2" and s.threads == 3
     assert os.environ["AWS_ENDPOINT_URL"] == "http://aws-var:1"
+
+
+# ---- lean GET/PUT path: signing, retries, error mapping ----------------------------------------
+def test_sigv4_matches_botocore() -> None:
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.config import Config
+    from botocore.credentials import Credentials
+
+    from kvx.backends._sigv4 import Signer, canonical_path
+
+    amz = "20261126T041500Z"
+    for token in (None, "session-token/+="):
+        for key in ("plain/key-1", "sp ace/ünï+cødé=&?.txt", "a//b/./c~d"):
+            path = canonical_path("bkt", key)
+            for method in ("GET", "PUT"):
+                req = AWSRequest(method=method, url=f"http://127.0.0.1:8333{path}",
+                                 headers={"X-Amz-Date": amz, "X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"})
+                if token:
+                    req.headers["X-Amz-Security-Token"] = token
+                req.context["timestamp"] = amz
+                req.context["client_config"] = Config(s3={"payload_signing_enabled": False})
+                auth = S3SigV4Auth(Credentials("AKID", "secret/KEY", token), "s3", "eu-west-3")
+                want = auth.signature(auth.string_to_sign(req, auth.canonical_request(req)), req)
+                h = Signer("eu-west-3").headers(method, "127.0.0.1:8333", path, "AKID", "secret/KEY", token,
+                                                amz_date=amz)
+                assert h["Authorization"].endswith(f"Signature={want}"), (method, key, token)
+
+
+def test_lean_path_odd_keys_interoperate_with_boto3(agent: kvx.Agent, s3_env: SeaweedFS) -> None:
+    b = agent.backend("s3")
+    assert b._lean is not None  # an endpoint is configured: GET/PUT take the lean path
+    keys = [f"odd-{uuid.uuid4().hex[:6]}/sp ace+plus=eq&amp/ünï~{i}.kv" for i in range(3)]
+    size = 300_001
+    buf = pattern(3 * size, 4)
+    orig = buf.copy()
+    regs = agent.register([kvx.ObjectRegion(BUCKET, k, size) for k in keys])
+    mem = agent.prepare(kvx.DescList.blocks(agent.register(buf), size))
+    obj = agent.prepare(regs)
+    agent.write(mem, [0, 1, 2], obj, [2, 0, 1]).wait(30)
+    c = s3_env.client()
+    got = c.get_object(Bucket=BUCKET, Key=keys[2])["Body"].read()  # boto3 sees the same object
+    assert got == orig[:size].tobytes()
+    fresh = pattern(size, 5)
+    c.put_object(Bucket=BUCKET, Key=keys[0], Body=fresh.tobytes())  # and the lean path reads boto3's
+    buf[:] = 0
+    agent.read(mem, [0, 1, 2], obj, [2, 0, 1]).wait(30)
+    assert np.array_equal(buf[:size], orig[:size])
+    assert np.array_equal(buf[size:2 * size], fresh)
+    assert np.array_equal(buf[2 * size:], orig[2 * size:])
+    regs.release()
+
+
+class _FakeS3:
+    """A scripted HTTP/1.1 keep-alive server: HEAD bucket -> 200; GET/PUT answers from a script."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.script: list[Any] = []  # per GET/PUT: ("ok", body) | (status, code) | ("cut", body)
+        self.seen: list[str] = []
+        self.puts: list[bytes] = []
+        fake = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, n: int | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body) if n is None else n))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_HEAD(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def _step(self) -> None:
+                fake.seen.append(self.command)
+                if self.command == "PUT":
+                    fake.puts.append(self.rfile.read(int(self.headers["Content-Length"])))
+                what, arg = fake.script.pop(0) if fake.script else ("ok", b"")
+                if what == "ok":
+                    self._send(200, arg if self.command == "GET" else b"")
+                elif what == "cut":  # promise the whole body, send half, hang up
+                    self._send(200, arg[: len(arg) // 2], len(arg))
+                    self.close_connection = True
+                else:
+                    xml = f"<Error><Code>{arg}</Code><Message>scripted</Message></Error>".encode()
+                    self._send(int(what), xml)
+
+            do_GET = do_PUT = _step
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def fake_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[_FakeS3]:
+    f = _FakeS3()
+    monkeypatch.setenv("KVX_S3_ENDPOINT", f.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKID")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("KVX_S3_THREADS", "1")
+    monkeypatch.setattr(random, "random", lambda: 0.01)  # short backoff
+    yield f
+    f.httpd.shutdown()
+    f.httpd.server_close()
+
+
+def _fake_pair(a: kvx.Agent, n: int = 1000) -> tuple[np.ndarray, Any, Any]:
+    buf = np.zeros(n, np.uint8)
+    mem = a.prepare(kvx.DescList.blocks(a.register(buf), n))
+    obj = a.prepare(a.register(kvx.ObjectRegion("b", "k", n)))
+    return buf, mem, obj
+
+
+@pytest.mark.parametrize("script, ok", [
+    ([("503", "SlowDown")], True),  # throttled, then served
+    ([("500", "InternalError"), ("cut", None)], True),  # 5xx, then a body cut short, then served
+    ([("500", "InternalError")] * 3, False),  # the retry budget is 3 attempts
+])
+def test_lean_get_retries(fake_s3: _FakeS3, script: list[Any], ok: bool) -> None:
+    data = pattern(1000, 3).tobytes()
+    fake_s3.script = [(w, data if a is None else a) for w, a in script] + [("ok", data)]
+    with _agent() as a:
+        buf, mem, obj = _fake_pair(a)
+        x = a.read(mem, [0], obj, [0])
+        if ok:
+            x.wait(30)
+            assert buf.tobytes() == data
+            assert fake_s3.seen == ["GET"] * (len(script) + 1)
+        else:
+            with pytest.raises(kvx.TransferError, match="InternalError after retries") as ei:
+                x.wait(30)
+            assert not isinstance(ei.value, kvx.RemoteError)
+            assert fake_s3.seen == ["GET"] * 3
+
+
+@pytest.mark.parametrize("status, code, match", [
+    ("403", "SignatureDoesNotMatch", "refused the credentials"),
+    ("404", "NoSuchKey", "s3://b/k: no such object"),
+    ("416", "InvalidRange", "byte range"),
+])
+def test_lean_errors_are_final_and_mapped(fake_s3: _FakeS3, status: str, code: str, match: str) -> None:
+    fake_s3.script = [(status, code)]
+    with _agent() as a:
+        buf, mem, obj = _fake_pair(a)
+        with pytest.raises(kvx.RemoteError, match=match):
+            a.read(mem, [0], obj, [0]).wait(30)
+        assert fake_s3.seen == ["GET"]  # not retried
+        # the connection survives an error answer: the next request works
+        fake_s3.script = [("ok", b"")]
+        buf[:] = 9
+        a.write(mem, [0], obj, [0]).wait(30)
+        assert fake_s3.puts == [bytes([9]) * 1000]
+
+
+def test_lean_put_retries_then_succeeds(fake_s3: _FakeS3) -> None:
+    fake_s3.script = [("503", "SlowDown"), ("ok", b"")]
+    with _agent() as a:
+        buf, mem, obj = _fake_pair(a)
+        buf[:] = pattern(1000, 8)
+        a.write(mem, [0], obj, [0]).wait(30)
+        assert fake_s3.seen == ["PUT", "PUT"] and fake_s3.puts == [buf.tobytes()] * 2

@@ -372,3 +372,90 @@ def test_auth_helpers_agree() -> None:
     with pytest.raises(kvx.AuthError):
         auth.verify("t", n, "a", "b", auth.prove("u", n, "a", "b"))
     assert send_frame is not None
+
+
+def test_fast_path_small_transfers_plans_and_fallback(tpeer: PeerProcess) -> None:
+    """Small transfers go over the fast stream (reply read by the waiting thread): writes and
+    reads land correctly, plans re-post, an un-waited request makes the next post fall back to
+    the streams, a cancelled request does not block the stream, notifications follow the data."""
+    bs, n = 4096, 64
+    rid, rd = tpeer.register("numpy", bs * n)
+    with _agent("fast", auth_token=TOKEN) as a:
+        name = a.add_peer(tpeer.meta)
+        buf = pattern(bs * n, 11)
+        reg = a.register(buf)
+        loc = a.prepare(kvx.DescList.blocks(reg, bs))
+        rem = a.prepare(kvx.DescList.blocks(rd, bs), peer=name)
+        conn = a.backend("tcp")._peers[name]  # type: ignore[attr-defined]
+        assert conn.fast is not None
+        perm = np.random.default_rng(2).permutation(n)
+        for i in range(0, n, 16):  # 1..16 descriptors per post, mixed index types
+            a.write(loc, list(range(i, i + 16)), rem, perm[i:i + 16]).wait(10)
+        exp = np.zeros(bs * n, np.uint8)
+        exp.reshape(n, bs)[perm] = buf.reshape(n, bs)
+        assert tpeer.digest(rid) == digest(exp)
+        # an un-waited request holds the fast stream: the next post takes the regular streams
+        t1 = a.write(loc, [0], rem, [1])
+        t2 = a.write(loc, [2], rem, [3], notify=b"n2")
+        t2.wait(10)
+        t1.wait(10)
+        assert tpeer.notifs(5.0) == {"fast": [b"n2"]}
+        # cancel, then keep going on the same stream
+        a.write(loc, [4], rem, [5]).cancel()
+        plan = a.make_transfer("write", loc, [7], rem, [9])
+        for _ in range(50):
+            plan.post().wait(10)
+        back = np.zeros(bs * n, np.uint8)
+        lreg = a.register(back)
+        lb = a.prepare(kvx.DescList.blocks(lreg, bs))
+        rplan = a.make_transfer("read", lb, [0], rem, [9])
+        for _ in range(3):
+            rplan.post().wait(10)
+        assert back[:bs].tobytes() == buf[7 * bs:8 * bs].tobytes()
+        a.read(lb, np.arange(16), rem, perm[:16]).wait(10)
+        assert back[: 16 * bs].tobytes() == buf[: 16 * bs].tobytes()
+        lreg.release()
+
+
+def test_fast_path_release_refuses_small_writes(tpeer: PeerProcess) -> None:
+    """After the target released a region, small writes (scalar validation path) fail with
+    RemoteError and the connection keeps serving other regions."""
+    rid, rd = tpeer.register("numpy", 1 << 16)
+    rid2, rd2 = tpeer.register("numpy", 1 << 16, seed=4)
+    with _agent("fast2", auth_token=TOKEN) as a:
+        name = a.add_peer(tpeer.meta)
+        buf = pattern(1 << 16, 9)
+        reg = a.register(buf)
+        loc = a.prepare(kvx.DescList.blocks(reg, 4096))
+        rem = a.prepare(kvx.DescList.blocks(rd, 4096), peer=name)
+        rem2 = a.prepare(kvx.DescList.blocks(rd2, 4096), peer=name)
+        a.write(loc, [0], rem, [0]).wait(10)
+        tpeer.call(cmd="release", id=rid)
+        for k in range(5):
+            with pytest.raises(kvx.RemoteError):
+                a.write(loc, [k], rem, [k]).wait(10)
+            with pytest.raises(kvx.RemoteError):
+                a.read(loc, [k], rem, [k]).wait(10)
+        before = tpeer.digest(rid2)
+        a.write(loc, np.arange(16), rem2, np.arange(16)).wait(10)
+        assert tpeer.digest(rid2) != before and tpeer.digest(rid2) == digest(buf)
+
+
+def test_forged_many_descriptors_take_the_vector_check(tpeer: PeerProcess) -> None:
+    """More descriptors than the scalar path takes: one forged among them refuses the request."""
+    rid, rd = tpeer.register("numpy", 1 << 17, seed=6)
+    before = tpeer.digest(rid)
+    info = kvx.Agent.parse_metadata(tpeer.meta)
+    s = _raw_connect(_addr(tpeer.meta))
+    try:
+        client_handshake(s, TOKEN, "forger-id", "forger", "data", 5.0, expect_id=info.agent_id)
+        a = int(rd.addr[0])
+        addrs = np.array([a + 4096 * i for i in range(31)] + [a - 4096], np.uint64)
+        nbs = np.full(32, 4096, np.uint64)
+        body = wire.pack("w", rid=1, addr=addrs.tobytes(), nbytes=nbs.tobytes())
+        s.sendall(wire.frame_header(1, len(body)) + body + b"\xee" * (4096 * 32))
+        r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+        assert r["t"] == "err" and r["re"] == 1 and "outside registered memory" in r["msg"]
+    finally:
+        s.close()
+    assert tpeer.digest(rid) == before

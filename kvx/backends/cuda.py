@@ -52,6 +52,7 @@ import numpy as np
 from .. import _native, auth, wire
 from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
 from ..channel import Channel
+from ..config import get as _config_get
 from ..errors import (
     AuthError,
     BackendUnavailable,
@@ -123,7 +124,7 @@ BLOCKS_PER_SM_BULK = 6
 #: docs/gpu.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
 #: ``pull``: every GPU<->GPU copy runs on the GPU of its destination (a write on the owner's GPU,
 #: a read on the initiator's); the peer's memory is then imported on both GPUs, once each.
-EXEC_ON = (os.environ.get("KVX_CUDA_EXEC") or "initiator").strip().lower()
+EXEC_ON = str(_config_get("KVX_CUDA_EXEC") or "initiator").strip().lower()
 
 _ENTRY = 32  # control-table entry: state, addr, nbytes, info
 _CTRL_BYTES = MAX_SLOTS * _ENTRY

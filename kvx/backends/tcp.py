@@ -15,6 +15,10 @@ Design (see ``docs/networking.md``):
   over one iovec per (coalesced) registered descriptor and the target receives it with
   ``recvmsg`` straight into its registered memory: the kernel gathers and scatters, so a
   transfer costs the copies of a raw TCP stream. Reads are the mirror image.
+- **Fast path.** Transfers of at most ``FAST_MAX`` bytes (16 descriptors) use one more,
+  thread-less connection per peer: the posting thread sends request and payload, the thread
+  that tests or waits reads the reply itself (short spin, then poll); the target validates such
+  requests without numpy and spins briefly for the next one.
 - **Target-side validation.** The target checks every descriptor of every request against its
   live registrations (``ctx.validate_local``) and re-checks and *pins* the regions under its
   own lock before it touches memory; ``deregister`` unpins-waits (bounded, then cuts the
@@ -34,12 +38,14 @@ Design (see ``docs/networking.md``):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
 import ipaddress
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import auth, wire
+from .. import config as _cfg
 from ..agent import MAX_SLOTS, PreparedList
 from ..errors import (
     AuthError,
@@ -65,6 +72,7 @@ from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
 __all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake", "server_handshake",
            "send_frame", "recv_frame", "tune_socket"]
 
+
 log = logging.getLogger(__name__)
 
 #: Default streams (TCP connections) per peer (``KVX_TCP_STREAMS``).
@@ -77,6 +85,21 @@ MAX_DESCS = 1 << 16
 MAX_HANDSHAKES = 32
 #: Largest frame before authentication.
 PREAUTH_MAX = 64 << 10
+#: Transfers up to this many bytes (one chunk) take the fast path: a dedicated stream per peer,
+#: request and payload sent by the posting thread, the reply read by the thread that tests or
+#: waits (no sender/reader thread hop), target-side validation without numpy.
+FAST_MAX = 64 << 10
+#: Most descriptors a request may carry to be validated on the target's scalar (numpy-free) path.
+SMALL_DESCS = 16
+#: Seconds the thread waiting for a fast-path reply retries the socket before sleeping in poll
+#: (``KVX_TCP_SPIN_US``): a reply arriving within it costs no wakeup.
+SPIN = float(_cfg.get("KVX_TCP_SPIN_US")) * 1e-6
+#: Seconds a serving thread keeps retrying its socket after a small request before sleeping:
+#: the next small request of a burst is picked up without a wakeup.
+SERVE_SPIN = float(_cfg.get("KVX_TCP_SERVE_SPIN_US")) * 1e-6
+#: Bulk receive batching (``SO_RCVLOWAT``): a receiver expecting a large payload sleeps until
+#: this many bytes are queued instead of waking per segment (``KVX_TCP_RCVLOWAT``, 0 = off).
+RCV_LOWAT = int(_cfg.get("KVX_TCP_RCVLOWAT"))
 
 _K_MSG = 1
 _U64 = np.uint64
@@ -396,24 +419,20 @@ class _Stream:
 
     def _reader(self) -> None:
         conn = self.conn
-        hdr = bytearray(wire.HEADER)
         idle = min(0.5, conn.timeout / 4)
         try:
             while not conn.dead:
-                n = _net.recv_into(self.fd, hdr, conn.timeout, idle)
-                if n < 0:
+                try:
+                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, idle, 0.0)
+                except ValueError as exc:
+                    raise ProtocolError(str(exc)) from None
+                if body == -1:
                     with self.plock:
                         stalled = bool(self.pending) and time.monotonic() - self.last > conn.timeout
                     if stalled:
                         raise TransferTimeout(f"peer {conn.name!r} made no progress for {conn.timeout:.1f} s")
                     continue
-                if n == 0:
-                    raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
-                kind, ln = wire.parse_frame_header(bytes(hdr), conn.max_msg)
-                if kind != _K_MSG:
-                    raise ProtocolError("expected a message frame")
-                body = bytearray(ln)
-                if ln and _net.recv_into(self.fd, body, conn.timeout, 0.0) != ln:
+                if body == 0:
                     raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
                 msg = wire.unpack(body, max_bytes=conn.max_msg)
                 self.last = time.monotonic()
@@ -442,7 +461,7 @@ class _Stream:
         if t == "rd":
             wire.check(msg, "rd", {"n": int})
             if isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed:
-                _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout)
+                _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, RCV_LOWAT)
                 item.req.chunk_done()
             else:
                 _net.discard(self.fd, msg["n"], self.conn.timeout)
@@ -463,6 +482,154 @@ class _Stream:
             item[0].set()
 
 
+class _FastRequest(Request):
+    """A small transfer on the fast stream: done when its reply was read (by whoever tests)."""
+
+    __slots__ = ("done", "err", "fs", "laddr", "lnb", "nbytes", "notify", "rid")
+
+    def __init__(self, fs: "_FastStream", nbytes: int, laddr: Any, lnb: Any, notify: bytes | None) -> None:
+        self.fs = fs
+        self.nbytes = nbytes
+        self.rid = 0
+        self.laddr = laddr
+        self.lnb = lnb
+        self.notify = notify
+        self.done = False
+        self.err: BaseException | None = None
+
+    def finish(self, err: BaseException | None) -> None:
+        if self.done:
+            return
+        self.err = err
+        self.done = True
+        if err is None and self.notify is not None:
+            self.fs.conn.enqueue_notif(self.notify)
+
+    def test(self) -> bool:
+        if not self.done:
+            self.fs.reap(0.0)
+            if not self.done:
+                return False
+        if self.err is not None:
+            raise self.err
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.fs.reap(left)
+        return self.test()
+
+    def cancel(self) -> bool:
+        """The reply is still consumed later (the bytes may still land)."""
+        self.finish(TransferError("transfer cancelled"))
+        return True
+
+
+class _FastStream:
+    """A peer's dedicated connection for small transfers, without threads.
+
+    One request at a time: the posting thread sends request and payload (``owner`` stays held
+    until the reply was read); the thread that tests or waits reads the reply itself, first
+    retrying the socket for ``SPIN`` seconds so a quick reply costs no wakeup. ``io`` serializes
+    native I/O on the fd with closing it.
+    """
+
+    def __init__(self, conn: "_PeerConn", sock: socket.socket) -> None:
+        self.conn = conn
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.owner = threading.Lock()
+        self.io = threading.Lock()
+        self.cur: _FastRequest | None = None
+        self.closed = False
+
+    def send(self, req: _FastRequest, head: bytes, laddr: Any, lnb: Any) -> None:
+        """Send a request (caller holds ``owner``); raises PeerDisconnected."""
+        conn = self.conn
+        try:
+            with self.io:
+                if self.closed or conn.dead:
+                    raise OSError(errno.ECONNRESET, "the fast stream is closed")
+                self.cur = req
+                _net.sendv(self.fd, head, laddr, lnb, conn.timeout)
+        except OSError as exc:
+            err = PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}")
+            conn.fail(err)
+            raise err from exc
+
+    def reap(self, wait: float) -> None:
+        """Read the outstanding reply if it comes within ``wait`` seconds (0: only if there)."""
+        req = self.cur
+        if req is None:
+            return
+        if not (self.io.acquire(blocking=False) if wait <= 0 else self.io.acquire(timeout=wait)):
+            return
+        err: BaseException | None = None
+        conn = self.conn
+        try:
+            if self.cur is not req:
+                return
+            if self.closed:
+                err = conn.error or PeerDisconnected(f"peer {conn.name!r} is disconnected")
+            else:
+                try:
+                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, max(0.0, wait),
+                                           min(SPIN, wait) if wait > 0 else 0.0)
+                    if body == -1:
+                        return
+                    if body == 0:
+                        raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
+                    msg = wire.unpack(body, max_bytes=conn.max_msg)
+                    t = msg["t"]
+                    if msg.get("re") != req.rid:
+                        raise ProtocolError(f"unexpected {t!r} frame on the fast stream")
+                    if t == "rd":
+                        wire.check(msg, "rd", {"n": int})
+                        if msg["n"] != req.nbytes:
+                            raise ProtocolError("read reply of the wrong size")
+                        _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0)
+                    elif t == "err":
+                        err = RemoteError(f"{conn.name}: {msg.get('msg', 'refused')}")
+                    elif t != "ok":
+                        raise ProtocolError(f"unexpected reply {t!r}")
+                except (KVXError, OSError, ValueError) as exc:
+                    if isinstance(exc, ProtocolError):
+                        log.warning("dropping the connection to %s: %s", conn.name, exc)
+                    err = exc if isinstance(exc, TransferError) else PeerDisconnected(
+                        f"peer {conn.name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
+                    self.closed = True  # the stream is out of sync: never reuse it
+            self.cur = None
+        finally:
+            self.io.release()
+        req.finish(err)
+        if self.closed:
+            conn.fail(err or PeerDisconnected(f"peer {conn.name!r} is disconnected"))
+        else:
+            self.owner.release()
+
+    def fail(self, err: BaseException) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        req = self.cur
+        if req is not None:
+            req.finish(err)
+
+    def close(self) -> None:
+        got = self.io.acquire(timeout=5.0)  # shutdown() woke any call blocked in I/O
+        try:
+            self.closed = True
+            self.sock.close()
+        finally:
+            if got:
+                self.io.release()
+
+
 class _PeerConn:
     """The streams to one peer and their shared chunk queue."""
 
@@ -472,6 +639,7 @@ class _PeerConn:
         self.timeout = float(backend.cfg.peer_timeout)
         self.max_msg = backend.max_msg
         self.streams: list[_Stream] = []
+        self.fast: _FastStream | None = None
         self.dead = False
         self.error: BaseException | None = None
         self._q: collections.deque[Any] = collections.deque()
@@ -536,6 +704,9 @@ class _PeerConn:
                 s.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        e0 = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
+        if self.fast is not None:
+            self.fast.fail(e0)
         items = queued
         for s in self.streams:
             with s.plock:
@@ -559,6 +730,8 @@ class _PeerConn:
             for t in s.threads:
                 if t is not me and t.ident is not None:
                     t.join(timeout=5.0)
+        if self.fast is not None:
+            self.fast.close()
 
 
 @dataclass(slots=True)
@@ -583,6 +756,7 @@ class TcpBackend(Backend):
         self.max_msg = int(_max_message())
         self.timeout = float(self.cfg.peer_timeout)
         self.inline = int(self.cfg.inline_bytes)
+        self.fast_max = max(0, int(_cfg.get("KVX_TCP_FAST_MAX")))
         from .. import config as _config
 
         self.streams = max(1, int(_config.get("KVX_TCP_STREAMS")))
@@ -595,6 +769,8 @@ class TcpBackend(Backend):
         self._hi = np.zeros(MAX_SLOTS, dtype=_U64)
         self._live = np.zeros(MAX_SLOTS, dtype=bool)
         self._pins = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._view: list[tuple[int, int, int]] = []
+        self._starts: list[int] = []
         self._peers: dict[str, _PeerConn] = {}
         self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
         self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
@@ -622,6 +798,7 @@ class TcpBackend(Backend):
             self._lo[slot] = region.addr
             self._hi[slot] = region.addr + region.nbytes
             self._live[slot] = True
+            self._rebuild_view()
         return slot
 
     def deregister(self, region: Any, handle: Any) -> None:
@@ -630,6 +807,7 @@ class TcpBackend(Backend):
             if self._lo[slot] != region.addr:
                 return
             self._live[slot] = False
+            self._rebuild_view()
             if self._cv.wait_for(lambda: self._pins[slot] == 0, self.timeout):
                 self._lo[slot] = self._hi[slot] = 0
                 return
@@ -665,6 +843,36 @@ class TcpBackend(Backend):
             self._pins[used] += 1
         pinned.update(used.tolist())
         return None
+
+    def _pin_small(self, ab: bytes, nbb: bytes, pinned: set[int]) -> tuple[str | None, int]:
+        """``_pin`` for a few descriptors, without numpy: each descriptor must lie inside one
+        live registration of ours (the view ``register``/``deregister`` keep, which a release
+        updates before it returns); pins under the same lock. Returns (refusal or None, bytes)."""
+        k = len(ab) // 8
+        if k == 0:
+            return "empty descriptor list", 0
+        addrs = struct.unpack(f"<{k}Q", ab)
+        nbs = struct.unpack(f"<{k}Q", nbb)
+        total = sum(nbs)
+        slots = []
+        with self._cv:
+            starts, view = self._starts, self._view
+            for i, (a, n) in enumerate(zip(addrs, nbs)):
+                j = bisect.bisect_right(starts, a) - 1
+                if j < 0 or a + n > view[j][1]:
+                    return (f"descriptor {i} (0x{a:x}+{n}) is outside registered memory"
+                            " (or the region was released)"), total
+                slots.append(view[j][2])
+            for sl in slots:
+                self._pins[sl] += 1
+        pinned.update(slots)
+        return None, total
+
+    def _rebuild_view(self) -> None:
+        """Sorted (start, end, slot) of live regions (caller holds ``_cv``)."""
+        live = sorted((int(self._lo[sl]), int(self._hi[sl]), int(sl)) for sl in np.flatnonzero(self._live))
+        self._view = live
+        self._starts = [r[0] for r in live]
 
     def _unpin(self, pinned: set[int]) -> None:
         if not pinned:
@@ -734,36 +942,46 @@ class TcpBackend(Backend):
 
     def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int]) -> None:
         fd = s.fileno()
-        hdr = bytearray(wire.HEADER)
         to = self.timeout
+        spin = 0.0
         while not self._closed:
-            n = _net.recv_into(fd, hdr, to, 0.5)
-            if n < 0:
+            try:
+                body = _net.recv_frame(fd, self.max_msg, to, 0.5, spin)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            if body == -1:
+                spin = 0.0
                 continue
-            if n == 0:
-                return
-            kind, ln = wire.parse_frame_header(bytes(hdr), self.max_msg)
-            if kind != _K_MSG:
-                raise ProtocolError("expected a message frame")
-            body = bytearray(ln)
-            if ln and _net.recv_into(fd, body, to, 0.0) != ln:
+            if body == 0:
                 return
             msg = wire.unpack(body, max_bytes=self.max_msg)
             t = msg["t"]
             if t in ("w", "r"):
                 wire.check(msg, t, {"rid": int, "addr": bytes, "nbytes": bytes})
                 rid = msg["rid"]
-                if len(msg["addr"]) != len(msg["nbytes"]) or len(msg["addr"]) % 8:
+                ab, nbb = msg["addr"], msg["nbytes"]
+                if len(ab) != len(nbb) or len(ab) % 8:
                     raise ProtocolError("malformed descriptor arrays")
-                addr = np.frombuffer(msg["addr"], dtype=_U64)
-                nb = np.frombuffer(msg["nbytes"], dtype=_U64)
-                total = int(nb.sum(dtype=np.float64))
-                why = self._pin(addr, nb, pinned)
+                a2: Any
+                n2: Any
+                if len(ab) <= 8 * SMALL_DESCS:
+                    # scalar path: same checks against our live registrations, no numpy
+                    why, total = self._pin_small(ab, nbb, pinned)
+                    a2, n2 = ab, nbb
+                    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
+                        a2, n2 = _native_u64(ab), _native_u64(nbb)
+                else:
+                    addr = np.frombuffer(ab, dtype=_U64)
+                    nb = np.frombuffer(nbb, dtype=_U64)
+                    total = int(nb.sum(dtype=np.float64))
+                    why = self._pin(addr, nb, pinned)
+                    if why is None:
+                        a2, n2 = _coalesce(addr, nb)
+                spin = SERVE_SPIN if total <= FAST_MAX else 0.0
                 if t == "w":
                     if why is None:
                         try:
-                            a2, n2 = _coalesce(addr, nb)
-                            _net.recvv(fd, a2, n2, to)
+                            _net.recvv(fd, a2, n2, to, 0.0, RCV_LOWAT)
                         finally:
                             self._unpin(pinned)
                         _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
@@ -776,8 +994,7 @@ class TcpBackend(Backend):
                 else:
                     if why is None:
                         try:
-                            a2, n2 = _coalesce(addr, nb)
-                            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=int(nb.sum()))), a2, n2, to)
+                            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), a2, n2, to)
                         finally:
                             self._unpin(pinned)
                     else:
@@ -811,14 +1028,17 @@ class TcpBackend(Backend):
         conn = _PeerConn(self, peer.name)
         socks: list[socket.socket] = []
         try:
-            for i in range(self.streams):
+            for i in range(self.streams + (1 if self.fast_max else 0)):
                 socks.append(self._dial(peer, addrs, i))
         except BaseException:
             for s in socks:
                 s.close()
             raise
-        for i, s in enumerate(socks):
+        for s in socks:
             s.setblocking(False)
+        if self.fast_max:
+            conn.fast = _FastStream(conn, socks[-1])
+        for i, s in enumerate(socks[: self.streams]):
             conn.streams.append(_Stream(conn, s, i))
         with self._lock:
             if self._closed:
@@ -894,6 +1114,12 @@ class TcpBackend(Backend):
         if conn is None or conn.dead:
             raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
                                    + (f": {conn.error}" if conn is not None else ""))
+        if self.fast_max:
+            small = self._small(op, lp, lidx, rp, ridx)
+            if small is not None:
+                req = self._fast_post(conn, op, *small, notify)
+                if req is not None:
+                    return req
         li, ri = _i64(lidx), _i64(ridx)
         if li.shape != ri.shape:
             raise ValueError("index lists differ in length")
@@ -933,6 +1159,81 @@ class TcpBackend(Backend):
         conn.put(chunks)
         return req
 
+    def _small(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any
+               ) -> tuple[bytes, bytes, bytes, bytes, int] | None:
+        """The fast path's descriptors, computed without numpy, or None when not small:
+        (local addr, local nbytes as native u64; target addr, nbytes as little-endian u64; bytes)."""
+        if type(lidx) is int:
+            lidx = [lidx]
+        if type(ridx) is int:
+            ridx = [ridx]
+        if isinstance(lidx, np.ndarray) and lidx.size <= SMALL_DESCS:
+            lidx = lidx.tolist()
+        if isinstance(ridx, np.ndarray) and ridx.size <= SMALL_DESCS:
+            ridx = ridx.tolist()
+        if not isinstance(lidx, (list, tuple)) or not isinstance(ridx, (list, tuple)):
+            return None
+        k = len(lidx)
+        if k == 0 or k > SMALL_DESCS or len(ridx) != k:
+            return None
+        nl, nr = lp.addr.shape[0], rp.addr.shape[0]
+        la, ln, ra, rn = [], [], [], []
+        for i, j in zip(lidx, ridx):
+            if type(i) is not int or type(j) is not int:
+                return None  # numpy scalars, bools...: the general path checks them
+            if not (0 <= i < nl and 0 <= j < nr):
+                raise IndexError("descriptor index out of range")
+            la.append(int(lp.addr[i]))
+            ln.append(int(lp.nbytes[i]))
+            ra.append(int(rp.addr[j]))
+            rn.append(int(rp.nbytes[j]))
+        if ln != rn:
+            raise ValueError("paired descriptors differ in length")
+        total = sum(ln)
+        if total > self.fast_max:
+            return None
+        return (struct.pack(f"={k}Q", *la), struct.pack(f"={k}Q", *ln), struct.pack(f"<{k}Q", *ra),
+                struct.pack(f"<{k}Q", *rn), total)
+
+    def _fast_post(self, conn: _PeerConn, op: Op, la: bytes, ln: bytes, ra: bytes, rn: bytes, total: int,
+                   notify: bytes | None) -> Request | None:
+        """Send a small transfer on the peer's fast stream; None when that stream is busy."""
+        fs = conn.fast
+        if fs is None:
+            return None
+        if not fs.owner.acquire(blocking=False):
+            fs.reap(0.0)  # the previous reply may be in: reading it frees the stream
+            if not fs.owner.acquire(blocking=False):
+                return None
+        req = _FastRequest(fs, total, la, ln, notify)
+        req.rid = rid = conn.next_rid()
+        body = wire.pack("w" if op is Op.WRITE else "r", rid=rid, addr=ra, nbytes=rn)
+        head = wire.frame_header(_K_MSG, len(body)) + body
+        if op is Op.WRITE:
+            fs.send(req, head, la, ln)
+        else:
+            fs.send(req, head, None, None)
+        return req
+
+    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+                  notify: bytes | None) -> Callable[[], Request | int]:
+        """Small transfers: descriptors computed once, each post goes straight to the fast stream."""
+        small = self._small(op, local.bdata[self.name], lidx, remote.bdata[self.name], ridx) \
+            if self.fast_max else None
+        if small is None:
+            return super().make_plan(op, local, lidx, remote, ridx, notify)
+        peer = remote.peer
+
+        def post() -> Request | int:
+            conn = self._peers.get(peer)  # type: ignore[arg-type]
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
+                                       + (f": {conn.error}" if conn is not None else ""))
+            req = self._fast_post(conn, op, *small, notify)
+            return req if req is not None else self.post(op, local, lidx, remote, ridx, notify)
+
+        return post
+
     def notify(self, peer_name: str, message: bytes) -> None:
         conn = self._peers.get(peer_name)
         if conn is None or conn.dead:
@@ -965,6 +1266,14 @@ class TcpBackend(Backend):
         for _s, t, _p in served:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
+
+
+_BIG_ENDIAN = struct.pack("=H", 1) != struct.pack("<H", 1)
+
+
+def _native_u64(b: bytes) -> bytes:  # pragma: no cover - big-endian hosts only
+    k = len(b) // 8
+    return struct.pack(f"={k}Q", *struct.unpack(f"<{k}Q", b))
 
 
 def _frame(body: bytes) -> bytes:

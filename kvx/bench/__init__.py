@@ -154,7 +154,9 @@ def header(opts: BenchOptions) -> dict[str, Any]:
         info["nixl"] = nixl_version()
     except Exception:
         info["nixl"] = None
-    gpu = os.environ.get("KVX_BENCH_GPU_NAME")
+    from .. import config
+
+    gpu = config.get("KVX_BENCH_GPU_NAME")
     if gpu:
         info["gpu"] = gpu
     return info

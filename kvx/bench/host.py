@@ -161,7 +161,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             rows += latency(agent, peer, reg, target, opts.latency_samples)
             mode = agent.backend("host").path_to(peer)  # type: ignore[attr-defined]
             for r in rows:
-                r["path"] = "shm" if opts.mem == "alloc" and os.environ.get("KVX_HOST_PATH", "auto") in (
+                r["path"] = "shm" if opts.mem == "alloc" and str(kvx.config.get("KVX_HOST_PATH")) in (
                     "auto", "shm") else mode
     finally:
         target.close()

@@ -71,8 +71,10 @@ def sweep(agent: kvx.Agent, buf: np.ndarray, reg: kvx.Registration, opts: BenchO
                     ok = np.array_equal(buf[: n * bs], src)
                 if not ok:
                     raise RuntimeError(f"{impl} s3 {op} at {bs} bytes: bytes do not match")
+                be = agent.backend("s3")
                 rows.append(row(impl, op, bs, n, opts.iters, med, mn, verified=True,
-                                threads=int(kvx.config.get("KVX_S3_THREADS"))))
+                                threads=int(kvx.config.get("KVX_S3_THREADS")),
+                                client="lean" if getattr(be, "_lean", None) is not None else "boto3"))
         finally:
             objs.release()
     return rows
@@ -96,7 +98,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             buf = kvx.alloc_host(opts.total)
             reg = agent.register(buf)
             rows = sweep(agent, buf, reg, opts, prog, bucket, prefix)
-        endpoint = os.environ.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        endpoint = kvx.config.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
         for r in rows:
             r["endpoint"] = "seaweedfs (started by the bench)" if server else endpoint
         if "nixl" in opts.compare or opts.extra.get("compare_nixl_obj"):

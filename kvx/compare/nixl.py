@@ -52,7 +52,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import config as _kvx_config
+
 __all__ = ["nixl_available", "nixl_version", "run_nixl", "parse_size", "main"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -778,7 +781,7 @@ def _write_result(path: str, payload: dict[str, Any]) -> None:
 
 def _role_main(args: argparse.Namespace) -> int:
     """Entry point of a child process (``--role target|initiator|file``)."""
-    logging.basicConfig(level=os.environ.get("KVX_NIXL_LOG", "WARNING"), stream=sys.stderr,
+    logging.basicConfig(level=str(_kvx_config.get("KVX_NIXL_LOG")), stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
     cfg = _Config.from_arg(args.config)
     deadline = _Deadline(cfg.deadline)
