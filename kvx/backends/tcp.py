@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 #: Default streams (TCP connections) per peer (``KVX_TCP_STREAMS``).
 STREAMS = 2
 #: Default target bytes per chunk, one request frame (``KVX_TCP_CHUNK``); larger descriptors are split.
-CHUNK = 4 << 20
+CHUNK = 16 << 20
 #: Most descriptors per chunk (bounds the request frame).
 MAX_DESCS = 1 << 16
 #: Concurrent unauthenticated connections a listener accepts.

@@ -103,29 +103,29 @@ def sweep(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, local_buf: n
 
 def latency(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, target: Target, samples: int,
             impl: str = "kvx", backend: str | None = None) -> list[dict[str, Any]]:
-    """Post-to-completion time of one 4 KiB write at the initiator, two ways: ``agent.write``
-    with index lists (impl "kvx"), and a prepared ``make_transfer`` plan re-posted (impl
-    "kvx-plan", what NIXL's figure measures with ``make_prepped_xfer``)."""
+    """Post-to-completion time of one 4 KiB write at the initiator, as NIXL's figure is taken
+    (the same block posted again and again), two ways: ``agent.write`` with index lists (impl
+    "kvx") and a ``make_transfer`` plan re-posted (impl "kvx-plan", the equivalent of NIXL's
+    ``make_prepped_xfer`` handle)."""
     bs = 4096
     local = agent.prepare(kvx.DescList.blocks(local_reg, bs))
     remote = agent.prepare(kvx.DescList.blocks(target.descs, bs), peer=peer)
-    n = len(remote)
-    ks = np.random.default_rng(1).integers(0, n, samples).tolist()
+    k = int(np.random.default_rng(1).integers(0, len(remote)))
     pc = time.perf_counter_ns
     write = agent.write
+    lidx, ridx = [0], [k]
     for _ in range(100):
-        write(local, [0], remote, [0], backend=backend).wait()
+        write(local, lidx, remote, ridx, backend=backend).wait()
     ts = []
-    for k in ks:
+    for _ in range(samples):
         t0 = pc()
-        write(local, [0], remote, [k], backend=backend).wait()
+        write(local, lidx, remote, ridx, backend=backend).wait()
         ts.append(pc() - t0)
-    plan = agent.make_transfer("write", local, [0], remote, [ks[0]], backend=backend)
-    post = plan.post
+    post = agent.make_transfer("write", local, lidx, remote, ridx, backend=backend).post
     for _ in range(100):
         post().wait()
     tp = []
-    for _ in ks:
+    for _ in range(samples):
         t0 = pc()
         post().wait()
         tp.append(pc() - t0)
