@@ -7,7 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
-from .errors import KVXError, TransferError, TransferTimeout, UsageError
+from .errors import KVXError, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
     from .backends.base import Request
@@ -202,9 +202,3 @@ class TransferPlan:
 
     def __repr__(self) -> str:
         return f"<TransferPlan {self.nbytes} bytes via {self._backend}>"
-
-
-def ensure_open(closed: bool, what: str) -> None:
-    """Raise UsageError if ``closed``."""
-    if closed:
-        raise UsageError(f"{what} is closed")

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
-from ..errors import TransferTimeout
 from ..memory import MemoryKind, Region
 
 if TYPE_CHECKING:
@@ -313,11 +312,3 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release everything; pending requests fail."""
-
-
-def wait_all(reqs: list[Request], timeout: float) -> None:
-    """Wait for several requests; raise TransferTimeout if they are not done in time."""
-    deadline = time.monotonic() + timeout
-    for r in reqs:
-        if not r.wait(max(0.0, deadline - time.monotonic())):
-            raise TransferTimeout(f"request not finished within {timeout:.1f} s")
