@@ -138,6 +138,10 @@ def test_disk_tier_recovers_after_kill_9(tmp_path: Path) -> None:
             assert np.array_equal(out, content(key)), f"block {key} recovered with wrong bytes"
             intact += 1
         assert intact > 0 and missing <= 1
+        seen: list = []
+        st.events.subscribe(seen.extend)
+        assert st.announce() == len(disk.index) + len(st.tiers[0].index)
+        assert {(e.medium, len(e.block_hashes)) for e in seen} >= {("DISK", len(disk.index))}
 
 
 def test_pins_and_lease_expiry() -> None:

@@ -692,6 +692,19 @@ class TieredStore:
         self.events.emit(events)
         return n
 
+    def announce(self) -> int:
+        """Emit a ``BlockStored`` event for every block stored now, per tier (for example after
+        the disk tier recovered its index at start-up, so a KV-aware router or an engine's
+        offload index can be rebuilt). Returns the number of blocks announced."""
+        events: list[Event] = []
+        with self._lock:
+            for t in self.tiers:
+                keys = list(t.index)
+                if keys:
+                    events.append(BlockStored(keys, None, t.medium, self.block_bytes))
+        self.events.emit(events)
+        return sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+
     # ---------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         """Occupancy and counters per tier."""
