@@ -241,12 +241,25 @@ def _census() -> tuple[int, int]:
     return threading.active_count(), len(os.listdir("/proc/self/fd"))
 
 
+def _settled_census(timeout: float = 5.0) -> tuple[int, int]:
+    """The census once short-lived threads of earlier work have ended (stable for 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    last, since = _census(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _census()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.5:
+            break
+    return last
+
+
 def test_no_thread_or_fd_leaks(tpeer: PeerProcess) -> None:
     rid, rd = tpeer.register("numpy", 1 << 20)
     # warm up imports and the native pools
     _good_transfer(tpeer)
-    time.sleep(0.2)
-    t0, f0 = _census()
+    t0, f0 = _settled_census()
     for _ in range(3):
         a = _agent(auth_token=TOKEN)
         name = a.add_peer(tpeer.meta)
@@ -259,14 +272,16 @@ def test_no_thread_or_fd_leaks(tpeer: PeerProcess) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and _census() != (t0, f0):
         time.sleep(0.1)
-    assert _census() == (t0, f0)
+    threads, fds = _census()
+    # a leak is growth; a helper thread of the warm-up ending late is not
+    assert threads <= t0 and fds <= f0, f"threads {t0} -> {threads}, fds {f0} -> {fds}"
 
 
 def test_target_side_leaks_after_peers_die() -> None:
     """The serving side drops connections of killed initiators: no threads or fds stay."""
     with _agent("target", auth_token=TOKEN) as tgt:
         reg = tgt.register(np.zeros(1 << 20, np.uint8))
-        t0, f0 = _census()
+        t0, f0 = _settled_census()
         for _ in range(2):
             p = PeerProcess("init", {"backends": ["tcp"], "peer_timeout": 3.0, "auth_token": TOKEN})
             try:
@@ -277,7 +292,8 @@ def test_target_side_leaks_after_peers_die() -> None:
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline and _census() != (t0, f0):
             time.sleep(0.1)
-        assert _census() == (t0, f0)
+        threads, fds = _census()
+        assert threads <= t0 and fds <= f0, f"threads {t0} -> {threads}, fds {f0} -> {fds}"
         reg.release()
 
 

@@ -148,6 +148,8 @@ class _GroupStore:
             nbytes=np.tile(pages, self.slots)))
         self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
         self._off = self.store.events.subscribe(worker._on_store_events)
+        # blocks the disk tier recovered at start-up reach the scheduler's index too
+        self.store.announce()
 
     def _idx(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Indices into the KV block table and into the staging pieces, block-major."""
