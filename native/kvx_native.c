@@ -926,6 +926,255 @@ static PyObject *py_cma_probe(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(v);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* GPU transfer helpers (the cuda backend's post path): index staging and one launch sequence */
+
+/* index source for stage_index: an int, a list/tuple of ints, or a contiguous buffer of 4- or
+ * 8-byte integers (signed or unsigned) */
+typedef struct {
+    PyObject *seq;
+    Py_buffer buf;
+    int has_buf;
+    int width;    /* 4 or 8 (buffers) */
+    int is_signed;
+    long long scalar;
+    int is_scalar;
+    Py_ssize_t n;
+} sidx_t;
+
+static int sidx_open(PyObject *o, sidx_t *ix) {
+    memset(ix, 0, sizeof(*ix));
+    if (PyLong_Check(o) && !PyBool_Check(o)) {
+        int ovf = 0;
+        ix->scalar = PyLong_AsLongLongAndOverflow(o, &ovf);
+        if (ix->scalar == -1 && PyErr_Occurred()) return -1;
+        if (ovf) ix->scalar = -1; /* out of range either way */
+        ix->is_scalar = 1;
+        ix->n = 1;
+        return 0;
+    }
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        ix->seq = o;
+        ix->n = PySequence_Fast_GET_SIZE(o);
+        return 0;
+    }
+    if (PyObject_GetBuffer(o, &ix->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    ix->has_buf = 1;
+    const char *f = ix->buf.format ? ix->buf.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int sz = (int)ix->buf.itemsize;
+    int ok = 0;
+    if (sz == 8 && (*f == 'q' || *f == 'l' || *f == 'n')) ok = 1, ix->is_signed = 1;
+    else if (sz == 8 && (*f == 'Q' || *f == 'L' || *f == 'N')) ok = 1;
+    else if (sz == 4 && (*f == 'i' || *f == 'l')) ok = 1, ix->is_signed = 1;
+    else if (sz == 4 && (*f == 'I' || *f == 'L')) ok = 1;
+    if (!ok || f[1] != 0) {
+        PyErr_SetString(PyExc_TypeError, "index arrays must be 32- or 64-bit integers");
+        PyBuffer_Release(&ix->buf);
+        ix->has_buf = 0;
+        return -1;
+    }
+    ix->width = sz;
+    ix->n = ix->buf.len / sz;
+    return 0;
+}
+
+static void sidx_close(sidx_t *ix) {
+    if (ix->has_buf) PyBuffer_Release(&ix->buf);
+}
+
+/* Convert n indices to int32/int64 at dst and check 0 <= v < lim (v taken as u64: a negative index
+ * is a huge one). Branch-free, so the compiler vectorizes it: for v < 2^63, lim - 1 - v wraps (top
+ * bit set) exactly when v >= lim. Returns nonzero if any index is out of range. Runs without the GIL. */
+#define STAGE_LOOP(OUT_T, IN_T, CONV)                                                                  \
+    do {                                                                                             \
+        const IN_T *s = (const IN_T *)src;                                                           \
+        OUT_T *d = (OUT_T *)dst;                                                                     \
+        uint64_t acc = 0, l1 = lim - 1;                                                              \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                         \
+            uint64_t v = CONV(s[i]);                                                                 \
+            acc |= v | (l1 - v);                                                                     \
+            d[i] = (OUT_T)v;                                                                         \
+        }                                                                                            \
+        bad = acc >> 63;                                                                             \
+    } while (0)
+#define CONV_S32(x) ((uint64_t)(int64_t)(x))
+#define CONV_U(x) ((uint64_t)(x))
+
+static int stage_buf(void *dst, int wide, const void *src, int width, int is_signed, Py_ssize_t n, uint64_t lim) {
+    uint64_t bad = 0;
+    if (lim == 0) return n > 0;
+    if (wide) {
+        if (width == 8) STAGE_LOOP(uint64_t, uint64_t, CONV_U);
+        else if (is_signed) STAGE_LOOP(uint64_t, int32_t, CONV_S32);
+        else STAGE_LOOP(uint64_t, uint32_t, CONV_U);
+    } else {
+        if (width == 8) STAGE_LOOP(uint32_t, uint64_t, CONV_U);
+        else if (is_signed) STAGE_LOOP(uint32_t, int32_t, CONV_S32);
+        else STAGE_LOOP(uint32_t, uint32_t, CONV_U);
+    }
+    return (int)bad;
+}
+
+/* Stage an int or a list/tuple index source at dst (n entries, int32 or int64), under the GIL;
+ * -1 with an exception set on failure. */
+static int stage_seq(sidx_t *ix, void *dst, int wide, Py_ssize_t limit) {
+    Py_ssize_t n = ix->n;
+    uint64_t mx = 0;
+    if (ix->is_scalar) {
+        mx = (uint64_t)ix->scalar;
+        if (wide) *(uint64_t *)dst = mx; else *(uint32_t *)dst = (uint32_t)mx;
+    } else {
+        PyObject **items = PySequence_Fast_ITEMS(ix->seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *it = items[i];
+            if (PyBool_Check(it) || !PyIndex_Check(it)) {
+                PyErr_Format(PyExc_TypeError, "indices must be integers (index %zd is %s)", i, Py_TYPE(it)->tp_name);
+                return -1;
+            }
+            int ovf = 0;
+            long long v;
+            if (PyLong_Check(it)) {
+                v = PyLong_AsLongLongAndOverflow(it, &ovf);
+            } else {
+                PyObject *l = PyNumber_Index(it);
+                if (!l) return -1;
+                v = PyLong_AsLongLongAndOverflow(l, &ovf);
+                Py_DECREF(l);
+            }
+            if (v == -1 && PyErr_Occurred()) return -1;
+            uint64_t u = ovf ? UINT64_MAX : (uint64_t)v;
+            mx = u > mx ? u : mx;
+            if (u >= (uint64_t)limit) break; /* reported below */
+            if (wide) ((uint64_t *)dst)[i] = u; else ((uint32_t *)dst)[i] = (uint32_t)u;
+        }
+    }
+    if (n && mx >= (uint64_t)limit) {
+        PyErr_Format(PyExc_IndexError, "descriptor index out of range for a list of %zd", limit);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * stage_index(dst_idx, n_dst, src_idx, n_src, addr, cap, wide) -> n
+ *
+ * The cuda backend's index staging: checks both index sources (int, list/tuple of ints, or a
+ * contiguous 32/64-bit integer array) against the lengths of their lists (0 <= i < n_*), checks
+ * that they pair up, and writes them to addr (a pinned staging buffer of cap bytes): the n
+ * destination indices, then the n source indices, as int32 (wide=0; the caller makes sure both
+ * lists have fewer than 2^31 entries) or int64. Arrays are converted without the GIL.
+ */
+static PyObject *py_stage_index(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *di, *si;
+    Py_ssize_t nd, ns;
+    unsigned long long addr, cap;
+    int wide;
+    if (!PyArg_ParseTuple(args, "OnOnKKp", &di, &nd, &si, &ns, &addr, &cap, &wide)) return NULL;
+    if (nd < 0 || ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative list length");
+        return NULL;
+    }
+    if (!wide && (nd > INT32_MAX || ns > INT32_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "int32 indices need lists shorter than 2^31");
+        return NULL;
+    }
+    sidx_t a, b;
+    if (sidx_open(di, &a) < 0) return NULL;
+    if (sidx_open(si, &b) < 0) { sidx_close(&a); return NULL; }
+    PyObject *ret = NULL;
+    Py_ssize_t n = a.n;
+    size_t isz = wide ? 8 : 4;
+    if (b.n != n) {
+        PyErr_SetString(PyExc_ValueError, "index lists differ in length");
+        goto out;
+    }
+    if ((unsigned long long)n * 2 * isz > cap || (n && !addr)) {
+        PyErr_Format(PyExc_ValueError, "staging buffer of %llu bytes too small for %zd index pairs", cap, n);
+        goto out;
+    }
+    char *d0 = (char *)(uintptr_t)addr, *d1 = d0 + (size_t)n * isz;
+    if (!a.has_buf && stage_seq(&a, d0, wide, nd) < 0) goto out;
+    if (!b.has_buf && stage_seq(&b, d1, wide, ns) < 0) goto out;
+    if (n && (a.has_buf || b.has_buf)) {
+        int bad0 = 0, bad1 = 0;
+        if (n >= 4096) { /* one GIL release for both arrays */
+            Py_BEGIN_ALLOW_THREADS
+            if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
+            if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
+            Py_END_ALLOW_THREADS
+        } else {
+            if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
+            if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
+        }
+        if (bad0 || bad1) {
+            PyErr_Format(PyExc_IndexError, "descriptor index out of range for a list of %zd", bad0 ? nd : ns);
+            goto out;
+        }
+    }
+    ret = PyLong_FromSsize_t(n);
+out:
+    sidx_close(&b);
+    sidx_close(&a);
+    return ret;
+}
+
+/* CUDA driver entry points, passed in as addresses (ctypes gives them; nothing is linked here) */
+typedef int (*cu_memcpy_htod_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*cu_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned shmem, void *stream, void **params, void **extra);
+typedef int (*cu_record_fn)(void *event, void *stream);
+
+/*
+ * cuda_post(memcpy_fn, launch_fn, record_fn, dptr, hptr, nbytes, stream, func, grid, threads,
+ *           a0, ..., a7, shift, event) -> (step, rc)
+ *
+ * One kernel transfer's CUDA calls in one go, without the GIL: cuMemcpyHtoDAsync(dptr, hptr,
+ * nbytes, stream) (skipped when nbytes is 0), cuLaunchKernel(func, grid, threads, params =
+ * eight u64 a0..a7 and the u32 shift, on stream) (skipped when func is 0), cuEventRecord(event,
+ * stream) (skipped when event is 0). The *_fn arguments are the driver functions' addresses. Stops at the first failure: returns (step, rc) with step 0/1/2 for the copy, the launch,
+ * the record, and rc the CUDA error; (3, 0) when all succeeded. The caller makes the right context
+ * current (CUDA_ERROR_INVALID_CONTEXT otherwise).
+ */
+static PyObject *py_cuda_post(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long fm, fl, fr, dptr, hptr, nbytes, stream, func, ev;
+    unsigned int grid, threads, shift;
+    unsigned long long a[8];
+    if (!PyArg_ParseTuple(args, "KKKKKKKKIIKKKKKKKKIK", &fm, &fl, &fr, &dptr, &hptr, &nbytes, &stream, &func, &grid,
+                          &threads, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &shift, &ev))
+        return NULL;
+    if ((func && !fl) || (nbytes && !fm) || (ev && !fr)) {
+        PyErr_SetString(PyExc_ValueError, "cuda_post: missing function");
+        return NULL;
+    }
+    uint64_t pv[8];
+    uint32_t sh = shift;
+    void *params[9];
+    for (int i = 0; i < 8; i++) {
+        pv[i] = a[i];
+        params[i] = &pv[i];
+    }
+    params[8] = &sh;
+    int step = 0, rc = 0;
+    void *st = (void *)(uintptr_t)stream;
+    Py_BEGIN_ALLOW_THREADS
+    if (nbytes) rc = ((cu_memcpy_htod_fn)(uintptr_t)fm)(dptr, (const void *)(uintptr_t)hptr, (size_t)nbytes, st);
+    if (!rc) {
+        step = 1;
+        if (func)
+            rc = ((cu_launch_fn)(uintptr_t)fl)((void *)(uintptr_t)func, grid, 1, 1, threads, 1, 1, 0, st, params, NULL);
+    }
+    if (!rc) {
+        step = 2;
+        if (ev) rc = ((cu_record_fn)(uintptr_t)fr)((void *)(uintptr_t)ev, st);
+    }
+    if (!rc) step = 3;
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ii)", step, rc);
+}
+
 static PyMethodDef methods[] = {
     {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job (int bytes if done inline, else Job)."},
     {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
@@ -936,6 +1185,8 @@ static PyMethodDef methods[] = {
     {"load32", py_load32, METH_O, "Atomic 32-bit load."},
     {"drain", py_drain, METH_VARARGS, "Wait until 32-bit counters reach zero, bounded."},
     {"cma_probe", py_cma_probe, METH_VARARGS, "Read 8 bytes of another process with process_vm_readv."},
+    {"stage_index", py_stage_index, METH_VARARGS, "Check two index sources and write them as int32/int64 at an address."},
+    {"cuda_post", py_cuda_post, METH_VARARGS, "cuMemcpyHtoDAsync + cuLaunchKernel + cuEventRecord without the GIL."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._native", "Native copy engine of kvx.", -1, methods,

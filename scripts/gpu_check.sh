@@ -89,8 +89,9 @@ for path in sorted(glob.glob(os.path.join(out, "bench-cuda-*.json"))):
                   f"p99 {r['lat_us_p99']:.1f} us")
 PYEOF
 if [ "$PROFILE" = 1 ]; then
-  echo "== profile: kernel path at 4K/32K (python -m kvx.bench.cuda xtune2, initiator)"
-  $PY -m kvx.bench.cuda xtune2 --total "$TOTAL" --exec initiator --block-sizes 4K,32K --small kernel,i64,zc,zcpf \
-    --profile 4K,32K 2>&1 | tee "$OUT/profile.txt" || echo "profile failed"
+  # `old` = the earlier host path (numpy staging, Python-level CUDA calls, polling reaper), same run
+  echo "== profile: kernel path at 4K/32K, host path new vs old (python -m kvx.bench.cuda xtune2, initiator)"
+  $PY -m kvx.bench.cuda xtune2 --total "$TOTAL" --exec initiator --block-sizes 4K,32K --small kernel,old,kernel,old \
+    --profile 4K,32K --profile-host new,old 2>&1 | tee "$OUT/profile.txt" || echo "profile failed"
 fi
 exit $rc

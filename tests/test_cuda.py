@@ -50,6 +50,91 @@ def test_pinned_alloc_without_cuda_raises_backend_unavailable() -> None:
         kvx.alloc_host(4096, pinned=True)
 
 
+def test_native_stage_index_checks_and_converts() -> None:
+    """The post path's index staging (``_native.stage_index``): every index form, int32 and int64
+    output, bounds, pairing and buffer size checked; no GPU needed."""
+    import ctypes
+
+    from kvx import _native
+
+    buf = (ctypes.c_uint8 * (1 << 20))()
+    addr, cap = ctypes.addressof(buf), len(buf)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    n = 1 << 16
+    li = np.arange(n, dtype=np.int64)
+    ri = np.random.default_rng(3).permutation(n).astype(np.int64)
+    for wide, dt in ((False, np.int32), (True, np.int64)):
+        for a, b in ((li, ri), (li.astype(np.int32), ri.astype(np.uint32)), (li.astype(np.uint64), ri)):
+            assert _native.stage_index(a, n, b, n, addr, cap, wide) == n
+            got = raw[: 2 * n * np.dtype(dt).itemsize].view(dt)
+            assert np.array_equal(got[:n], li) and np.array_equal(got[n:], ri)
+    assert _native.stage_index([3, 1], 4, (2, np.int64(0)), 3, addr, cap, False) == 2
+    assert raw[:16].view(np.int32).tolist() == [3, 1, 2, 0]
+    assert _native.stage_index(5, 6, 0, 1, addr, cap, True) == 1
+    assert raw[:16].view(np.int64).tolist() == [5, 0]
+    assert _native.stage_index([], 0, np.zeros(0, np.int64), 0, 0, 0, False) == 0
+    assert _native.stage_index(np.array([7]), 8, [7], 8, addr, cap, False) == 1
+    bad_hi = li.copy()
+    bad_hi[40000] = n
+    bad: list[tuple[Any, Any, type[BaseException]]] = [
+        ([0, 1], [0], ValueError), ([0], [8], IndexError), ([0.5], [1], TypeError), ([-1], [0], IndexError),
+        ([True], [0], TypeError), (np.array([1.0]), [0], TypeError), ([2**70], [0], IndexError),
+        (np.array([2**63], np.uint64), [0], IndexError), (np.array([8]), [0], IndexError),
+        (np.array([-1], np.int32), [0], IndexError), (np.arange(4)[::2], [0, 1], ValueError),
+    ]
+    for a, b, exc in bad:
+        with pytest.raises(exc):
+            _native.stage_index(a, 8, b, 8, addr, cap, False)
+    for a, b in ((bad_hi, ri), (li, -ri), (li, ri.astype(np.int32) - 1)):
+        with pytest.raises(IndexError):
+            _native.stage_index(a, n, b, n, addr, cap, False)
+    with pytest.raises(ValueError, match="too small"):
+        _native.stage_index(li, n, ri, n, addr, 8 * n - 1, False)
+
+
+def test_native_cuda_post_calls_in_order() -> None:
+    """``_native.cuda_post`` (copy + launch + record in one call): driven with stand-in functions."""
+    import ctypes
+
+    from kvx import _native
+
+    calls: list[tuple[Any, ...]] = []
+    rcs = {"copy": 0, "launch": 0, "record": 0}
+    vp, u = ctypes.c_void_p, ctypes.c_uint
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, vp, ctypes.c_size_t, vp)
+    def copy(dst: int, src: int, nb: int, stream: int) -> int:
+        calls.append(("copy", dst, src, nb, stream))
+        return rcs["copy"]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, u, u, u, u, u, u, u, vp, vp, vp)
+    def launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, sh: int, stream: int, params: int,
+               extra: Any) -> int:
+        pp = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        a = [ctypes.c_uint64.from_address(pp[i]).value for i in range(8)]
+        calls.append(("launch", f, gx, gy, gz, bx, by, bz, sh, stream, a, ctypes.c_uint32.from_address(pp[8]).value))
+        return rcs["launch"]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
+    def record(ev: int, stream: int) -> int:
+        calls.append(("record", ev, stream))
+        return rcs["record"]
+
+    fns = [ctypes.cast(f, vp).value for f in (copy, launch, record)]
+    a = [1, 2, 3, 4, 5, 2**64 - 1, 7, 8]
+    assert _native.cuda_post(*fns, 0x1000, 0x2000, 96, 0x30, 0x40, 132, 256, *a, 14, 0x50) == (3, 0)
+    assert calls == [("copy", 0x1000, 0x2000, 96, 0x30), ("launch", 0x40, 132, 1, 1, 256, 1, 1, 0, 0x30, a, 14),
+                     ("record", 0x50, 0x30)]
+    calls.clear()  # nothing to copy, no launch, no event: nothing called
+    assert _native.cuda_post(*fns, 0, 0, 0, 0x30, 0, 1, 32, *a, 14, 0) == (3, 0)
+    assert calls == []
+    rcs["launch"] = 201  # stops at the first failure and says where
+    assert _native.cuda_post(*fns, 0x1000, 0x2000, 96, 0x30, 0x40, 1, 32, *a, 14, 0x50) == (1, 201)
+    assert [c[0] for c in calls] == ["copy", "launch"]
+    with pytest.raises(ValueError):
+        _native.cuda_post(0, fns[1], fns[2], 0x1000, 0x2000, 96, 0x30, 0x40, 1, 32, *a, 14, 0)
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 CFG = {"backends": ["cuda"], "peer_timeout": 3.0}

@@ -100,6 +100,16 @@ STAGING_SLOTS = 8
 #: Kernel path: the kernel reads the indices straight from the pinned staging slot (mapped host
 #: memory, over PCIe) instead of one upload before it (opt-in, for measurement: ``xtune2`` ``zc``).
 INDEX_ZEROCOPY = False
+#: Kernel path: the index upload, the launch and the completion event in one call of the native
+#: extension (``_native.cuda_post``, driver functions taken from libcuda once) instead of three
+#: Python-level CUDA calls.
+NATIVE_POST = True
+#: Kernel path with equal-length lists: the indices are checked and written into the pinned staging
+#: slot by ``_native.stage_index`` (GIL released) instead of numpy (checks, then ``np.copyto``).
+NATIVE_STAGING = True
+#: The completion reaper: 0 = sleep on the oldest pending transfer's event (blocking-sync events, no
+#: polling); > 0 = poll every that many seconds (the earlier behaviour, 5e-5).
+REAPER_POLL = 0.0
 #: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
 #: ``python -m kvx.bench.cuda xtune2``.
 PROFILE: list[dict[str, Any]] | None = None
@@ -473,6 +483,18 @@ class _Device:
             self._culaunch = f
         except (AttributeError, BackendUnavailable):
             self._culaunch = None
+        # cuMemcpyHtoDAsync + cuLaunchKernel + cuEventRecord in one native call without the GIL
+        # (_native.cuda_post): the driver functions' addresses, or None (then cupy/ctypes calls)
+        self.cufns: tuple[int, int, int] | None = None
+        if self._culaunch is not None and hasattr(_native, "cuda_post"):
+            try:
+                lib = _driver().lib
+                fns = tuple(int(ctypes.cast(getattr(lib, x), ctypes.c_void_p).value or 0)
+                            for x in ("cuMemcpyHtoDAsync_v2", "cuLaunchKernel", "cuEventRecord"))
+                if all(fns):
+                    self.cufns = (fns[0], fns[1], fns[2])
+            except (AttributeError, BackendUnavailable):
+                self.cufns = None
 
     def config(self, cp: Any, variant: str, host_side: bool, i32: bool) -> tuple[Any, int, int, int]:
         """(kernel, CUfunction handle or 0, threads per CTA, grid cap) for a launch; cached."""
@@ -507,6 +529,34 @@ class _Device:
                 raise TransferError(f"cuLaunchKernel failed with CUDA error {rc}")
         with stream:  # no current context for the driver call: cupy's launch sets it up
             kern((grid,), (threads,), tuple(np.uint64(x) for x in a) + (np.uint32(shift),))
+
+    def enqueue(self, cp: Any, cfg: tuple[Any, int, int, int], grid: int, stream: Any, dptr: int, hptr: int,
+                nbytes: int, a: tuple[int, ...] | None, shift: int, event: Any) -> None:
+        """Upload ``nbytes`` from ``hptr`` to ``dptr`` (none if 0), launch the kernel with arguments ``a`` (none
+        if None), record ``event`` (none if None), in this order on ``stream``: one native call without the
+        GIL where the driver's functions are at hand, else through cupy and ctypes."""
+        fns = self.cufns
+        if fns is not None and cfg[1] and NATIVE_POST:
+            z = (0, 0, 0, 0, 0, 0, 0, 0) if a is None else a
+            step, rc = _native.cuda_post(fns[0], fns[1], fns[2], dptr, hptr, nbytes, stream.ptr,
+                                         0 if a is None else cfg[1], grid, cfg[2], z[0], z[1], z[2], z[3], z[4], z[5],
+                                         z[6], z[7], shift, 0 if event is None else int(event.ptr))
+            if step == 3:
+                return
+            if rc != _ERR_INVALID_CONTEXT:
+                what = ("index upload", "kernel launch", "event record")[step]
+                raise TransferError(f"CUDA {what} failed with CUDA error {rc}")
+            # no current context for the driver calls: the rest through cupy, which sets it up
+            if step >= 1:
+                nbytes = 0
+            if step >= 2:
+                a = None
+        if nbytes:
+            cp.cuda.runtime.memcpyAsync(dptr, hptr, nbytes, _H2D, stream.ptr)
+        if a is not None:
+            self.launch(cfg, grid, stream, a, shift)
+        if event is not None:
+            event.record(stream)
 
     def side_stream(self, cp: Any) -> Any:
         """A second (non-blocking) stream for the copy-engine part of a split transfer."""
@@ -695,7 +745,13 @@ class _CudaRequest(Request):
 
 
 class _Reaper:
-    """Retires finished transfers (counters down, notifications out) even if nobody polls."""
+    """Retires finished transfers (counters down, notifications out) even if nobody polls.
+
+    Event-driven: while transfers are pending it sleeps in ``cudaEventSynchronize`` on the oldest one's
+    event (blocking-sync events: the thread sleeps until the GPU signals, without the GIL), then retires
+    every finished one. It never polls, so it does not take the GIL from a post in progress.
+    (``REAPER_POLL`` > 0 brings back polling at that interval, in seconds, for comparison.)
+    """
 
     def __init__(self, name: str) -> None:
         self._cv = threading.Condition()
@@ -721,13 +777,22 @@ class _Reaper:
                     self._cv.wait()
                 if self._closed and not self._pending:
                     return
+                head = self._pending[0]
+            poll = REAPER_POLL
+            if poll <= 0 and not head._done:
+                try:
+                    head.event.synchronize()  # no GIL held while the GPU works
+                except Exception:  # a failed copy: _poll reports it
+                    pass
+            with self._cv:
                 snap = list(self._pending)
             done = [r for r in snap if r._poll()]
             if done:
                 with self._cv:
                     ids = {id(r) for r in done}
                     self._pending = [r for r in self._pending if id(r) not in ids]
-            time.sleep(5e-5)
+            if poll > 0:
+                time.sleep(poll)
 
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -781,6 +846,29 @@ class _Peer:
 
 def _u64view(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
+
+
+_STAGE_DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint64), np.dtype(np.uint32))
+
+
+def _stageable(idx: Any) -> Any:
+    """``idx`` itself if ``_native.stage_index`` takes it as it is (an int, a list or tuple, a contiguous
+    1-D array of 32/64-bit integers), else None."""
+    t = type(idx)
+    if t is int or t is list or t is tuple:
+        return idx
+    if t is np.ndarray and idx.ndim == 1 and idx.dtype in _STAGE_DTYPES and idx.flags.c_contiguous:
+        return idx
+    return None
+
+
+def _count(idx: Any) -> int:
+    """Number of indices of a checked array or a :func:`_stageable` source."""
+    if type(idx) is int:
+        return 1
+    if type(idx) is np.ndarray:
+        return int(idx.shape[0])
+    return len(idx)
 
 
 def _index(idx: Any, n: int) -> np.ndarray:
@@ -1417,17 +1505,31 @@ class CudaBackend(Backend):
         rp: _Prep = remote.bdata["cuda"]
         if self._closed:
             raise UsageError("cuda backend is closed")
-        li = _index(lidx, len(lp.addr))
-        ri = _index(ridx, len(rp.addr))
-        n = int(li.shape[0])
-        if n != int(ri.shape[0]):
-            raise ValueError("index lists differ in length")
+        li: Any
+        ri: Any
         if lp.ulen and rp.ulen:
             if lp.ulen != rp.ulen:
                 raise ValueError("paired descriptors differ in length")
             ulen = lp.ulen
+            # index sources as given when the kernel path can check them while staging them
+            li = _stageable(lidx) if NATIVE_STAGING else None
+            ri = _stageable(ridx) if li is not None else None
+            if li is None or ri is None:
+                li, ri = _index(lidx, len(lp.addr)), _index(ridx, len(rp.addr))
+                checked = True
+            else:
+                checked = False
+            n = _count(li)
+            if n != _count(ri):
+                raise ValueError("index lists differ in length")
             total = ulen * n
         else:
+            li = _index(lidx, len(lp.addr))
+            ri = _index(ridx, len(rp.addr))
+            checked = True
+            n = int(li.shape[0])
+            if n != int(ri.shape[0]):
+                raise ValueError("index lists differ in length")
             ln = lp.nbytes[li]
             if not np.array_equal(ln, rp.nbytes[ri]):
                 raise ValueError("paired descriptors differ in length")
@@ -1467,6 +1569,8 @@ class CudaBackend(Backend):
         path, frac = self.mode, SPLIT_FRACTION
         if path == "auto":
             path, frac = self._plan(total, n, gpu2gpu)
+        if not checked and (path != "kernel" or 0 < PIPE_PAIRS < n):
+            li, ri = _index(li, len(lp.addr)), _index(ri, len(rp.addr))
         counters = self._acquire(peer, rp.guards) if peer is not None else []
         try:
             with d.lock:
@@ -1514,14 +1618,18 @@ class CudaBackend(Backend):
                 path, frac = pth, f
         return path, frac
 
-    def _launch_kernel(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
+    def _launch_kernel(self, d: _Device, dst: _Prep, didx: Any, src: _Prep, sidx: Any, n: int,
                        ulen: int, record: bool = True) -> tuple[Any, Any]:
         """Stage the indices in a slot of the GPU's ring (int32 when every list fits), upload them
-        with one copy, launch one kernel, record one event (which also guards the slot)."""
+        with one copy, launch one kernel, record one event (which also guards the slot).
+
+        ``didx``/``sidx``: checked int arrays (from :func:`_index`), or, when ``ulen`` and one launch,
+        unchecked index sources of a form :func:`_stageable` passed (checked while staged)."""
         cp = self.cp
         shift = CHUNK_SHIFT
         prof = PROFILE
         t0 = time.perf_counter() if prof is not None else 0.0
+        t_s = t_stage = 0.0
         i32 = len(dst.addr) <= _I32_MAX and len(src.addr) <= _I32_MAX
         itype = np.int32 if i32 else np.int64
         isz = 4 if i32 else 8
@@ -1546,10 +1654,27 @@ class CudaBackend(Backend):
                     nb = ib if ulen else ib + 8 * (m + 1)
                     slot = d.staging.take(cp, nb)
                     taken.append(slot)
-                    hi = slot.hview[:ib].view(itype)
-                    di, si = (didx, sidx) if m == n else (didx[lo:lo + m], sidx[lo:lo + m])
-                    np.copyto(hi[:m], di, casting="unsafe")  # bounds-checked in _index: fits
-                    np.copyto(hi[m:], si, casting="unsafe")
+                    if prof is not None:
+                        t_s = time.perf_counter()
+                    if (m == n and ulen and NATIVE_STAGING and _stageable(didx) is not None
+                            and _stageable(sidx) is not None):
+                        # check + int32/int64 conversion in C without the GIL, straight into the slot
+                        try:
+                            got = _native.stage_index(didx, len(dst.addr), sidx, len(src.addr), slot.hptr, slot.cap,
+                                                      not i32)
+                        except BaseException:
+                            taken.pop()
+                            slot.guard = None  # nothing was queued that reads it
+                            raise
+                        if got != m:
+                            taken.pop()
+                            slot.guard = None
+                            raise ValueError("index lists changed length during the post")
+                    else:
+                        hi = slot.hview[:ib].view(itype)
+                        di, si = (didx, sidx) if m == n else (didx[lo:lo + m], sidx[lo:lo + m])
+                        np.copyto(hi[:m], di, casting="unsafe")  # bounds-checked in _index: fits
+                        np.copyto(hi[m:], si, casting="unsafe")
                     if ulen:
                         items = m * cpd
                     else:
@@ -1558,24 +1683,22 @@ class CudaBackend(Backend):
                         np.cumsum((src.nbytes[si] + np.uint64((1 << shift) - 1)) >> np.uint64(shift), out=hf[1:])
                         items = int(hf[m])
                     if prof is not None:
-                        e0 = cp.cuda.Event()
-                        e0.record(st)
-                    if zc:
-                        ip = slot.hptr
-                    else:
-                        cp.cuda.runtime.memcpyAsync(slot.dptr, slot.hptr, nb, _H2D, st.ptr)
-                        ip = slot.dptr
-                    if prof is not None:
-                        e1 = cp.cuda.Event()
-                        e1.record(st)
+                        t_stage += time.perf_counter() - t_s
+                    ip = slot.hptr if zc else slot.dptr
+                    up = 0 if zc else nb
                     grid = max(1, min(cap, (items * 32 + threads - 1) // threads))
-                    d.launch(cfg, grid, st, (dap, sap, ip, slp, 0 if ulen else ip + ib, m, ulen, items), shift)
-                    if prof is not None:
-                        e2 = cp.cuda.Event()
-                        e2.record(st)
+                    a = (dap, sap, ip, slp, 0 if ulen else ip + ib, m, ulen, items)
+                    # blocking sync: the reaper sleeps in cudaEventSynchronize on it (no polling)
+                    g = cp.cuda.Event(block=True, disable_timing=True)
+                    if prof is None:
+                        d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, up, a, shift, g)
+                    else:  # timing events around the upload and the kernel
+                        e0, e1, e2 = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+                        e0.record(st)
+                        d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, up, None, shift, e1)
+                        d.enqueue(cp, cfg, grid, st, 0, 0, 0, a, shift, e2)
+                        g.record(st)
                         evs.append((e0, e1, e2))
-                    g = cp.cuda.Event(block=False, disable_timing=True)
-                    g.record(st)
                     slot.guard = g  # the slot is free again once this kernel has finished
                     if record and lo + m >= n:
                         ev = g
@@ -1589,7 +1712,8 @@ class CudaBackend(Backend):
                         slot.guard = None
                 raise
         if prof is not None:
-            prof.append({"cpu_launch_us": (time.perf_counter() - t0) * 1e6, "events": evs})
+            prof.append({"cpu_launch_us": (time.perf_counter() - t0) * 1e6, "cpu_stage_us": t_stage * 1e6,
+                         "events": evs})
         return ev, None
 
     def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray,
@@ -1601,7 +1725,7 @@ class CudaBackend(Backend):
         with cp.cuda.Device(d.dev):
             st = d.stream if stream is None else stream
             self.drv.batch(dsts, srcs, sizes, st.ptr)
-            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev = cp.cuda.Event(block=True, disable_timing=True)
             ev.record(st)
         return ev, None
 
@@ -1627,7 +1751,7 @@ class CudaBackend(Backend):
             ev1, _ = self._launch_ce(d, dst, didx[:k], src, sidx[:k], stream=side)
             _, keep = self._launch_kernel(d, dst, didx[k:], src, sidx[k:], n - k, ulen, record=False)
             d.stream.wait_event(ev1)
-            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev = cp.cuda.Event(block=True, disable_timing=True)
             ev.record(d.stream)
         return ev, keep
 

@@ -591,9 +591,13 @@ def _xtune2(argv: list[str]) -> int:
     descriptors prefetched), ``k8`` (8 CTAs/SM), ``pipeN`` (indices uploaded and launched in pieces
     of N pairs), ``ce`` (copy engines), ``splitF`` (fraction F of the bytes on the copy engines while
     the kernel copies the rest), ``i64`` (indices staged as int64 instead of int32), ``zc`` / ``zcpf``
-    (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload). Every
-    variant's bytes are checked once. With ``--profile``, the kernel's time at the small sizes is
-    split into CPU post, index upload and kernel (GPU events).
+    (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload),
+    ``old`` (the kernel with the earlier host path: numpy index staging, three Python-level CUDA
+    calls, a reaper polling every 50 us), ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
+    part of the earlier host path). Every variant's bytes are checked once. With ``--profile``,
+    the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
+    events), for each host path of ``--profile-host`` (``new`` = the defaults, ``old`` as above),
+    with ``post()`` also timed without the profile's events.
     """
     import cupy as cp
 
@@ -608,17 +612,19 @@ def _xtune2(argv: list[str]) -> int:
     ap.add_argument("--small", default="kernel,pf,k8,pipe16384,pipe4096,ce,split0.05")
     ap.add_argument("--large", default="kernel,ce,split0.1,split0.2,split0.3,split0.4,split0.5,split0.6")
     ap.add_argument("--profile", default="4K,32K")
+    ap.add_argument("--profile-host", default="new,old")
     a = ap.parse_args(argv)
     total = parse_size(a.total)
     sizes = [parse_size(x) for x in a.block_sizes.split(",")]
     prof_sizes = {parse_size(x) for x in a.profile.split(",") if x}
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
     target = Helper("xtune2-target", {"backends": ["cuda"]})
-    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX)
+    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX,
+                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL)
 
     def setv(be: Any, v: str) -> None:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL) = defaults
         kc.KERNEL = "warp"
         if v == "ce":
             be.mode = "ce"
@@ -632,6 +638,14 @@ def _xtune2(argv: list[str]) -> int:
                 kc.INDEX_ZEROCOPY = True
             elif v == "i64":
                 kc._I32_MAX = 0
+            elif v == "old":
+                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL = False, False, 5e-5
+            elif v == "npstage":  # one part of the host path back at a time, to attribute the gain
+                kc.NATIVE_STAGING = False
+            elif v == "pypost":
+                kc.NATIVE_POST = False
+            elif v == "pollreaper":
+                kc.REAPER_POLL = 5e-5
             elif v == "k8":
                 kc.BLOCKS_PER_SM = 8
             elif v.startswith("pipe"):
@@ -694,8 +708,17 @@ def _xtune2(argv: list[str]) -> int:
                             res.append((v, n * bs / med / 1e9, ok))
                         cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for v, g, ok in res)
                         print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
-                        if bs in prof_sizes:
-                            setv(be, "kernel")
+                        for hp in (a.profile_host.split(",") if bs in prof_sizes else []):
+                            setv(be, "old" if hp == "old" else "kernel")
+                            time.sleep(0.01)  # a polling reaper of "old" is running again
+                            bare = []  # post() alone, no profile events
+                            for i in range(a.iters + 1):
+                                t0 = time.perf_counter()
+                                x = fn(lo, li, re, ri)
+                                t1 = time.perf_counter()
+                                x.wait()
+                                if i:
+                                    bare.append((t1 - t0) * 1e6)
                             kc.PROFILE = []
                             posts, walls = [], []
                             for i in range(a.iters + 1):
@@ -714,10 +737,12 @@ def _xtune2(argv: list[str]) -> int:
                             kt = [el(r["events"][0][1], r["events"][-1][2]) * 1e3 for r in recs]
                             gpu = [el(r["events"][0][0], r["events"][-1][2]) * 1e3 for r in recs]
                             lau = [r["cpu_launch_us"] for r in recs]
+                            stg = [r.get("cpu_stage_us", 0.0) for r in recs]
                             med_ = lambda xs: float(np.median(xs))  # noqa: E731
-                            print(f"  profile {ex} {op} {bs >> 10}K kernel: wall {med_(walls):.0f} us, "
-                                  f"post() {med_(posts):.0f}"
-                                  f" (of which staging+launch {med_(lau):.0f}), upload {med_(up):.0f}, kernel "
+                            print(f"  profile {ex} {op} {bs >> 10}K kernel host={hp}: wall {med_(walls):.0f} us, "
+                                  f"post() {med_(posts):.0f} (unprofiled {med_(bare):.0f})"
+                                  f" (of which staging+launch {med_(lau):.0f}, index staging {med_(stg):.0f}), "
+                                  f"upload {med_(up):.0f}, kernel "
                                   f"{med_(kt):.0f}, gpu first-upload..end {med_(gpu):.0f} us; kernel-only "
                                   f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
                 setv(be, "kernel")
@@ -725,7 +750,7 @@ def _xtune2(argv: list[str]) -> int:
                 reg.release()
     finally:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL) = defaults
         target.close()
     return 0
 
