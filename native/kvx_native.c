@@ -443,6 +443,22 @@ static void job_free(job_t *j) {
     free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j);
 }
 
+/* Run a job in the calling thread (guards already entered): GIL released for large ones,
+ * file sync if asked, guards exited. Returns 0 or an errno. */
+static int run_inline(job_t *j) {
+    int e;
+    if (j->nbytes >= 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        e = run_range(j, 0, j->nt);
+        Py_END_ALLOW_THREADS
+    } else {
+        e = run_range(j, 0, j->nt);
+    }
+    if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
+    guards_exit(j);
+    return e;
+}
+
 /* Run a built job: inline (returns the byte count) or on the pool (returns a Job).
  * With owned=1 the job is consumed; with owned=0 (a plan's template) only inline runs are
  * allowed to use it directly and async runs work on a copy. */
@@ -454,16 +470,7 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
         return raise_errno(ge);
     }
     if (total <= inline_bytes) {
-        int e;
-        if (total >= 65536) {
-            Py_BEGIN_ALLOW_THREADS
-            e = run_range(j, 0, j->nt);
-            Py_END_ALLOW_THREADS
-        } else {
-            e = run_range(j, 0, j->nt);
-        }
-        if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
-        guards_exit(j);
+        int e = run_inline(j);
         if (owned) job_free(j);
         if (e) return raise_errno(e);
         return PyLong_FromUnsignedLongLong(total);
@@ -762,16 +769,7 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         if (total <= inline_bytes) {
             int ge = guards_enter(j->g, j->ng);
             if (ge) { raise_errno(ge); j = NULL; goto e8; }
-            int e;
-            if (total >= 65536) {
-                Py_BEGIN_ALLOW_THREADS
-                e = run_range(j, 0, j->nt);
-                Py_END_ALLOW_THREADS
-            } else {
-                e = run_range(j, 0, j->nt);
-            }
-            if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
-            guards_exit(j);
+            int e = run_inline(j);
             j = NULL;
             if (e) { raise_errno(e); goto e8; }
             ret = PyLong_FromUnsignedLongLong(total);
