@@ -22,7 +22,6 @@ BUILTIN: dict[str, str] = {
     "cuda": "kvx.backends.cuda:CudaBackend",
     "host": "kvx.backends.host:HostBackend",
     "tcp": "kvx.backends.tcp:TcpBackend",
-    "ucx": "kvx.backends.ucx:UcxBackend",
     "gds": "kvx.backends.gds:GdsBackend",
     "posix": "kvx.backends.posix:PosixBackend",
     "s3": "kvx.backends.s3:S3Backend",
