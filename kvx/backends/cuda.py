@@ -919,7 +919,7 @@ class CudaBackend(Backend):
         self.drv = _driver()
         if self.mode == "ce" and not self.drv.has_batch:
             raise BackendUnavailable(f"{COPY_ENV}=ce needs cuMemcpyBatchAsync (CUDA >= 12.8 driver)")
-        self.max_msg = int(_max_message())
+        self.max_msg = int(_config_get("KVX_MAX_MESSAGE"))
         self._lock = threading.RLock()
         self._closed = False
         self._devs: dict[int, _Device] = {}
@@ -1794,9 +1794,3 @@ class CudaBackend(Backend):
             except Exception:
                 log.debug("synchronizing GPU %d at close", d.dev, exc_info=True)
         os.close(self._ctrl_fd)
-
-
-def _max_message() -> int:
-    from .. import config
-
-    return int(config.get("KVX_MAX_MESSAGE"))

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, auth, wire
+from .. import _native, auth, config, wire
 from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
 from ..channel import Channel
 from ..copy import copy_blocking, staging_offsets
@@ -134,7 +134,7 @@ class HostBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.cfg = ctx.config
-        self.max_msg = int(_max_message())
+        self.max_msg = int(config.get("KVX_MAX_MESSAGE"))
         self.threads = int(self.cfg.copy_threads)
         self.inline = int(self.cfg.inline_bytes)
         self._lock = threading.RLock()
@@ -670,9 +670,3 @@ def _i64(x: Any) -> np.ndarray:
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, not {a.dtype}")
     return a.astype(np.int64).reshape(-1)
-
-
-def _max_message() -> int:
-    from .. import config
-
-    return int(config.get("KVX_MAX_MESSAGE"))

@@ -62,7 +62,7 @@ from .. import config as _config
 from ..agent import MAX_SLOTS, PreparedList
 from ..errors import BackendUnavailable, KVXError, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, JobRequest, Op, Request
+from .base import Backend, BackendContext, JobRequest, Op, Request, ThreadRequest
 
 __all__ = ["PosixBackend", "ALIGN", "SYNC_MODES", "open_preallocated", "translate_oserror"]
 
@@ -264,14 +264,11 @@ def _failed(nbytes: int, exc: OSError, paths: list[str]) -> _FailedRequest:
     return _FailedRequest(nbytes, err)
 
 
-class _DirectRequest(Request):
+class _DirectRequest(ThreadRequest):
     """An O_DIRECT transfer driven by a worker thread (bounce buffers, mixed paths)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._ev = threading.Event()
-        self._err: BaseException | None = None
-        self.cancelled = False
+        super().__init__(nbytes)
         self.jobs: list[Any] = []
         self.after: Any = None
 
@@ -280,18 +277,6 @@ class _DirectRequest(Request):
         self._ev.set()
         if err is None and self.after is not None:
             self.after()
-
-    def test(self) -> bool:
-        if not self._ev.is_set():
-            return False
-        if self._err is not None:
-            raise self._err
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        if not self._ev.wait(timeout):
-            return False
-        return self.test()
 
     def cancel(self) -> bool:
         self.cancelled = True

@@ -67,7 +67,7 @@ from ..errors import (
     TransferTimeout,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request, ThreadRequest
 
 __all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake", "server_handshake",
            "send_frame", "recv_frame", "tune_socket"]
@@ -274,18 +274,15 @@ def _split_large(laddr: np.ndarray, raddr: np.ndarray, nb: np.ndarray, piece: in
 
 
 # ---- initiator side --------------------------------------------------------------------------
-class _TcpRequest(Request):
+class _TcpRequest(ThreadRequest):
     """A transfer in flight: done when every chunk is acknowledged."""
 
     def __init__(self, nbytes: int, nchunks: int, conn: "_PeerConn", notify: bytes | None) -> None:
-        self.nbytes = nbytes
+        super().__init__(nbytes)
         self._left = nchunks
         self._lock = threading.Lock()
-        self._ev = threading.Event()
-        self._err: BaseException | None = None
         self._conn = conn
         self._notify = notify
-        self.cancelled = False
 
     @property
     def failed(self) -> bool:
@@ -305,18 +302,6 @@ class _TcpRequest(Request):
         if self._notify is not None:
             self._conn.enqueue_notif(self._notify)
         self._ev.set()
-
-    def test(self) -> bool:
-        if not self._ev.is_set():
-            return False
-        if self._err is not None:
-            raise self._err
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        if not self._ev.wait(timeout):
-            return False
-        return self.test()
 
     def cancel(self) -> bool:
         """Chunks not yet sent are dropped; chunks on the wire still land."""
@@ -753,14 +738,12 @@ class TcpBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.cfg = ctx.config
-        self.max_msg = int(_max_message())
+        self.max_msg = int(_cfg.get("KVX_MAX_MESSAGE"))
         self.timeout = float(self.cfg.peer_timeout)
         self.inline = int(self.cfg.inline_bytes)
         self.fast_max = max(0, int(_cfg.get("KVX_TCP_FAST_MAX")))
-        from .. import config as _config
-
-        self.streams = max(1, int(_config.get("KVX_TCP_STREAMS")))
-        self.chunk = max(4096, int(_config.get("KVX_TCP_CHUNK")))
+        self.streams = max(1, int(_cfg.get("KVX_TCP_STREAMS")))
+        self.chunk = max(4096, int(_cfg.get("KVX_TCP_CHUNK")))
         self._lock = threading.RLock()
         self._closed = False
         # registrations as the target sees them, and pins held by serving threads
@@ -1291,9 +1274,3 @@ def _i64(x: Any) -> np.ndarray:
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, not {a.dtype}")
     return a.astype(np.int64).reshape(-1)
-
-
-def _max_message() -> int:
-    from .. import config
-
-    return int(config.get("KVX_MAX_MESSAGE"))
