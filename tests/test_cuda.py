@@ -518,7 +518,9 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
         exp = np.zeros((8, 64), np.uint8)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
-        for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0])]:
+        for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0]),
+                       (np.arange(2), np.array([0, 8])), (np.array([0, -1]), np.arange(2)),  # native staging
+                       (np.arange(8, dtype=np.int32), np.array([0, 1, 2, 3, 4, 5, 6, 9], np.int32))]:
             with pytest.raises(kvx.UsageError):
                 agent.write(local, li, remote, ri)
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
@@ -528,18 +530,18 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["int32", "int64", "zerocopy"])
+@pytest.mark.parametrize("variant", ["int32", "int64", "upload", "upload-int64"])
 def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch,
                                    variant: str) -> None:
     """Index staging: posts without waiting wrap a ring of 2 slots (the oldest is waited for), slots
-    grow on demand; int32 indices (default), int64 (forced) and indices read in place (zero copy)."""
+    grow on demand; int32 indices (default), int64 (forced), read in place from the pinned slot by the
+    kernel (zero copy, the default) or uploaded before it."""
     from kvx.backends import cuda as kc
 
     monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
-    if variant == "int64":
+    if variant.endswith("int64"):
         monkeypatch.setattr(kc, "_I32_MAX", 0)
-    elif variant == "zerocopy":
-        monkeypatch.setattr(kc, "INDEX_ZEROCOPY", True)
+    monkeypatch.setattr(kc, "INDEX_ZEROCOPY", not variant.startswith("upload"))
     _set_path(agent, "kernel")
     bs, n = 64, 1 << 14
     rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))

@@ -98,8 +98,10 @@ PIPE_PAIRS = 0
 #: after the kernel that read it has completed; back-to-back posts take the next free slot.
 STAGING_SLOTS = 8
 #: Kernel path: the kernel reads the indices straight from the pinned staging slot (mapped host
-#: memory, over PCIe) instead of one upload before it (opt-in, for measurement: ``xtune2`` ``zc``).
-INDEX_ZEROCOPY = False
+#: memory, over PCIe; written before the launch, so stream order makes them visible) instead of one
+#: upload before it. Default since measured +3-7% at 4 KiB, a tie at 32 KiB (docs/gpu.md; ``xtune2``
+#: ``zc`` vs ``upload``).
+INDEX_ZEROCOPY = True
 #: Kernel path: the index upload, the launch and the completion event in one call of the native
 #: extension (``_native.cuda_post``, driver functions taken from libcuda once) instead of three
 #: Python-level CUDA calls.
@@ -110,9 +112,20 @@ NATIVE_STAGING = True
 #: The completion reaper: 0 = sleep on the oldest pending transfer's event (blocking-sync events, no
 #: polling); > 0 = poll every that many seconds (the earlier behaviour, 5e-5).
 REAPER_POLL = 0.0
+#: Lazy reaper (with ``REAPER_POLL`` = 0): a post whose transfer carries no notification does not wake
+#: the reaper while it is active; the reaper looks at such transfers every ``REAPER_LAZY`` seconds (and
+#: sleeps on the event of the oldest one carrying a notification, so notifications leave as soon as the
+#: data landed). After ``REAPER_DEEP_AFTER`` seconds with nothing pending it sleeps until a post wakes
+#: it. Measured: waking it on every post cost 15-30 us of post time (GIL hand-offs, docs/gpu.md).
+#: 0 = wake it on every post (the earlier behaviour).
+REAPER_LAZY = 0.002
+REAPER_DEEP_AFTER = 0.05
 #: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
 #: ``python -m kvx.bench.cuda xtune2``.
 PROFILE: list[dict[str, Any]] | None = None
+#: When not None, post() appends (label, time.perf_counter_ns()) at each of its phases, for
+#: ``python -m kvx.bench.cuda stamps`` (where the CPU time of one post goes).
+STAMPS: list[tuple[str, int]] | None = None
 #: One warp copies one chunk of 2**CHUNK_SHIFT bytes of a block (a work item of the kernel).
 CHUNK_SHIFT = 14
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
@@ -661,6 +674,7 @@ class _Prep:
     lock: threading.Lock = field(default_factory=threading.Lock)
     owner: int = -1  # GPU (here) that holds the memory, -1: host memory or not visible
     alt: dict[int, np.ndarray] = field(default_factory=dict)  # dev -> addresses of a second IPC import
+    ptrs: dict[int, tuple[int, int]] = field(default_factory=dict)  # dev -> device pointers of on_dev[dev]
 
     def addr_on(self, dev: int) -> np.ndarray:
         """Addresses valid for copies run on GPU ``dev`` (a remote list may be imported on two GPUs)."""
@@ -676,6 +690,14 @@ class _Prep:
                         got = (cp.asarray(self.addr_on(dev)), cp.asarray(self.nbytes))
                         cp.cuda.Stream.null.synchronize()
                     self.on_dev[dev] = got
+        return got
+
+    def device_ptrs(self, cp: Any, dev: int) -> tuple[int, int]:
+        """Device pointers of :meth:`device_arrays` (address array, length array); cached."""
+        got = self.ptrs.get(dev)
+        if got is None:
+            a, n = self.device_arrays(cp, dev)
+            got = self.ptrs[dev] = (int(a.data.ptr), int(n.data.ptr))
         return got
 
 
@@ -747,23 +769,28 @@ class _CudaRequest(Request):
 class _Reaper:
     """Retires finished transfers (counters down, notifications out) even if nobody polls.
 
-    Event-driven: while transfers are pending it sleeps in ``cudaEventSynchronize`` on the oldest one's
-    event (blocking-sync events: the thread sleeps until the GPU signals, without the GIL), then retires
-    every finished one. It never polls, so it does not take the GIL from a post in progress.
-    (``REAPER_POLL`` > 0 brings back polling at that interval, in seconds, for comparison.)
+    Event-driven for notifications: it sleeps in ``cudaEventSynchronize`` (blocking-sync events: no GIL
+    while the GPU works) on the oldest pending transfer that carries a notification, then retires every
+    finished one. Lazy for the rest (``REAPER_LAZY``): a post without a notification does not wake an
+    active reaper (a waiter usually retires its transfer itself); the reaper checks pending transfers
+    every ``REAPER_LAZY`` seconds, so the in-flight counters of an unpolled transfer come down at most
+    that long after it finished. Idle for ``REAPER_DEEP_AFTER`` seconds, it sleeps until the next post.
+    (``REAPER_LAZY`` = 0: woken by every post, sleeping on the oldest transfer's event; ``REAPER_POLL``
+    > 0: polling at that interval, both for comparison.)
     """
 
     def __init__(self, name: str) -> None:
         self._cv = threading.Condition()
         self._pending: list[_CudaRequest] = []
         self._closed = False
+        self._deep = True  # sleeping until a post wakes it
         self._thread = threading.Thread(target=self._run, name=f"kvx-cuda-reaper-{name}", daemon=True)
         self._thread.start()
 
     def add(self, req: _CudaRequest) -> None:
         with self._cv:
             self._pending.append(req)
-            if len(self._pending) == 1:
+            if self._deep or req.notify is not None or REAPER_LAZY <= 0 or REAPER_POLL > 0:
                 self._cv.notify()
 
     def pending_for(self, peer: Any) -> list[_CudaRequest]:
@@ -771,28 +798,46 @@ class _Reaper:
             return [r for r in self._pending if r.peer is peer]
 
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while True:
+            lazy = REAPER_LAZY if REAPER_POLL <= 0 else 0.0
             with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
+                if not self._pending and not self._closed:
+                    now = time.monotonic()
+                    if lazy <= 0 or now - idle_since >= REAPER_DEEP_AFTER:
+                        self._deep = True
+                        while not self._pending and not self._closed:
+                            self._cv.wait()
+                        self._deep = False
+                    else:
+                        self._cv.wait(min(lazy, REAPER_DEEP_AFTER - (now - idle_since)))
+                        continue
                 if self._closed and not self._pending:
                     return
-                head = self._pending[0]
-            poll = REAPER_POLL
-            if poll <= 0 and not head._done:
-                try:
-                    head.event.synchronize()  # no GIL held while the GPU works
-                except Exception:  # a failed copy: _poll reports it
-                    pass
-            with self._cv:
                 snap = list(self._pending)
+            if REAPER_POLL <= 0:
+                # sleep on the oldest transfer owing a notification (every transfer when not lazy)
+                head = next((r for r in snap if not r._done and (r.notify is not None or lazy <= 0 or self._closed)),
+                            None)
+                if head is not None:
+                    try:
+                        head.event.synchronize()  # no GIL held while the GPU works
+                    except Exception:  # a failed copy: _poll reports it
+                        pass
             done = [r for r in snap if r._poll()]
-            if done:
-                with self._cv:
+            with self._cv:
+                if done:
                     ids = {id(r) for r in done}
                     self._pending = [r for r in self._pending if id(r) not in ids]
-            if poll > 0:
-                time.sleep(poll)
+                if not self._pending:
+                    idle_since = time.monotonic()
+                elif len(done) < len(snap) and lazy > 0 and not self._closed:
+                    # transfers still running, none owing a notification: look again later unless a
+                    # post that owes one wakes us first
+                    if not any(r.notify is not None and not r._done for r in self._pending):
+                        self._cv.wait(lazy)
+            if REAPER_POLL > 0:
+                time.sleep(REAPER_POLL)
 
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -1503,6 +1548,8 @@ class CudaBackend(Backend):
              notify: bytes | None) -> Request:
         lp: _Prep = local.bdata["cuda"]
         rp: _Prep = remote.bdata["cuda"]
+        if STAMPS is not None:
+            STAMPS.append(("post", time.perf_counter_ns()))
         if self._closed:
             raise UsageError("cuda backend is closed")
         li: Any
@@ -1536,6 +1583,8 @@ class CudaBackend(Backend):
             total = int(ln.sum())
             ulen = int(ln[0]) if n and bool((ln == ln[0]).all()) else 0
         peer: _Peer | None = rp.peer
+        if STAMPS is not None:
+            STAMPS.append(("index", time.perf_counter_ns()))
         if peer is not None:
             if self._peers.get(peer.name) is not peer or not peer.alive:
                 raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
@@ -1565,6 +1614,8 @@ class CudaBackend(Backend):
         if gpu2gpu:
             self._ensure_peer_access(d, lp.dev)
             self._ensure_peer_access(d, rp.owner if rp.owner >= 0 else rp.dev)
+        if STAMPS is not None:
+            STAMPS.append(("device", time.perf_counter_ns()))
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
         path, frac = self.mode, SPLIT_FRACTION
         if path == "auto":
@@ -1572,6 +1623,8 @@ class CudaBackend(Backend):
         if not checked and (path != "kernel" or 0 < PIPE_PAIRS < n):
             li, ri = _index(li, len(lp.addr)), _index(ri, len(rp.addr))
         counters = self._acquire(peer, rp.guards) if peer is not None else []
+        if STAMPS is not None:
+            STAMPS.append(("acquire", time.perf_counter_ns()))
         try:
             with d.lock:
                 if lp.kind == MemoryKind.CUDA and lp.dev != dev:
@@ -1589,7 +1642,11 @@ class CudaBackend(Backend):
             self._release_counters(peer, counters)
             raise
         req = _CudaRequest(self, ev, total, peer, counters, notify, keep)
+        if STAMPS is not None:
+            STAMPS.append(("request", time.perf_counter_ns()))
         self._reaper.add(req)
+        if STAMPS is not None:
+            STAMPS.append(("reaper", time.perf_counter_ns()))
         return req
 
     def _order_after_default(self, src_dev: int, d: _Device) -> None:
@@ -1642,9 +1699,10 @@ class CudaBackend(Backend):
         evs = []
         taken: list[_Slot] = []
         with cp.cuda.Device(d.dev):
-            dA, _ = dst.device_arrays(cp, d.dev)
-            sA, sL = src.device_arrays(cp, d.dev)
-            dap, sap, slp = int(dA.data.ptr), int(sA.data.ptr), int(sL.data.ptr)
+            dap = dst.device_ptrs(cp, d.dev)[0]
+            sap, slp = src.device_ptrs(cp, d.dev)
+            if STAMPS is not None:
+                STAMPS.append(("ctx+arrays", time.perf_counter_ns()))
             st = d.stream
             step = PIPE_PAIRS if 0 < PIPE_PAIRS < n else n
             try:
@@ -1654,6 +1712,8 @@ class CudaBackend(Backend):
                     nb = ib if ulen else ib + 8 * (m + 1)
                     slot = d.staging.take(cp, nb)
                     taken.append(slot)
+                    if STAMPS is not None:
+                        STAMPS.append(("take", time.perf_counter_ns()))
                     if prof is not None:
                         t_s = time.perf_counter()
                     if (m == n and ulen and NATIVE_STAGING and _stageable(didx) is not None
@@ -1684,12 +1744,16 @@ class CudaBackend(Backend):
                         items = int(hf[m])
                     if prof is not None:
                         t_stage += time.perf_counter() - t_s
+                    if STAMPS is not None:
+                        STAMPS.append(("staged", time.perf_counter_ns()))
                     ip = slot.hptr if zc else slot.dptr
                     up = 0 if zc else nb
                     grid = max(1, min(cap, (items * 32 + threads - 1) // threads))
                     a = (dap, sap, ip, slp, 0 if ulen else ip + ib, m, ulen, items)
                     # blocking sync: the reaper sleeps in cudaEventSynchronize on it (no polling)
                     g = cp.cuda.Event(block=True, disable_timing=True)
+                    if STAMPS is not None:
+                        STAMPS.append(("event", time.perf_counter_ns()))
                     if prof is None:
                         d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, up, a, shift, g)
                     else:  # timing events around the upload and the kernel
@@ -1700,6 +1764,8 @@ class CudaBackend(Backend):
                         g.record(st)
                         evs.append((e0, e1, e2))
                     slot.guard = g  # the slot is free again once this kernel has finished
+                    if STAMPS is not None:
+                        STAMPS.append(("enqueued", time.perf_counter_ns()))
                     if record and lo + m >= n:
                         ev = g
             except BaseException:
@@ -1714,6 +1780,8 @@ class CudaBackend(Backend):
         if prof is not None:
             prof.append({"cpu_launch_us": (time.perf_counter() - t0) * 1e6, "cpu_stage_us": t_stage * 1e6,
                          "events": evs})
+        if STAMPS is not None:
+            STAMPS.append(("ctx-exit", time.perf_counter_ns()))
         return ev, None
 
     def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray,

@@ -593,7 +593,9 @@ def _xtune2(argv: list[str]) -> int:
     the kernel copies the rest), ``i64`` (indices staged as int64 instead of int32), ``zc`` / ``zcpf``
     (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload),
     ``old`` (the kernel with the earlier host path: numpy index staging, three Python-level CUDA
-    calls, a reaper polling every 50 us), ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
+    calls, a reaper polling every 50 us), ``upload`` (indices uploaded before the kernel instead of read
+    in place), ``eager`` (the reaper woken by every post), ``cN`` (work items of 2**N bytes instead of 2**14),
+    ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
     part of the earlier host path). Every variant's bytes are checked once. With ``--profile``,
     the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
     events), for each host path of ``--profile-host`` (``new`` = the defaults, ``old`` as above),
@@ -620,11 +622,11 @@ def _xtune2(argv: list[str]) -> int:
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
     target = Helper("xtune2-target", {"backends": ["cuda"]})
     defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX,
-                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL)
+                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY)
 
     def setv(be: Any, v: str) -> None:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
         kc.KERNEL = "warp"
         if v == "ce":
             be.mode = "ce"
@@ -636,10 +638,15 @@ def _xtune2(argv: list[str]) -> int:
                 kc.KERNEL = "pf"
             if v in ("zc", "zcpf"):
                 kc.INDEX_ZEROCOPY = True
+            elif v == "upload":  # the indices uploaded before the kernel (the default before zero copy)
+                kc.INDEX_ZEROCOPY = False
+            elif v == "eager":  # the reaper woken by every post (the default before the lazy reaper)
+                kc.REAPER_LAZY = 0.0
             elif v == "i64":
                 kc._I32_MAX = 0
             elif v == "old":
                 kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL = False, False, 5e-5
+                kc.INDEX_ZEROCOPY = False
             elif v == "npstage":  # one part of the host path back at a time, to attribute the gain
                 kc.NATIVE_STAGING = False
             elif v == "pypost":
@@ -650,6 +657,8 @@ def _xtune2(argv: list[str]) -> int:
                 kc.BLOCKS_PER_SM = 8
             elif v.startswith("pipe"):
                 kc.PIPE_PAIRS = int(v[4:])
+            elif v[:1] == "c" and v[1:].isdigit():  # cN: work items of 2**N bytes
+                kc.CHUNK_SHIFT = int(v[1:])
 
     try:
         rid, rdescs = target.register("vram", total, rdev)
@@ -750,7 +759,96 @@ def _xtune2(argv: list[str]) -> int:
                 reg.release()
     finally:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
+        target.close()
+    return 0
+
+
+def _stamps(argv: list[str]) -> int:
+    """``python -m kvx.bench.cuda stamps``: where the CPU time of one kernel post goes.
+
+    Two processes (target on GPU 1), GPU0 -> GPU1 writes and reads of ``--total`` in permuted
+    blocks; ``kvx.backends.cuda.STAMPS`` collects a clock stamp at each phase of ``post()``; the
+    median time between consecutive stamps is printed per block size and variant (``default``,
+    ``noreaper``: transfers not handed to the completion reaper, the waiter retires them). Also
+    times a few CUDA/cupy primitives the post uses.
+    """
+    import cupy as cp
+
+    from ..backends import cuda as kc
+    from . import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m kvx.bench.cuda stamps")
+    ap.add_argument("--total", default="256M")
+    ap.add_argument("--block-sizes", default="4K,32K")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--variants", default="default,noreaper")
+    a = ap.parse_args(argv)
+    total = parse_size(a.total)
+    rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
+
+    def prim(name: str, fn: Any, k: int = 2000) -> None:
+        fn()
+        t0 = time.perf_counter_ns()
+        for _ in range(k):
+            fn()
+        print(f"  primitive {name}: {(time.perf_counter_ns() - t0) / k / 1e3:.2f} us", flush=True)
+
+    with cp.cuda.Device(0):
+        e = cp.cuda.Event(block=True, disable_timing=True)
+        e.record()
+        e.synchronize()
+        prim("cp.cuda.Event(block=True)", lambda: cp.cuda.Event(block=True, disable_timing=True))
+        prim("event.done", lambda: e.done)
+
+        def ctx() -> None:
+            with cp.cuda.Device(0):
+                pass
+        prim("with cp.cuda.Device(0)", ctx)
+    target = Helper("stamps-target", {"backends": ["cuda"]})
+    try:
+        rid, rdescs = target.register("vram", total, rdev)
+        with kvx.Agent("stamps", kvx.AgentConfig(backends=("cuda",))) as ag:
+            be = ag.backend("cuda")
+            be.mode = "kernel"  # type: ignore[attr-defined]
+            with cp.cuda.Device(0):
+                g0 = cp.zeros(total, dtype=cp.uint8)
+            reg = ag.register(g0)
+            peer = ag.add_peer(target.meta)
+            real_add = be._reaper.add  # type: ignore[attr-defined]
+            for bs in [parse_size(x) for x in a.block_sizes.split(",")]:
+                n = total // bs
+                lo = ag.prepare(kvx.DescList.blocks(reg, bs))
+                re = ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+                li = np.arange(n, dtype=np.int64)
+                ri = np.random.default_rng(0).permutation(n).astype(np.int64)
+                for op in ("write", "read"):
+                    fn = ag.write if op == "write" else ag.read
+                    for v in a.variants.split(","):
+                        be._reaper.add = (lambda r: None) if v == "noreaper" else real_add  # type: ignore
+                        rows: dict[str, list[float]] = {}
+                        walls = []
+                        for i in range(a.iters + 2):
+                            kc.STAMPS = st = [("call", time.perf_counter_ns())]
+                            x = fn(lo, li, re, ri)
+                            st.append(("return", time.perf_counter_ns()))
+                            x.wait()
+                            st.append(("done", time.perf_counter_ns()))
+                            kc.STAMPS = None
+                            if i < 2:
+                                continue
+                            for (l0, t0), (l1, t1) in zip(st, st[1:]):
+                                rows.setdefault(f"{l0}->{l1}", []).append((t1 - t0) / 1e3)
+                            walls.append((st[-1][1] - st[0][1]) / 1e3)
+                        be._reaper.add = real_add  # type: ignore[attr-defined]
+                        med = float(np.median(walls))
+                        cells = ", ".join(f"{k} {float(np.median(vs)):.1f}" for k, vs in rows.items())
+                        print(f"{op:5s} {bs >> 10:5d}K {v:9s} wall {med:.0f} us ({n * bs / med / 1e3:.0f} GB/s): "
+                              f"{cells}", flush=True)
+            be._reaper.add = real_add  # type: ignore[attr-defined]
+            reg.release()
+    finally:
+        kc.STAMPS = None
         target.close()
     return 0
 
@@ -765,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
         return _xtune(args[1:])
     if args[:1] == ["xtune2"]:
         return _xtune2(args[1:])
+    if args[:1] == ["stamps"]:
+        return _stamps(args[1:])
     print("usage: python -m kvx.bench.cuda target [--name N] [--config JSON]  (or: kvx bench --backend cuda)",
           file=sys.stderr)
     return 2
