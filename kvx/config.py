@@ -96,6 +96,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_POSIX_THREADS", int, None, "Threads of the posix backend's I/O pool (default: min(8, CPUs))."),
         Setting("KVX_POSIX_SYNC", str, "none",
                 "Durability of file writes: none (page cache), data (fdatasync per transfer), full (fsync)."),
+        Setting("KVX_POSIX_MMAP", _bool, True,
+                "Buffered posix writes through a shared mapping of the file (MADV_POPULATE_WRITE + native copy) "
+                "instead of pwritev, which serializes on the file's inode lock; 0 = pwritev."),
     ]
 }
 

@@ -12,6 +12,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,11 +38,18 @@
 /* jobs at least this large use non-temporal stores */
 #define STREAM_MIN (4u << 20)
 
-enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4 };
+/* OP_MMWRITE: memory -> a file through its shared mapping (dst = mapped address, fd = the file's
+ * descriptor, kept for sync) */
+enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5 };
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 typedef struct {
     uint64_t dst, src, len; /* for file ops: dst/src is the file offset on the file side */
     int64_t fd;             /* file ops only */
+    uint64_t off;           /* OP_MMWRITE with dst_off: the file offset of dst (for the pwritev fallback) */
 } triplet_t;
 
 typedef struct {
@@ -58,6 +67,7 @@ typedef struct job_s {
     guard_t *g;
     size_t ng;
     int sync; /* 0 none, 1 fdatasync, 2 fsync after file writes */
+    int has_off; /* OP_MMWRITE: t[].off is set, runs not in the page cache may go through pwritev */
     /* completion */
     _Atomic int pending;
     _Atomic int err;
@@ -161,9 +171,216 @@ static void copy_stream(void *dst, const void *src, size_t n) {
 #endif
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* OP_MMWRITE: copies into a shared file mapping, with MADV_POPULATE_WRITE ahead of the copy and a
+ * SIGBUS guard around it.
+ *
+ * Per run of adjacent destinations (same file, at most MM_RUN_MAX bytes): if a page of the run is
+ * not in the page cache (mincore) and the file has data on disk there (lseek SEEK_DATA), the run
+ * goes through pwritev instead -- a write fault must first read such a page from the disk, which
+ * pwrite of a whole page never does (measured: 2x slower than pwritev). Pages never written
+ * (preallocated, unwritten extents) fault in as zeros without I/O, and cached ones at no cost,
+ * so those runs take the mapping: madvise(MADV_POPULATE_WRITE) faults the run in writable, and
+ * the copy runs with no fault in the common case.
+ *
+ * A store into a MAP_SHARED page the file no longer backs (truncated, or a punched hole the
+ * filesystem cannot fill: disk full) raises SIGBUS. The populate turns that into EFAULT (and
+ * ENOMEM/EIO/... into themselves); what can still race it (a truncate between the populate and
+ * the copy, or a kernel without MADV_POPULATE_WRITE) is caught by the guard: a per-thread
+ * sigjmp_buf that the process-wide SIGBUS handler jumps to while the thread is inside a guarded
+ * copy. Any other SIGBUS goes to the handler installed before (e.g. Python's faulthandler) or to
+ * the default action. */
+
+/* populate at most this many bytes ahead of the copy (one madvise per run of adjacent blocks) */
+#define MM_RUN_MAX (4u << 20)
+/* mm_flags bits (all on by default; tests turn them off to reach the fault paths) */
+#define MM_POPULATE 1 /* madvise(MADV_POPULATE_WRITE) before the copy */
+#define MM_RESIDENT 2 /* runs not in the page cache, with data on disk, go through pwritev (needs dst_off) */
+
+/* initial-exec: read in the signal handler, where a first touch through __tls_get_addr could allocate */
+static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf *volatile mm_jb = NULL;
+static struct sigaction mm_prev;
+static pthread_once_t mm_once = PTHREAD_ONCE_INIT;
+static int mm_install_err = 0;
+static _Atomic int mm_flags = MM_POPULATE | MM_RESIDENT;
+static _Atomic int mm_no_populate = 0; /* the kernel lacks MADV_POPULATE_WRITE (< 5.14) */
+static uintptr_t mm_page = 4096;
+
+static void mm_sigbus(int sig, siginfo_t *si, void *uc) {
+    sigjmp_buf *jb = mm_jb;
+    /* a fault inside a guarded copy -- or the same fault re-sent with raise() by a handler that
+     * was installed over ours and ran first (faulthandler.enable() after kvx's first mapped write
+     * dumps a traceback, puts ours back and re-raises); not a kill from another process */
+    if (jb && si && (si->si_code > 0 || (si->si_code == SI_TKILL && si->si_pid == getpid()))) {
+        mm_jb = NULL;
+        siglongjmp(*jb, 1);
+    }
+    if (mm_prev.sa_flags & SA_SIGINFO) {
+        if (mm_prev.sa_sigaction) { mm_prev.sa_sigaction(sig, si, uc); return; }
+    } else if (mm_prev.sa_handler != SIG_DFL && mm_prev.sa_handler != SIG_IGN) {
+        mm_prev.sa_handler(sig);
+        return;
+    }
+    /* the default action: restore it and let the signal take the process down */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, NULL);
+    raise(sig); /* delivered when this handler returns (SIGBUS is blocked in it); a fault re-faults */
+}
+
+static void mm_install_once(void) {
+    long ps = sysconf(_SC_PAGESIZE);
+    if (ps > 0) mm_page = (uintptr_t)ps;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = mm_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &mm_prev) != 0) mm_install_err = errno ? errno : EINVAL;
+}
+
+/* Install the SIGBUS handler (once per process, lazily: it chains to whatever was there). */
+static int mm_install(void) {
+    pthread_once(&mm_once, mm_install_once);
+    return mm_install_err;
+}
+
+/* The first page of [a, b) (page-aligned, mapped) that is not in the page cache, or b. */
+static uintptr_t mm_first_missing(uintptr_t a, uintptr_t b) {
+    unsigned char vec[1024];
+    while (a < b) {
+        size_t np = (b - a) / mm_page;
+        if (np > sizeof vec) np = sizeof vec;
+        if (mincore((void *)a, np * mm_page, vec) != 0) return a; /* cannot tell: as if missing */
+        for (size_t k = 0; k < np; k++)
+            if (!(vec[k] & 1)) return a + k * mm_page;
+        a += np * mm_page;
+    }
+    return b;
+}
+
+/* Whether the file may have data on disk in [from, to): what a write fault there would read.
+ * Preallocated never-written (unwritten) extents, holes and what lies past EOF have none. */
+static int mm_has_data(int fd, uint64_t from, uint64_t to) {
+    off_t d = lseek(fd, (off_t)from, SEEK_DATA);
+    if (d < 0) return errno != ENXIO; /* ENXIO: only a hole (or EOF) from there on; else cannot tell */
+    return (uint64_t)d < to;
+}
+
+/* pwritev (write) / preadv all `want` bytes of the nv iovecs at v, from file offset off, resuming
+ * after short transfers; 0 or an errno (EIO for a write that makes no progress, ENODATA for a read
+ * past the end of the file). The iovecs are consumed. */
+static int rw_all(int fd, struct iovec *v, int nv, uint64_t off, uint64_t want, int is_write) {
+    uint64_t doneb = 0;
+    while (doneb < want) {
+        ssize_t r = is_write ? pwritev(fd, v, nv, (off_t)(off + doneb)) : preadv(fd, v, nv, (off_t)(off + doneb));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return is_write ? EIO : ENODATA; /* short file */
+        doneb += (uint64_t)r;
+        size_t rr = (size_t)r;
+        while (nv > 0 && rr >= v->iov_len) { rr -= v->iov_len; v++; nv--; }
+        if (nv > 0 && rr) { v->iov_base = (char *)v->iov_base + rr; v->iov_len -= rr; }
+    }
+    return 0;
+}
+
+/* pwritev descriptors [i, k) of an OP_MMWRITE job: adjacent in one file, from t[i].off on. */
+static int mm_pwrite_run(job_t *j, size_t i, size_t k) {
+    triplet_t *t = j->t;
+    struct iovec iov[IOV_MAX];
+    int fd = (int)t[i].fd;
+    while (i < k) {
+        if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+        uint64_t off = t[i].off, want = 0;
+        size_t n = 0;
+        while (i + n < k && n < IOV_MAX) {
+            iov[n].iov_base = (void *)(uintptr_t)t[i + n].src;
+            iov[n].iov_len = t[i + n].len;
+            want += t[i + n].len;
+            n++;
+        }
+        int e = rw_all(fd, iov, (int)n, off, want, 1);
+        if (e) return e;
+        i += n;
+    }
+    return 0;
+}
+
+static __attribute__((noinline)) int mmwrite_range(job_t *j, size_t lo, size_t hi) {
+    triplet_t *t = j->t;
+    const int stream = j->nbytes >= STREAM_MIN;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0)) {
+        /* SIGBUS in the copy: the handler left SIGBUS blocked (no mask saved: cheaper) */
+        sigset_t s;
+        sigemptyset(&s);
+        sigaddset(&s, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &s, NULL);
+#if defined(__x86_64__)
+        _mm_sfence();
+#endif
+        return EFAULT;
+    }
+    int e = 0;
+    size_t i = lo;
+    mm_jb = &jb;
+    atomic_signal_fence(memory_order_seq_cst);
+    while (i < hi) {
+        if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) { e = ECANCELED; break; }
+        /* a run of adjacent destinations in one file (blocks arrive sorted by file offset), capped */
+        uint64_t start = t[i].dst, end = start + t[i].len;
+        size_t k = i + 1;
+        while (k < hi && t[k].dst == end && t[k].fd == t[i].fd && end - start < MM_RUN_MAX) end += t[k++].len;
+        if (end == start) { i = k; continue; }
+        int flags = atomic_load_explicit(&mm_flags, memory_order_relaxed);
+        uintptr_t a = (uintptr_t)start & ~(mm_page - 1);
+        uintptr_t b = ((uintptr_t)end + mm_page - 1) & ~(mm_page - 1);
+        uintptr_t miss = (j->has_off && (flags & MM_RESIDENT)) ? mm_first_missing(a, b) : b;
+        /* from the first page not cached (its file offset: the mapping starts at offset 0 and at a
+         * page boundary, so mapped address - start = file offset - t[i].off, modulo 2^64) */
+        if (miss < b && mm_has_data((int)t[i].fd, t[i].off + (uint64_t)(miss - (uintptr_t)start),
+                                    t[i].off + (end - start))) {
+            e = mm_pwrite_run(j, i, k);
+            if (e) goto out;
+            i = k;
+            continue;
+        }
+        if ((flags & MM_POPULATE) && !atomic_load_explicit(&mm_no_populate, memory_order_relaxed)) {
+            while (madvise((void *)a, b - a, MADV_POPULATE_WRITE) != 0) {
+                int er = errno;
+                if (er == EINTR || er == EAGAIN) continue;
+                if (er == EINVAL || er == ENOSYS) { /* the kernel lacks it (< 5.14): copy under the guard only */
+                    atomic_store_explicit(&mm_no_populate, 1, memory_order_relaxed);
+                    break;
+                }
+                e = er; /* EFAULT: beyond EOF or a hole that cannot be filled; ENOMEM; EIO; ... */
+                goto out;
+            }
+        }
+        for (; i < k; i++) {
+            if (stream) copy_stream((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+            else memcpy((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+        }
+    }
+out:
+    atomic_signal_fence(memory_order_seq_cst);
+    mm_jb = NULL;
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();
+#endif
+    return e;
+}
+
 static int run_range(job_t *j, size_t lo, size_t hi) {
     triplet_t *t = j->t;
     switch (j->op) {
+    case OP_MMWRITE:
+        return mmwrite_range(j, lo, hi);
     case OP_MEMCPY:
         if (j->nbytes >= STREAM_MIN) {
             for (size_t i = lo; i < hi; i++) {
@@ -243,23 +460,8 @@ static int run_range(job_t *j, size_t lo, size_t hi) {
                 want += x->len;
                 n++;
             }
-            uint64_t doneb = 0;
-            struct iovec *v = iov;
-            int nv = (int)n;
-            while (doneb < want) {
-                ssize_t r = j->op == OP_PWRITE ? pwritev((int)fd, v, nv, (off_t)(off + doneb))
-                                               : preadv((int)fd, v, nv, (off_t)(off + doneb));
-                if (r < 0) {
-                    if (errno == EINTR) continue;
-                    return errno;
-                }
-                if (r == 0) return j->op == OP_PREAD ? ENODATA : EIO; /* short file */
-                doneb += (uint64_t)r;
-                /* advance iovecs */
-                size_t rr = (size_t)r;
-                while (nv > 0 && rr >= v->iov_len) { rr -= v->iov_len; v++; nv--; }
-                if (nv > 0 && rr) { v->iov_base = (char *)v->iov_base + rr; v->iov_len -= rr; }
-            }
+            int e = rw_all((int)fd, iov, (int)n, off, want, j->op == OP_PWRITE);
+            if (e) return e;
             i += n;
         }
         return 0;
@@ -284,7 +486,7 @@ static int guards_enter(guard_t *g, size_t ng) {
 }
 
 static void sync_fds(job_t *j) {
-    if (!j->sync || (j->op != OP_PWRITE)) return;
+    if (!j->sync || (j->op != OP_PWRITE && j->op != OP_MMWRITE)) return;
     int64_t last = -1;
     for (size_t i = 0; i < j->nt; i++) {
         if (j->t[i].fd == last) continue;
@@ -491,7 +693,7 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
     }
     /* split into chunks balanced by bytes */
     if (nthreads < 1) nthreads = 1;
-    if (j->op == OP_MEMCPY && j->nt < (size_t)nthreads * 4) {
+    if ((j->op == OP_MEMCPY || j->op == OP_MMWRITE) && j->nt < (size_t)nthreads * 4) {
         /* few large descriptors: cut them into 1 MiB pieces so every thread gets work */
         size_t extra = 0;
         const uint64_t piece = 1 << 20;
@@ -504,7 +706,8 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
                 uint64_t off = 0;
                 while (off < j->t[i].len) {
                     uint64_t l = j->t[i].len - off < piece ? j->t[i].len - off : piece;
-                    nt[m].dst = j->t[i].dst + off; nt[m].src = j->t[i].src + off; nt[m].len = l; nt[m].fd = 0;
+                    nt[m].dst = j->t[i].dst + off; nt[m].src = j->t[i].src + off; nt[m].len = l;
+                    nt[m].fd = j->t[i].fd; nt[m].off = j->t[i].off + off;
                     m++; off += l;
                 }
             }
@@ -664,27 +867,33 @@ static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
 
 /*
  * submit(op, pid, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, fds, guards,
- *        nthreads, inline_bytes, sync) -> Job | None
+ *        nthreads, inline_bytes, sync[, dst_off]) -> Job | None
  *
  * dst_* and src_*: uint64 arrays of a prepared list (address or file offset, length);
  * *_idx: indices into them (list, int, or int64 array). fds: int64 array parallel to the FILE
  * side's descriptors (or None). guards: uint64 array of (state_ptr, expected, inflight_ptr)
- * triples or None. Returns None when the job ran inline and succeeded.
+ * triples or None. dst_off (OP_MMWRITE only, optional): uint64 array parallel to dst_addr, the
+ * file offsets of the mapped destinations; with it, runs whose pages are not in the page cache
+ * go through pwritev. Returns None when the job ran inline and succeeded.
  */
 static PyObject *submit_impl(PyObject *args, int as_plan) {
     int op, nthreads, sync;
     long long pid;
     unsigned long long inline_bytes;
-    PyObject *da, *dl, *di, *sa, *sl, *si, *fds_o, *guards_o;
-    if (!PyArg_ParseTuple(args, "iLOOOOOOOOiKi", &op, &pid, &da, &dl, &di, &sa, &sl, &si, &fds_o, &guards_o,
-                          &nthreads, &inline_bytes, &sync))
+    PyObject *da, *dl, *di, *sa, *sl, *si, *fds_o, *guards_o, *off_o = Py_None;
+    if (!PyArg_ParseTuple(args, "iLOOOOOOOOiKi|O", &op, &pid, &da, &dl, &di, &sa, &sl, &si, &fds_o, &guards_o,
+                          &nthreads, &inline_bytes, &sync, &off_o))
         return NULL;
-    if (op < OP_MEMCPY || op > OP_PREAD) {
+    if (op < OP_MEMCPY || op > OP_MMWRITE) {
         PyErr_SetString(PyExc_ValueError, "bad op");
         return NULL;
     }
-    Py_buffer bda, bdl, bsa, bsl, bfd, bg;
-    int have_fd = 0, have_g = 0;
+    if (op == OP_MMWRITE) {
+        int ie = mm_install();
+        if (ie) return raise_errno(ie);
+    }
+    Py_buffer bda, bdl, bsa, bsl, bfd, bg, boff;
+    int have_fd = 0, have_g = 0, have_off = 0;
     idx_t ixd, ixs;
     job_t *j = NULL;
     PyObject *ret = NULL;
@@ -708,6 +917,13 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         goto e8;
     }
     Py_ssize_t nd = bda.len / 8, ns = bsa.len / 8;
+    if (off_o != Py_None) {
+        if (op != OP_MMWRITE) { PyErr_SetString(PyExc_ValueError, "dst_off is for OP_MMWRITE only"); goto e8; }
+        if (get_u64(off_o, &boff, "dst_off") < 0) goto e8;
+        have_off = 1;
+        if (boff.len / 8 != nd) { PyErr_SetString(PyExc_ValueError, "dst_off must be as long as dst_addr"); goto e8; }
+    }
+    const uint64_t *poff = have_off ? boff.buf : NULL;
     const uint64_t *pda = bda.buf, *pdl = bdl.buf, *psa = bsa.buf, *psl = bsl.buf;
     const int64_t *pfd = have_fd ? bfd.buf : NULL;
     /* small posts (the latency path) build their job on the stack: no allocation at all */
@@ -745,7 +961,8 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         x->src = psa[b];
         x->len = pdl[a];
         x->fd = 0;
-        if (pfd) x->fd = op == OP_PWRITE ? pfd[a] : pfd[b];
+        if (pfd) x->fd = (op == OP_PWRITE || op == OP_MMWRITE) ? pfd[a] : pfd[b];
+        x->off = poff ? poff[a] : 0;
         total += x->len;
     }
     j->nt = (size_t)n;
@@ -753,6 +970,7 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     j->op = op;
     j->pid = (pid_t)pid;
     j->sync = sync;
+    j->has_off = have_off;
     if (have_g) {
         size_t ng = ngu;
         j->g = on_stack ? sguard : malloc((ng ? ng : 1) * sizeof(guard_t));
@@ -805,6 +1023,7 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
 e9:
     if (j && !on_stack) { free(j->t); free(j->g); free(j); }
 e8:
+    if (have_off) PyBuffer_Release(&boff);
     if (have_g) PyBuffer_Release(&bg);
 e7:
     if (have_fd) PyBuffer_Release(&bfd);
@@ -850,6 +1069,19 @@ static PyObject *py_unmap(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KK", &addr, &size)) return NULL;
     if (munmap((void *)(uintptr_t)addr, size) < 0) return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
+}
+
+/* mmwrite_flags(flags=-1) -> int: OP_MMWRITE's switches, process-wide; sets them when flags >= 0
+ * and returns the previous value. Bit 1 (MMWRITE_POPULATE): madvise(MADV_POPULATE_WRITE) before
+ * the copy (a kernel answering EINVAL/ENOSYS disables it for good, whatever the bit). Bit 2
+ * (MMWRITE_RESIDENT): runs not fully in the page cache, where the file has data on disk, go
+ * through pwritev. Default: both. Tests clear them to reach the EFAULT and SIGBUS paths. */
+static PyObject *py_mmwrite_flags(PyObject *self, PyObject *args) {
+    (void)self;
+    int flags = -1;
+    if (!PyArg_ParseTuple(args, "|i", &flags)) return NULL;
+    int prev = flags >= 0 ? atomic_exchange(&mm_flags, flags & (MM_POPULATE | MM_RESIDENT)) : atomic_load(&mm_flags);
+    return PyLong_FromLong(prev);
 }
 
 /* store64(addr, value) / load64(addr) / load32(addr): atomic accesses to shared control pages */
@@ -1178,6 +1410,7 @@ static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
     {"map_fd", py_map_fd, METH_VARARGS, "mmap a file descriptor shared; returns the address."},
     {"unmap", py_unmap, METH_VARARGS, "munmap(addr, size)."},
+    {"mmwrite_flags", py_mmwrite_flags, METH_VARARGS, "Get/set OP_MMWRITE's switches (MMWRITE_POPULATE, MMWRITE_RESIDENT)."},
     {"store64", py_store64, METH_VARARGS, "Atomic 64-bit store."},
     {"load64", py_load64, METH_O, "Atomic 64-bit load."},
     {"load32", py_load32, METH_O, "Atomic 32-bit load."},
@@ -1204,5 +1437,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OP_CMA_READ", OP_CMA_READ);
     PyModule_AddIntConstant(m, "OP_PWRITE", OP_PWRITE);
     PyModule_AddIntConstant(m, "OP_PREAD", OP_PREAD);
+    PyModule_AddIntConstant(m, "OP_MMWRITE", OP_MMWRITE);
+    PyModule_AddIntConstant(m, "MMWRITE_POPULATE", MM_POPULATE);
+    PyModule_AddIntConstant(m, "MMWRITE_RESIDENT", MM_RESIDENT);
     return m;
 }
