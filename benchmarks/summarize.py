@@ -1,7 +1,8 @@
 """Median table over several ``kvx bench --json`` runs of the same configuration.
 
-Run: python benchmarks/summarize.py out/final-host-*.json
-Each ratio is the median of the per-run ratios (both sides measured in the same run).
+Run: python benchmarks/summarize.py out/final-host-*.json [--ratio kvx-clean/nixl ...]
+Each ratio is the median of the per-run ratios (both sides measured in the same run). The
+ratios are of the first implementation to each other one; ``--ratio A/B`` adds a column A/B.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from collections import defaultdict
 from kvx.bench import fmt_size
 
 
-def main(paths: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    paths: list[str] = []
+    extra: list[tuple[str, str]] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--ratio":
+            num, den = next(it).split("/")
+            extra.append((num, den))
+        else:
+            paths.append(a)
     runs = [json.load(open(p))["rows"] for p in paths]
     impls: list[str] = []
     for rows in runs:
@@ -41,7 +51,11 @@ def main(paths: list[str]) -> None:
             for i in impls[1:]:
                 if base in v and i in v and v[i] > 0:
                     ratio[(*k, i)].append(v[base] / v[i])
-    cols = ["op", "block"] + [f"{i} GB/s" for i in impls] + [f"{base}/{i}" for i in impls[1:]]
+            for num, den in extra:
+                if num in v and den in v and v[den] > 0:
+                    ratio[(*k, f"{num}/{den}")].append(v[num] / v[den])
+    cols = (["op", "block"] + [f"{i} GB/s" for i in impls] + [f"{base}/{i}" for i in impls[1:]]
+            + [f"{n}/{d}" for n, d in extra])
     print(f"Medians of {len(runs)} run(s).\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -49,6 +63,8 @@ def main(paths: list[str]) -> None:
         cells = [op, fmt_size(bs)]
         cells += [f"{statistics.median(bw[(op, bs, i)]):.2f}" if bw[(op, bs, i)] else "-" for i in impls]
         cells += [f"{statistics.median(ratio[(op, bs, i)]):.2f}x" if ratio[(op, bs, i)] else "-" for i in impls[1:]]
+        cells += [f"{statistics.median(ratio[(op, bs, f'{n}/{d}')]):.2f}x" if ratio[(op, bs, f"{n}/{d}")] else "-"
+                  for n, d in extra]
         print("| " + " | ".join(cells) + " |")
     if lat:
         print("\n| 4 KiB write latency | median us (median over runs) |")

@@ -5,9 +5,17 @@ What each row times (``total`` bytes per transfer, one warm-up, ``iters`` timed 
 - ``kvx``: ``agent.write/read(mem, arange(n), file, perm)`` posted and waited to completion,
   through the page cache (``"cache": "warm"``: the file's pages stay cached between runs, as
   they do for NIXL's POSIX plugin in ``--compare nixl``). The page cache is dropped before the
-  read phase where permitted (root), which only makes the warm-up read cold.
+  read phase where permitted (root), which only makes the warm-up read cold. Writes go through
+  the file's shared mapping (``KVX_POSIX_MMAP``), so after the warm-up they find the pages
+  dirty and already mapped writable: the best case of that path.
+- ``kvx-clean`` (writes): the same write with an ``fsync`` of the file (not timed) before every
+  timed run, so that its pages are clean and write-protected again, as they are once the kernel
+  has written them back: every page takes a write fault. The mmap path's steady state when
+  writeback keeps up; ``pwritev`` (NIXL) does not care.
 - ``kvx-cold`` (reads, root only): the same read with the page cache dropped before every timed
-  run (the drop itself is not timed): what the disk gives.
+  run (the drop itself is not timed): what the disk gives. The read phase registers the file
+  anew first: pages the write phase dirtied through the mapping stay mapped into this process
+  until its registration is released, and ``drop_caches`` does not evict mapped pages.
 - ``python-pwrite`` / ``python-preadv``: the raw baseline -- a plain Python loop of
   ``os.pwrite`` / ``os.preadv``, one call per block in the same permuted order, on the same file.
 - ``kvx-direct``: the kvx transfer with the file opened ``O_DIRECT`` (page-aligned memory, so
@@ -73,6 +81,14 @@ def _file_digest(path: str, nbytes: int) -> str:
     return _digest(np.fromfile(path, dtype=np.uint8, count=nbytes))
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sweep(agent: kvx.Agent, impl: str, buf: np.ndarray, path: str, opts: BenchOptions, prog: Progress,
            can_drop: bool, cache: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
@@ -82,6 +98,11 @@ def _sweep(agent: kvx.Agent, impl: str, buf: np.ndarray, path: str, opts: BenchO
         disk: np.ndarray | None = None
         for op in opts.ops:
             if op == "read":
+                # the writes went through the file's mapping (KVX_POSIX_MMAP): pages mapped into this
+                # process survive drop_caches, which would make kvx-cold a warm read. A new
+                # registration maps nothing until it writes (reads use preadv).
+                sreg.release()
+                sreg = agent.register(kvx.FileRegion(path, opts.total))
                 disk = np.fromfile(path, dtype=np.uint8, count=opts.total)
                 if can_drop and cache == "warm":
                     drop_caches()
@@ -111,6 +132,18 @@ def _sweep(agent: kvx.Agent, impl: str, buf: np.ndarray, path: str, opts: BenchO
                 if not ok:
                     raise RuntimeError(f"{impl} {op} at {bs} bytes: destination bytes do not match")
                 rows.append(row(impl, op, bs, n, opts.iters, med, mn, verified=True, cache=cache))
+                if op == "write" and cache == "warm":
+                    # the same write with the pages clean (written back, write-protected): fsync first
+                    ts = []
+                    for _ in range(opts.iters):
+                        _fsync_path(path)
+                        t0 = time.perf_counter()
+                        once()
+                        ts.append(time.perf_counter() - t0)
+                    if _file_digest(path, opts.total) != _digest(exp):
+                        raise RuntimeError(f"{impl}-clean write at {bs} bytes: destination bytes do not match")
+                    rows.append(row(f"{impl}-clean", op, bs, n, opts.iters, statistics.median(ts), min(ts),
+                                    verified=True, cache="clean"))
                 if op == "read" and cache == "warm" and can_drop:
                     # the same read from disk: drop the cache before each timed run (not timed)
                     ts = []
