@@ -570,6 +570,45 @@ def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["warpx", "warp"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_kernel_item_orders(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch, kernel: str,
+                            op: str) -> None:
+    """Blocks of several work items (3 full 16 KiB chunks + a 100-byte tail), permuted, both ways:
+    chunk-major (``warpx``, the default) and block-major (``warp``) items land every byte."""
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "KERNEL", kernel)
+    _set_path(agent, "kernel")
+    bs, n = 3 * 16384 + 100, 48
+    rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", n * bs)
+        reg = agent.register(obj)
+        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        perm = np.random.default_rng(9).permutation(n).astype(np.int64)
+        ids = np.arange(n, dtype=np.int64)
+        b = pattern(np, n * bs, 9).reshape(n, bs)
+        exp = np.zeros((n, bs), np.uint8)
+        if op == "write":
+            view[:] = pattern(_xp(view), n * bs, 9)
+            agent.write(local, ids, remote, perm).wait(20)
+            exp[perm] = b
+            assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        else:
+            helper.call(cmd="fill", id=rid, seed=9)
+            view[:] = 0
+            agent.read(local, ids, remote, perm).wait(20)
+            exp[:] = b[perm]
+            assert digest(_xp(view), view) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
 def test_bad_copy_setting() -> None:
     if _reason() is not None:
         pytest.skip(_reason() or "")

@@ -133,9 +133,12 @@ THREADS = 256
 BLOCKS_PER_SM = 4
 #: Resident blocks per SM when one side is host memory (PCIe saturates with fewer warps).
 BLOCKS_PER_SM_HOST = 8
-#: Copy kernel variant: ``warp`` (8 loads in flight per lane), ``warp16`` (16 in flight) or ``bulk``
-#: (Hopper TMA bulk copies through shared memory, one warp per CTA; warp copy on older GPUs).
-KERNEL = "warp"
+#: Copy kernel variant: ``warpx`` (8 loads in flight per lane; with equal-length blocks of several
+#: work items, chunk-major items: warps side by side copy one chunk each of different blocks; measured
+#: +1-4% at 256 KiB-2 MiB, even at 32 KiB and 64 MiB, docs/gpu.md), ``warp`` (the same, block-major:
+#: a block's chunks go to neighbouring warps), ``warp16`` (16 in flight) or ``bulk`` (Hopper TMA bulk
+#: copies through shared memory, one warp per CTA; warp copy on older GPUs).
+KERNEL = "warpx"
 #: CTAs (of one warp) per SM for the ``bulk`` kernel.
 BLOCKS_PER_SM_BULK = 6
 #: Which GPU runs GPU<->GPU copies with another process's memory when both GPUs are visible here:
@@ -160,7 +163,7 @@ _F_IPC = 1 << 2  # CUDA region exportable through cudaIpcGetMemHandle
 _KERNEL_FILE = "kvx_copy.cu"
 _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
-                 "pf": "kvx_gather_copy_pf"}
+                 "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x"}
 _H2D = 1  # cudaMemcpyHostToDevice
 _HOST_ALLOC_FLAGS = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped (staging slots)
 _STAGING_MIN = 64 << 10

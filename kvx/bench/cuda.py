@@ -185,9 +185,12 @@ def _serve_one(c: dict[str, Any], cmd: Any, agent: kvx.Agent, regs: dict[int, An
     elif cmd == "fill":
         v = regs[int(c["id"])][2]
         v[:] = pattern(_xp(v), v.size, int(c["seed"]))
+        _settle(v)
         say({"ok": True})
     elif cmd == "zero":
-        regs[int(c["id"])][2][:] = 0
+        v = regs[int(c["id"])][2]
+        v[:] = 0
+        _settle(v)
         say({"ok": True})
     elif cmd == "peek":
         v = regs[int(c["id"])][2]
@@ -201,6 +204,7 @@ def _serve_one(c: dict[str, Any], cmd: Any, agent: kvx.Agent, regs: dict[int, An
         off = int(c["off"])
         xp = _xp(v)
         v[off: off + data.size] = data if xp is np else xp.asarray(data)
+        _settle(v)
         say({"ok": True})
     elif cmd == "meta":
         say({"meta": base64.b64encode(agent.metadata()).decode()})
@@ -290,6 +294,15 @@ def _segs(opts: BenchOptions) -> tuple[str, str]:
         if s not in ("vram", "pinned"):
             raise SystemExit(f"kvx bench --backend cuda: --seg takes vram or pinned, not {s!r}")
     return segs[0], segs[1]
+
+
+def _settle(view: Any) -> None:
+    """Wait for the GPU work that just wrote ``view`` (cupy/torch kernels are asynchronous): the
+    target answers only once its own fill is done, so no timed transfer shares the GPU with it."""
+    if not isinstance(view, np.ndarray):
+        import cupy
+
+        _sync_all(cupy)
 
 
 def _sync_all(cp: Any) -> None:
@@ -594,7 +607,8 @@ def _xtune2(argv: list[str]) -> int:
     (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload),
     ``old`` (the kernel with the earlier host path: numpy index staging, three Python-level CUDA
     calls, a reaper polling every 50 us), ``upload`` (indices uploaded before the kernel instead of read
-    in place), ``eager`` (the reaper woken by every post), ``cN`` (work items of 2**N bytes instead of 2**14),
+    in place), ``eager`` (the reaper woken by every post), ``warp`` / ``warpx`` (block-major /
+    chunk-major work items), ``cN`` (work items of 2**N bytes instead of 2**14),
     ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
     part of the earlier host path). Every variant's bytes are checked once. With ``--profile``,
     the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
@@ -627,7 +641,6 @@ def _xtune2(argv: list[str]) -> int:
     def setv(be: Any, v: str) -> None:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
          kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
-        kc.KERNEL = "warp"
         if v == "ce":
             be.mode = "ce"
         elif v.startswith("split"):
@@ -640,6 +653,8 @@ def _xtune2(argv: list[str]) -> int:
                 kc.INDEX_ZEROCOPY = True
             elif v == "upload":  # the indices uploaded before the kernel (the default before zero copy)
                 kc.INDEX_ZEROCOPY = False
+            elif v in ("warp", "warpx"):  # block-major / chunk-major work items
+                kc.KERNEL = v
             elif v == "eager":  # the reaper woken by every post (the default before the lazy reaper)
                 kc.REAPER_LAZY = 0.0
             elif v == "i64":

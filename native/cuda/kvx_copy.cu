@@ -70,7 +70,7 @@ struct kvx_item {
     u64 nb;
 };
 
-template <typename I>
+template <typename I, bool X = false>
 __device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const u64* __restrict__ sA,
                                               const I* __restrict__ didx, const I* __restrict__ sidx,
                                               const u64* __restrict__ L, const u64* __restrict__ F, u64 n, u64 ulen,
@@ -80,6 +80,9 @@ __device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const
         if (cpd == 1) {
             p = it;
             c = 0;
+        } else if (X) {  // chunk-major: warps side by side copy the same chunk of different pairs
+            c = it / n;
+            p = it - c * n;
         } else {
             p = it / cpd;
             c = it - p * cpd;
@@ -120,12 +123,12 @@ __device__ __forceinline__ kvx_item kvx_locate(const u64* __restrict__ dA, const
     const unsigned lane = threadIdx.x & 31u;                                                                \
     const u64 cpd = ulen ? (ulen + (1ull << chunk_shift) - 1) >> chunk_shift : 0;
 
-template <typename I, int U>
+template <typename I, int U, bool X = false>
 __device__ __forceinline__ void kvx_gather_body(KVX_KERNEL_ARGS) {
     KVX_KERNEL_PROLOGUE
     const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
     for (u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; it < items; it += nwarps) {
-        const kvx_item w = kvx_locate(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
+        const kvx_item w = kvx_locate<I, X>(dA, sA, didx, sidx, L, F, n, ulen, cpd, chunk_shift, it);
         kvx_warp_copy<U>(w.d, w.s, w.nb, lane);
     }
 }
@@ -165,7 +168,14 @@ __device__ __forceinline__ void kvx_gather_u8(KVX_KERNEL_ARGS) { kvx_gather_body
 template <typename I>
 __device__ __forceinline__ void kvx_gather_u16(KVX_KERNEL_ARGS) { kvx_gather_body<I, 16>(KVX_KERNEL_PASS); }
 
+// Chunk-major items (equal lengths): item it = chunk it / n of pair it % n, so the warps running side
+// by side copy one chunk each of different (permuted) blocks, as with small blocks, instead of the
+// consecutive chunks of one block.
+template <typename I>
+__device__ __forceinline__ void kvx_gather_x(KVX_KERNEL_ARGS) { kvx_gather_body<I, 8, true>(KVX_KERNEL_PASS); }
+
 KVX_ENTRY(kvx_gather_copy, 256, kvx_gather_u8)
+KVX_ENTRY(kvx_gather_copy_x, 256, kvx_gather_x)
 KVX_ENTRY(kvx_gather_copy_u16, 256, kvx_gather_u16)
 KVX_ENTRY(kvx_gather_copy_pf, 256, kvx_gather_pf_body)
 
