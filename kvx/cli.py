@@ -29,7 +29,29 @@ def _size(s: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+BENCH_BACKENDS = ("host", "cuda", "tcp", "posix", "gds", "s3")
+
+
+def _bench_unavailable(name: str) -> str | None:
+    """Why ``kvx bench --backend name`` cannot run here, or None."""
+    import kvx
+
+    from .backends import registry
+
+    if name not in BENCH_BACKENDS:
+        return f"unknown backend {name!r} (choose from {', '.join(BENCH_BACKENDS)})"
+    try:
+        reason = registry.get(name).unavailable_reason()
+    except kvx.KVXError as exc:
+        reason = str(exc)
+    if reason is not None:
+        return f"the {name} backend is not available here: {reason}"
+    return None
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
+    import kvx
+
     from . import bench
 
     opts = bench.BenchOptions(
@@ -51,7 +73,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if bs <= 0 or bs > opts.total:
             print(f"kvx bench: block size {bs} must be in 1..--total ({opts.total})", file=sys.stderr)
             return 2
-    hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")
+    why = _bench_unavailable(opts.backend)
+    if why is not None:
+        print(f"kvx bench: {why}", file=sys.stderr)
+        return 2
+    try:
+        hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")
+    except kvx.BackendUnavailable as exc:
+        print(f"kvx bench: {exc}", file=sys.stderr)
+        return 2
     title = (f"kvx bench --backend {opts.backend} ({', '.join(opts.ops)}), {bench.fmt_size(opts.total)}, "
              f"{'permuted' if opts.permute else 'contiguous'} blocks; {hdr['cpu']}, {hdr['date']}")
     if a.json:
@@ -138,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("bench", help="measure transfer bandwidth and latency (two processes)")
-    b.add_argument("--backend", default="host", help="host, cuda, tcp, posix, gds, s3 (default host)")
+    b.add_argument("--backend", default="host", help=", ".join(BENCH_BACKENDS) + " (default host)")
     b.add_argument("--op", default="both", choices=["read", "write", "both"])
     b.add_argument("--block-sizes", type=_sizes, default=_sizes("4K,32K,256K,2M"))
     b.add_argument("--total", type=_size, default=256 << 20, help="bytes per buffer (default 256M)")

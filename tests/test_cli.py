@@ -45,6 +45,17 @@ def test_bench_rejects_bad_sizes() -> None:
     assert r.returncode == 2
 
 
+def test_bench_unknown_or_unavailable_backend_is_a_clear_error() -> None:
+    r = kvx("bench", "--backend", "bogus", "--total", "4M")
+    assert r.returncode == 2 and "unknown backend 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    from kvx.backends.cuda import CudaBackend
+
+    if CudaBackend.unavailable_reason() is not None:  # a CPU machine: cupy or the GPU missing
+        r = kvx("bench", "--backend", "cuda", "--total", "4M")
+        assert r.returncode == 2 and "cuda backend is not available here" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
 def test_replay_json(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     reqs = [[1, 2, 3], [1, 2, 4], [1, 2, 3, 5], [9], [1, 2, 3]]

@@ -80,3 +80,31 @@ def test_gds_release_then_post_is_refused(tmp_path: Path) -> None:
         s.release()
         with pytest.raises(kvx.UsageError):
             a.write(mem, [0], sto, [0])
+
+
+@pytest.mark.gpu
+def test_bench_gds_runs_and_verifies(tmp_path: Path) -> None:
+    """``kvx bench --backend gds``: both paths, both directions, every point verified."""
+    if (why := GdsBackend.unavailable_reason()) is not None:
+        pytest.skip(why)
+    from kvx import bench
+
+    opts = bench.BenchOptions(backend="gds", total=4 << 20, block_sizes=[65536, 1 << 20], iters=1,
+                              path=str(tmp_path))
+    _hdr, rows = bench.run(opts, quiet=True)
+    got = {(r["impl"], r["op"], r["block_bytes"]) for r in rows if r.get("verified")}
+    assert got == {(i, o, b) for i in ("kvx-gds", "kvx-bounce") for o in ("write", "read") for b in (65536, 1 << 20)}
+    assert list(tmp_path.iterdir()) == []  # the bench's files are gone
+
+
+def test_bench_gds_refused_clearly_without_gds() -> None:
+    """On a machine without the gds backend ``kvx bench --backend gds`` says why and exits 2."""
+    if GdsBackend.unavailable_reason() is None:
+        pytest.skip("gds is available here")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvx.cli", "bench", "--backend", "gds", "--total", "4M"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "gds backend is not available here" in r.stderr and "Traceback" not in r.stderr
