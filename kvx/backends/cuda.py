@@ -40,7 +40,6 @@ import ctypes
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,12 +48,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, auth, wire
+from .. import _native, wire
 from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
 from ..channel import Channel
 from ..config import get as _config_get
 from ..errors import (
-    AuthError,
     BackendUnavailable,
     KVXError,
     PeerDisconnected,
@@ -65,6 +63,7 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
+from ._samenode import SameNodeLink
 from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
 
 __all__ = [
@@ -942,12 +941,16 @@ def _index(idx: Any, n: int) -> np.ndarray:
 # The backend
 
 
-class CudaBackend(Backend):
+class CudaBackend(SameNodeLink, Backend):
     """GPU and pinned host memory on one machine: CUDA IPC, a batched copy kernel or the copy
     engines, events for completion. See the module docstring."""
 
     name = "cuda"
     kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
+    _CTRL_BYTES = _CTRL_BYTES
+    _INFL_BYTES = _INFL_BYTES
+    _INFL_NAME = "kvx-cuda-inflight"
+    _LINK_WHAT = "same-node GPU"
     remote = True
     local = True
     notifications = True
@@ -1088,56 +1091,6 @@ class CudaBackend(Backend):
     def metadata(self) -> dict[str, Any]:
         return {"uds": self._addr[1:], "pid": os.getpid(), "uid": os.getuid(), "devs": list(self._bus)}
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                s, _ = self._lsock.accept()
-            except OSError:
-                return
-            if self._closed:
-                s.close()
-                return
-            threading.Thread(target=self._handshake_in, args=(s,), daemon=True).start()
-
-    def _handshake_in(self, s: socket.socket) -> None:
-        s.settimeout(self.cfg.handshake_timeout)
-        try:
-            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid() and os.getuid() != 0:
-                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
-            chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{_pid}")
-            nonce = auth.new_nonce()
-            chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
-            msg, _, fds = chan.recv_one()
-            for fd in fds:
-                os.close(fd)
-            wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes})
-            auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
-            infl_fd = os.memfd_create("kvx-cuda-inflight", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(infl_fd, _INFL_BYTES)
-                chan.extra["infl"] = _native.map_fd(infl_fd, _INFL_BYTES, 0, True)
-                chan.peer_name = msg["name"]
-                chan.peer_id = msg["id"]
-                chan.send(wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id),
-                          fds=[self._ctrl_fd, infl_fd])
-            finally:
-                os.close(infl_fd)
-        except (KVXError, OSError) as exc:
-            log.warning("refused a same-node GPU connection: %s", exc)
-            try:
-                s.close()
-            except OSError:
-                pass
-            return
-        s.settimeout(None)
-        with self._lock:
-            if self._closed:
-                chan.close()
-                return
-            self._accepted.append(chan)
-        chan.start()
-
     def _on_close(self, chan: Channel) -> None:
         with self._lock:
             if chan in self._accepted:
@@ -1201,48 +1154,9 @@ class CudaBackend(Backend):
         if not all(isinstance(b, str) for b in sec["devs"]):
             raise ProtocolError(f"malformed device list in {peer.name!r} metadata")
         devmap = [self._bus.index(b.lower()) if b.lower() in self._bus else -1 for b in sec["devs"]]
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.settimeout(self.cfg.handshake_timeout)
-        try:
-            s.connect("\0" + sec["uds"])
-        except OSError as exc:
-            s.close()
-            raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
-        chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
-        fds: list[int] = []
-        try:
-            msg, _, f0 = chan.recv_one()
-            fds += f0
-            wire.check(msg, "challenge", {"nonce": bytes, "id": str})
-            if msg["id"] != peer.agent_id:
-                raise ProtocolError(f"{peer.name!r} answered with another agent id")
-            mac = auth.prove(self.cfg.auth_token, msg["nonce"], self.ctx.agent_id, peer.agent_id)
-            chan.send(wire.pack("hello", name=self.ctx.agent_name, id=self.ctx.agent_id, mac=mac))
-            msg, _, f1 = chan.recv_one()
-            fds += f1
-            wire.check(msg, "welcome", {"name": str, "id": str})
-            if len(fds) != 2:
-                raise ProtocolError("handshake did not carry the control table")
-            ctrl = _native.map_fd(fds[0], _CTRL_BYTES, 0, False)
-            infl = _native.map_fd(fds[1], _INFL_BYTES, 0, True)
-        except PeerDisconnected as exc:
-            s.close()
-            raise AuthError(f"{peer.name!r} closed the handshake (wrong KVX_AUTH_TOKEN or other user?)") from exc
-        except (OSError, KVXError):
-            s.close()
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        s.settimeout(None)
+        chan, ctrl, infl = self._dial(peer, sec["uds"])
         p = _Peer(peer.name, chan, sec["pid"], ctrl, infl, devmap)
-        chan.extra["peer"] = p
-        with self._lock:
-            old = self._peers.pop(peer.name, None)
-            self._peers[peer.name] = p
-        if old is not None:
-            self._drop(old)
-        chan.start()
+        self._adopt(peer.name, p, chan)
         return True
 
     def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:

@@ -1,0 +1,154 @@
+"""The same-node peer link shared by the ``host`` and ``cuda`` backends.
+
+Both backends listen on an abstract AF_UNIX socket and run the same handshake over it: the
+listener checks the caller's user (SO_PEERCRED; root may serve anyone), sends a challenge, checks
+the HMAC in the ``hello`` (``KVX_AUTH_TOKEN``, :mod:`kvx.auth`), and answers ``welcome`` with two
+descriptors: its control table (memfd, mapped read-only by the peer) and a fresh page of in-flight
+counters for that peer (memfd, mapped read-write on both sides). What differs -- the size of a
+counter, what the metadata section carries, what a peer object holds -- stays in each backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+from .. import _native, auth, wire
+from ..channel import Channel
+from ..errors import AuthError, KVXError, PeerDisconnected, ProtocolError
+from .base import PeerInfo
+
+log = logging.getLogger(__name__)
+
+
+class SameNodeLink:
+    """Mixin: the listener's accept loop and handshake, and the dialling side's handshake.
+
+    The backend provides the attributes annotated below, ``_on_message``/``_on_close`` (the
+    channel callbacks) and ``_drop(peer)``, and sets the three class constants.
+    """
+
+    #: sizes of the control table this side shares and of one peer's in-flight counter page
+    _CTRL_BYTES: int
+    _INFL_BYTES: int
+    #: memfd name of a counter page, and the link's name in log messages
+    _INFL_NAME = "kvx-inflight"
+    _LINK_WHAT = "same-node"
+
+    cfg: Any
+    ctx: Any
+    max_msg: int
+    _lsock: socket.socket
+    _closed: bool
+    _lock: Any  # a Lock or RLock
+    _accepted: list[Channel]
+    _peers: dict[str, Any]
+    _ctrl_fd: int
+    _on_message: Any
+    _on_close: Any
+    _drop: Any
+
+    # ---- listener side ---------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                s, _ = self._lsock.accept()
+            except OSError:
+                return
+            if self._closed:
+                s.close()
+                return
+            threading.Thread(target=self._handshake_in, args=(s,), daemon=True).start()
+
+    def _handshake_in(self, s: socket.socket) -> None:
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() and os.getuid() != 0:
+                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
+            chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{pid}")
+            nonce = auth.new_nonce()
+            chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
+            msg, _, fds = chan.recv_one()
+            for fd in fds:
+                os.close(fd)
+            wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes})
+            auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
+            infl_fd = os.memfd_create(self._INFL_NAME, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(infl_fd, self._INFL_BYTES)
+                chan.extra["infl"] = _native.map_fd(infl_fd, self._INFL_BYTES, 0, True)
+                chan.peer_name = msg["name"]
+                chan.peer_id = msg["id"]
+                chan.send(wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id),
+                          fds=[self._ctrl_fd, infl_fd])
+            finally:
+                os.close(infl_fd)
+        except (KVXError, OSError) as exc:
+            log.warning("refused a %s connection: %s", self._LINK_WHAT, exc)
+            try:
+                s.close()
+            except OSError:
+                pass
+            return
+        s.settimeout(None)
+        with self._lock:
+            if self._closed:
+                chan.close()
+                return
+            self._accepted.append(chan)
+        chan.start()
+
+    # ---- dialling side ---------------------------------------------------------------------
+    def _dial(self, peer: PeerInfo, uds: str) -> tuple[Channel, int, int]:
+        """Connect to ``peer``'s listener and run the handshake: (channel, not started yet;
+        address of its control table mapped read-only; address of our counter page)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.cfg.handshake_timeout)
+        try:
+            s.connect("\0" + uds)
+        except OSError as exc:
+            s.close()
+            raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
+        chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
+        fds: list[int] = []
+        try:
+            msg, _, f0 = chan.recv_one()
+            fds += f0
+            wire.check(msg, "challenge", {"nonce": bytes, "id": str})
+            if msg["id"] != peer.agent_id:
+                raise ProtocolError(f"{peer.name!r} answered with another agent id")
+            mac = auth.prove(self.cfg.auth_token, msg["nonce"], self.ctx.agent_id, peer.agent_id)
+            chan.send(wire.pack("hello", name=self.ctx.agent_name, id=self.ctx.agent_id, mac=mac))
+            msg, _, f1 = chan.recv_one()
+            fds += f1
+            wire.check(msg, "welcome", {"name": str, "id": str})
+            if len(fds) != 2:
+                raise ProtocolError("handshake did not carry the control table")
+            ctrl = _native.map_fd(fds[0], self._CTRL_BYTES, 0, False)
+            infl = _native.map_fd(fds[1], self._INFL_BYTES, 0, True)
+        except PeerDisconnected as exc:
+            s.close()
+            raise AuthError(f"{peer.name!r} closed the handshake (wrong KVX_AUTH_TOKEN or other user?)") from exc
+        except (OSError, KVXError):
+            s.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        s.settimeout(None)
+        return chan, ctrl, infl
+
+    def _adopt(self, name: str, p: Any, chan: Channel) -> None:
+        """Make ``p`` (on ``chan``) the peer called ``name``, dropping one it replaces; start reading."""
+        chan.extra["peer"] = p
+        with self._lock:
+            old = self._peers.pop(name, None)
+            self._peers[name] = p
+        if old is not None:
+            self._drop(old)
+        chan.start()
