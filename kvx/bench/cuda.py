@@ -311,6 +311,33 @@ def _sync_all(cp: Any) -> None:
             cp.cuda.runtime.deviceSynchronize()
 
 
+def _arm(cp: Any, op: str, view: Any, target: "Helper", rid: int, total: int, seed: int) -> None:
+    """Before a measured point: the source holds ``pattern(seed)``, the destination zeros."""
+    xp = _xp(view)
+    if op == "write":
+        view[:] = pattern(xp, total, seed)
+        target.call(cmd="zero", id=rid)
+    else:
+        target.call(cmd="fill", id=rid, seed=seed)
+        view[:] = 0
+    _sync_all(cp)
+
+
+def _verified(op: str, view: Any, target: "Helper", rid: int, total: int, n: int, bs: int, ri: np.ndarray,
+              seed: int) -> bool:
+    """After a measured point: the destination holds the armed source's blocks, permuted by ``ri``
+    (local block i <-> remote block ri[i])."""
+    xp = _xp(view)
+    src = pattern(xp, total, seed)[: n * bs]
+    exp = xp.zeros(total, dtype=xp.uint8)
+    rix = ri if xp is np else xp.asarray(ri)
+    if op == "write":
+        exp[: n * bs].reshape(n, bs)[rix] = src.reshape(n, bs)
+        return bool(target.digest(rid) == digest(xp, exp))
+    exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[rix]
+    return bool(digest(xp, view) == digest(xp, exp))
+
+
 def ceiling(opts: BenchOptions, prog: Progress, local_seg: str, remote_seg: str, rdev: int) -> list[dict[str, Any]]:
     """Raw copies of 1 GiB: GPU0<->GPU1 peer copy, or pinned<->GPU cudaMemcpyAsync."""
     import cupy as cp
@@ -377,7 +404,6 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
         rid, rdescs = target.register(remote_seg, opts.total, rdev)
         with kvx.Agent("bench-initiator", kvx.AgentConfig(backends=("cuda",))) as agent:
             obj, view = _alloc(local_seg, opts.total, 0)
-            xp = _xp(view)
             reg = agent.register(obj)
             peer = agent.add_peer(target.meta)
             be = agent.backend("cuda")
@@ -396,29 +422,13 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
                         ridx = permutation(n, opts)
                         fn = agent.write if op == "write" else agent.read
                         seed = opts.seed + bs + (7 if path == "ce" else 0)
-                        if op == "write":
-                            view[:] = pattern(xp, opts.total, seed)
-                            target.call(cmd="zero", id=rid)
-                        else:
-                            target.call(cmd="fill", id=rid, seed=seed)
-                            view[:] = 0
-                        _sync_all(cp)
+                        _arm(cp, op, view, target, rid, opts.total, seed)
 
                         def once() -> None:
                             fn(local, lidx, remote, ridx).wait()
 
                         med, mn = timed(once, opts.iters)
-                        src = pattern(xp, opts.total, seed)[: n * bs]
-                        exp = xp.zeros(opts.total, dtype=xp.uint8)
-                        ri = ridx if xp is np else xp.asarray(ridx)
-                        if op == "write":
-                            exp[: n * bs].reshape(n, bs)[ri] = src.reshape(n, bs)
-                            ok = target.digest(rid) == digest(xp, exp)
-                        else:
-                            exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[ri]
-                            ok = digest(xp, view) == digest(xp, exp)
-                        del exp, src
-                        if not ok:
+                        if not _verified(op, view, target, rid, opts.total, n, bs, ridx, seed):
                             raise RuntimeError(f"{impl} {op} at {bs} bytes: destination bytes do not match")
                         rows.append(row(impl, op, bs, n, opts.iters, med, mn, verified=True,
                                         seg=f"{local_seg}->{remote_seg}", gpus=f"0->{rdev}"))
@@ -556,15 +566,8 @@ def _xtune(argv: list[str]) -> int:
                                 kc.BLOCKS_PER_SM = kc.BLOCKS_PER_SM_BULK = per_sm
                                 kc.CHUNK_SHIFT = sh
                             seed = bs + per_sm + sh
-                            if op == "write":
-                                with cp.cuda.Device(0):
-                                    g0[:] = pattern(cp, total, seed)
-                                target.call(cmd="zero", id=rid)
-                            else:
-                                target.call(cmd="fill", id=rid, seed=seed)
-                                with cp.cuda.Device(0):
-                                    g0[:] = 0
-                            _sync_all(cp)
+                            with cp.cuda.Device(0):
+                                _arm(cp, op, g0, target, rid, total, seed)
 
                             def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
                                 fn(lo, li, re, ri).wait()
@@ -575,16 +578,7 @@ def _xtune(argv: list[str]) -> int:
                                 print(f"  {ex} {op} {bs} {kern}:{per_sm}:{sh} failed: {exc}", flush=True)
                                 continue
                             with cp.cuda.Device(0):
-                                src = pattern(cp, total, seed)[: n * bs]
-                                exp = cp.zeros(total, dtype=cp.uint8)
-                                rix = cp.asarray(ri)
-                                if op == "write":
-                                    exp[: n * bs].reshape(n, bs)[rix] = src.reshape(n, bs)
-                                    ok = target.digest(rid) == digest(cp, exp)
-                                else:
-                                    exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[rix]
-                                    ok = digest(cp, g0) == digest(cp, exp)
-                                del exp, src
+                                ok = _verified(op, g0, target, rid, total, n, bs, ri, seed)
                             res.append((n * bs / med / 1e9, f"{kern}:{per_sm}:{sh}", ok))
                         res.sort(reverse=True)
                         cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for g, v, ok in res)
@@ -700,15 +694,8 @@ def _xtune2(argv: list[str]) -> int:
                                     continue
                             setv(be, v)
                             seed = bs + len(res) + 3
-                            if op == "write":
-                                with cp.cuda.Device(0):
-                                    g0[:] = pattern(cp, total, seed)
-                                target.call(cmd="zero", id=rid)
-                            else:
-                                target.call(cmd="fill", id=rid, seed=seed)
-                                with cp.cuda.Device(0):
-                                    g0[:] = 0
-                            _sync_all(cp)
+                            with cp.cuda.Device(0):
+                                _arm(cp, op, g0, target, rid, total, seed)
 
                             def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
                                 fn(lo, li, re, ri).wait()
@@ -719,16 +706,7 @@ def _xtune2(argv: list[str]) -> int:
                                 print(f"  {ex} {op} {bs} {v} failed: {exc}", flush=True)
                                 continue
                             with cp.cuda.Device(0):
-                                src = pattern(cp, total, seed)[: n * bs]
-                                exp = cp.zeros(total, dtype=cp.uint8)
-                                rix = cp.asarray(ri)
-                                if op == "write":
-                                    exp[: n * bs].reshape(n, bs)[rix] = src.reshape(n, bs)
-                                    ok = target.digest(rid) == digest(cp, exp)
-                                else:
-                                    exp[: n * bs].reshape(n, bs)[:] = src.reshape(n, bs)[rix]
-                                    ok = digest(cp, g0) == digest(cp, exp)
-                                del exp, src
+                                ok = _verified(op, g0, target, rid, total, n, bs, ri, seed)
                             res.append((v, n * bs / med / 1e9, ok))
                         cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for v, g, ok in res)
                         print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
