@@ -20,9 +20,6 @@ import argparse
 import base64
 import json
 import os
-import select
-import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -31,6 +28,7 @@ import numpy as np
 
 import kvx
 
+from ..testing.procs import PeerProcess
 from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
 
 __all__ = ["Helper", "digest", "pattern", "run"]
@@ -217,71 +215,23 @@ def _serve_one(c: dict[str, Any], cmd: Any, agent: kvx.Agent, regs: dict[int, An
         say({"error": f"unknown command {cmd!r}"})
 
 
-class Helper:
+class Helper(PeerProcess):
     """A helper process (``python -m kvx.bench.cuda target``) driven over JSON lines, bounded."""
+
+    ARGS = ("-m", "kvx.bench.cuda", "target")
+    WHAT = "helper"
+    QUIT_TIMEOUT = 30.0
 
     def __init__(self, name: str = "gpu-target", config: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, timeout: float = 120.0) -> None:
-        self.name = name
-        self.timeout = timeout
-        cmd = [sys.executable, "-m", "kvx.bench.cuda", "target", "--name", name, "--config", json.dumps(config or {})]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
-        hello = self._read(timeout)
-        self.meta = base64.b64decode(hello["meta"])
-        self.pid = int(hello["pid"])
+        super().__init__(name, config, env, timeout)
 
-    def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not r:
-            raise TimeoutError(f"helper {self.name!r} did not answer within {timeout} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError(f"helper {self.name!r} exited ({self.proc.poll()})")
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def call(self, timeout: float | None = None, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        res = self._read(self.timeout if timeout is None else timeout)
-        if "error" in res:
-            raise RuntimeError(f"helper {self.name!r}: {res['error']}")
-        return res
-
-    def register(self, seg: str, nbytes: int, dev: int = 0) -> tuple[int, kvx.DescList]:
+    def register(self, seg: str, nbytes: int, dev: int = 0) -> tuple[int, kvx.DescList]:  # type: ignore[override]
         res = self.call(cmd="register", seg=seg, nbytes=nbytes, dev=dev)
         return int(res["id"]), kvx.DescList.from_bytes(base64.b64decode(res["descs"]))
 
-    def digest(self, rid: int) -> int:
+    def digest(self, rid: int) -> int:  # type: ignore[override]
         return int(self.call(cmd="digest", id=rid)["digest"])
-
-    def peek(self, rid: int, off: int, n: int) -> bytes:
-        return base64.b64decode(self.call(cmd="peek", id=rid, off=off, n=n)["data"])
-
-    def notifs(self, timeout: float = 0.0) -> dict[str, list[bytes]]:
-        res = self.call(cmd="notifs", wait=timeout, timeout=timeout + self.timeout)
-        return {k: [base64.b64decode(m) for m in v] for k, v in res["notifs"].items()}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(cmd="quit", timeout=30)
-                self.proc.wait(30)
-            except (TimeoutError, EOFError, OSError, subprocess.TimeoutExpired, RuntimeError):
-                self.kill()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                if f is not None:
-                    f.close()
-            except OSError:
-                pass
 
 
 # ---------------------------------------------------------------------------------------------

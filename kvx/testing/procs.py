@@ -19,12 +19,17 @@ __all__ = ["PeerProcess"]
 class PeerProcess:
     """A kvx agent in another process. Every call is bounded by ``timeout`` seconds."""
 
+    #: what runs after ``python`` (then ``--name`` and ``--config``), and the process's name in messages
+    ARGS: tuple[str, ...] = ("-m", "kvx.testing.peer")
+    WHAT = "peer process"
+    #: how long ``close`` waits for the process to quit before it kills it
+    QUIT_TIMEOUT = 10.0
+
     def __init__(self, name: str, config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                  timeout: float = 30.0, prefix: list[str] | None = None) -> None:
         self.name = name
         self.timeout = timeout
-        cmd = (prefix or []) + [sys.executable, "-m", "kvx.testing.peer", "--name", name,
-                                "--config", json.dumps(config or {})]
+        cmd = (prefix or []) + [sys.executable, *self.ARGS, "--name", name, "--config", json.dumps(config or {})]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         hello = self._read(timeout)
@@ -35,10 +40,10 @@ class PeerProcess:
         assert self.proc.stdout is not None
         r, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not r:
-            raise TimeoutError(f"peer process {self.name!r} did not answer within {timeout} s")
+            raise TimeoutError(f"{self.WHAT} {self.name!r} did not answer within {timeout} s")
         line = self.proc.stdout.readline()
         if not line:
-            raise EOFError(f"peer process {self.name!r} exited ({self.proc.poll()})")
+            raise EOFError(f"{self.WHAT} {self.name!r} exited ({self.proc.poll()})")
         return json.loads(line)  # type: ignore[no-any-return]
 
     def send(self, **cmd: Any) -> None:
@@ -50,7 +55,7 @@ class PeerProcess:
         self.send(**cmd)
         res = self._read(self.timeout if timeout is None else timeout)
         if "error" in res:
-            raise RuntimeError(f"peer {self.name!r}: {res['error']}")
+            raise RuntimeError(f"{self.WHAT} {self.name!r}: {res['error']}")
         return res
 
     def register(self, mem: str, nbytes: int, **kw: Any) -> tuple[int, kvx.DescList]:
@@ -75,8 +80,8 @@ class PeerProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.call(cmd="quit", timeout=10)
-                self.proc.wait(10)
+                self.call(cmd="quit", timeout=self.QUIT_TIMEOUT)
+                self.proc.wait(self.QUIT_TIMEOUT)
             except (TimeoutError, EOFError, OSError, subprocess.TimeoutExpired, RuntimeError):
                 self.kill()
         for f in (self.proc.stdin, self.proc.stdout):
