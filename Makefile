@@ -11,7 +11,7 @@ NIXL   := $(VENV)/.nixl-installed
 OUT    ?= out
 PYTEST_ARGS ?=
 
-NATIVE := $(wildcard native/*.c)
+NATIVE := $(wildcard native/*.c native/*.h)
 
 .PHONY: all venv test test-vllm bench bench-all bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare \
         services lint gpu-check clean

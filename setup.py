@@ -7,12 +7,14 @@ setup(
         Extension(
             "kvx._native",
             sources=["native/kvx_native.c"],
+            depends=["native/kvx_buf.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
             extra_link_args=["-pthread"],
         ),
         Extension(
             "kvx._net",
             sources=["native/kvx_net.c"],
+            depends=["native/kvx_buf.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
         ),
     ]

@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "kvx_buf.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -853,16 +854,6 @@ static int idx_get(idx_t *ix, Py_ssize_t i, long long *out) {
 
 static void idx_close(idx_t *ix) {
     if (ix->has_buf) PyBuffer_Release(&ix->buf);
-}
-
-static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (b->len % 8) {
-        PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
-        PyBuffer_Release(b);
-        return -1;
-    }
-    return 0;
 }
 
 /*

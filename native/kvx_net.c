@@ -12,6 +12,7 @@
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "kvx_buf.h"
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
@@ -141,16 +142,6 @@ static int recv_iov2(int fd, struct iovec *iov, size_t n, double timeout, double
 /* The original contract: ``idle`` > 0 allows an idle exit, 0 means none. */
 static int recv_iov(int fd, struct iovec *iov, size_t n, double timeout, double idle, uint64_t *got) {
     return recv_iov2(fd, iov, n, timeout, idle > 0 ? idle : -1.0, 0.0, 0, got);
-}
-
-static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (b->len % 8) {
-        PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
-        PyBuffer_Release(b);
-        return -1;
-    }
-    return 0;
 }
 
 static PyObject *raise_err(int e) {
