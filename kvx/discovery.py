@@ -28,6 +28,7 @@ from . import config, wire
 from .backends.tcp import (
     MAX_HANDSHAKES,
     _open_listener,
+    accept_loop,
     advertised,
     client_handshake,
     send_frame,
@@ -118,22 +119,13 @@ class SideChannel:
 
     def _accept_loop(self) -> None:
         assert self._lsock is not None
-        while not self._closed:
-            try:
-                s, addr = self._lsock.accept()
-            except OSError:
-                return
-            if self._closed:
-                s.close()
-                return
-            if not self._hs.acquire(blocking=False):
-                log.warning("side channel: refused %s: too many connections in handshake", addr)
-                s.close()
-                continue
-            t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-side-serve", daemon=True)
-            with self._lock:
-                self._conns[id(s)] = (s, t)
-            t.start()
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "side channel")
+
+    def _start_serving(self, s: socket.socket, addr: Any) -> None:
+        t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-side-serve", daemon=True)
+        with self._lock:
+            self._conns[id(s)] = (s, t)
+        t.start()
 
     def _serve(self, s: socket.socket, addr: Any) -> None:
         try:

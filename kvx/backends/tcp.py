@@ -144,6 +144,27 @@ def recv_frame(sock: socket.socket, deadline: float, max_bytes: int) -> dict[str
     return wire.unpack(_recv_exact_deadline(sock, n, deadline), max_bytes=max_bytes)
 
 
+def accept_loop(lsock: socket.socket, closed: Callable[[], bool], hs: threading.BoundedSemaphore,
+                start: Callable[[socket.socket, Any], None], what: str) -> None:
+    """Accept connections on ``lsock`` until it is closed (or ``closed()``), handing each to
+    ``start(sock, addr)`` -- which serves it on a thread of its own and releases ``hs`` once the
+    handshake is over -- unless ``hs`` says too many are still in their handshake: then it is
+    refused (closed) at once. Shared by the tcp backend's listener and the discovery side channel."""
+    while not closed():
+        try:
+            s, addr = lsock.accept()
+        except OSError:
+            return
+        if closed():
+            s.close()
+            return
+        if not hs.acquire(blocking=False):
+            log.warning("%s: refused a connection from %s: too many connections in handshake", what, addr)
+            s.close()
+            continue
+        start(s, addr)
+
+
 def server_handshake(sock: socket.socket, token: str | None, my_id: str, my_name: str,
                      timeout: float) -> dict[str, Any]:
     """Run the listener's side of the HMAC handshake; return the client's hello.
@@ -870,22 +891,13 @@ class TcpBackend(Backend):
         return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
 
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                s, addr = self._lsock.accept()
-            except OSError:
-                return
-            if self._closed:
-                s.close()
-                return
-            if not self._hs.acquire(blocking=False):
-                log.warning("tcp: refused a connection from %s: too many connections in handshake", addr)
-                s.close()
-                continue
-            t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
-            with self._lock:
-                self._served[id(s)] = (s, t, set())
-            t.start()
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp")
+
+    def _start_serving(self, s: socket.socket, addr: Any) -> None:
+        t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
+        with self._lock:
+            self._served[id(s)] = (s, t, set())
+        t.start()
 
     def _serve(self, s: socket.socket, addr: Any) -> None:
         key = id(s)
