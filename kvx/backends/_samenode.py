@@ -152,3 +152,23 @@ class SameNodeLink:
         if old is not None:
             self._drop(old)
         chan.start()
+
+    def _close_link(self) -> bool:
+        """Close the listener, drop every peer, close every accepted channel; False if closed before."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            acc = list(self._accepted)
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        for p in peers:
+            self._drop(p)
+        for c in acc:
+            c.close()
+        return True

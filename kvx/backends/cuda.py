@@ -1747,22 +1747,8 @@ class CudaBackend(SameNodeLink, Backend):
         p.chan.send(wire.pack("notif", msg=message))
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
-            acc = list(self._accepted)
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._lsock.close()
-        for p in peers:
-            self._drop(p)
-        for c in acc:
-            c.close()
+        if not self._close_link():
+            return
         self._reaper.close(float(self.cfg.peer_timeout))
         for s in list(self._slots):
             _native.store64(self._ctrl + s * _ENTRY, 0)
