@@ -22,6 +22,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -461,6 +463,62 @@ def _tune(argv: list[str]) -> int:
     return 0
 
 
+@dataclass
+class _Point:
+    """One (executing GPU policy, op, block size) of an x-sweep: GPU 0 buffer ``g0`` <-> the
+    target's region on GPU 1, permuted remote ids."""
+
+    ex: str
+    op: str
+    bs: int
+    n: int
+    be: Any
+    fn: Any
+    lo: Any
+    re: Any
+    li: np.ndarray
+    ri: np.ndarray
+    g0: Any
+
+
+def _points(cp: Any, kc: Any, target: Helper, rdescs: kvx.DescList, total: int, sizes: list[int],
+            execs: list[str], tag: str) -> Iterator[_Point]:
+    """Every point of an x-sweep, exec policy by exec policy (``kc.EXEC_ON`` set; one agent each)."""
+    for ex in execs:
+        kc.EXEC_ON = ex
+        with kvx.Agent(f"{tag}-{ex}", kvx.AgentConfig(backends=("cuda",))) as ag:
+            be = ag.backend("cuda")
+            with cp.cuda.Device(0):
+                g0 = cp.zeros(total, dtype=cp.uint8)
+            reg = ag.register(g0)
+            peer = ag.add_peer(target.meta)
+            for op in ("write", "read"):
+                for bs in sizes:
+                    n = total // bs
+                    yield _Point(ex, op, bs, n, be, ag.write if op == "write" else ag.read,
+                                 ag.prepare(kvx.DescList.blocks(reg, bs)),
+                                 ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer),
+                                 np.arange(n, dtype=np.int64),
+                                 np.random.default_rng(0).permutation(n).astype(np.int64), g0)
+            reg.release()
+
+
+def _measure(cp: Any, pt: _Point, target: Helper, rid: int, total: int, seed: int, iters: int,
+             label: str) -> tuple[float, bool] | None:
+    """Arm, time (median of ``iters``) and verify one variant at ``pt``: (GB/s, bytes right), or
+    None (printed) if the variant cannot run here."""
+    with cp.cuda.Device(0):
+        _arm(cp, pt.op, pt.g0, target, rid, total, seed)
+    try:
+        med, _mn = timed(lambda: pt.fn(pt.lo, pt.li, pt.re, pt.ri).wait(), iters)
+    except Exception as exc:  # a variant that cannot run here
+        print(f"  {pt.ex} {pt.op} {pt.bs} {label} failed: {exc}", flush=True)
+        return None
+    with cp.cuda.Device(0):
+        ok = _verified(pt.op, pt.g0, target, rid, total, pt.n, pt.bs, pt.ri, seed)
+    return pt.n * pt.bs / med / 1e9, ok
+
+
 def _xtune(argv: list[str]) -> int:
     """``python -m kvx.bench.cuda xtune``: two processes (target on GPU 1), sweep kernel variants.
 
@@ -485,57 +543,31 @@ def _xtune(argv: list[str]) -> int:
     sizes = [parse_size(x) for x in a.block_sizes.split(",")]
     variants = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in a.variants.split(",")]
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
+    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.CHUNK_SHIFT)
     target = Helper("xtune-target", {"backends": ["cuda"]})
     try:
         rid, rdescs = target.register("vram", total, rdev)
-        for ex in a.exec.split(","):
-            kc.EXEC_ON = ex
-            with kvx.Agent(f"xtune-{ex}", kvx.AgentConfig(backends=("cuda",))) as ag:
-                be = ag.backend("cuda")
-                with cp.cuda.Device(0):
-                    g0 = cp.zeros(total, dtype=cp.uint8)
-                reg = ag.register(g0)
-                peer = ag.add_peer(target.meta)
-                for op in ("write", "read"):
-                    for bs in sizes:
-                        n = total // bs
-                        lo = ag.prepare(kvx.DescList.blocks(reg, bs))
-                        re = ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
-                        li = np.arange(n, dtype=np.int64)
-                        ri = np.random.default_rng(0).permutation(n).astype(np.int64)
-                        fn = ag.write if op == "write" else ag.read
-                        res = []
-                        for kern, per_sm, sh in variants:
-                            if kern == "ce":
-                                if not be.drv.has_batch:  # type: ignore[attr-defined]
-                                    continue
-                                be.mode = "ce"  # type: ignore[attr-defined]
-                            else:
-                                be.mode = "kernel"  # type: ignore[attr-defined]
-                                kc.KERNEL = kern
-                                kc.BLOCKS_PER_SM = kc.BLOCKS_PER_SM_BULK = per_sm
-                                kc.CHUNK_SHIFT = sh
-                            seed = bs + per_sm + sh
-                            with cp.cuda.Device(0):
-                                _arm(cp, op, g0, target, rid, total, seed)
-
-                            def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
-                                fn(lo, li, re, ri).wait()
-
-                            try:
-                                med, _mn = timed(once, a.iters)
-                            except Exception as exc:  # a variant that cannot run here
-                                print(f"  {ex} {op} {bs} {kern}:{per_sm}:{sh} failed: {exc}", flush=True)
-                                continue
-                            with cp.cuda.Device(0):
-                                ok = _verified(op, g0, target, rid, total, n, bs, ri, seed)
-                            res.append((n * bs / med / 1e9, f"{kern}:{per_sm}:{sh}", ok))
-                        res.sort(reverse=True)
-                        cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for g, v, ok in res)
-                        print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
-                kc.KERNEL, kc.BLOCKS_PER_SM, kc.CHUNK_SHIFT = "warp", 4, 14
-                reg.release()
+        for pt in _points(cp, kc, target, rdescs, total, sizes, a.exec.split(","), "xtune"):
+            res = []
+            for kern, per_sm, sh in variants:
+                if kern == "ce":
+                    if not pt.be.drv.has_batch:
+                        continue
+                    pt.be.mode = "ce"
+                else:
+                    pt.be.mode = "kernel"
+                    kc.KERNEL = kern
+                    kc.BLOCKS_PER_SM = kc.BLOCKS_PER_SM_BULK = per_sm
+                    kc.CHUNK_SHIFT = sh
+                label = f"{kern}:{per_sm}:{sh}"
+                got = _measure(cp, pt, target, rid, total, pt.bs + per_sm + sh, a.iters, label)
+                if got is not None:
+                    res.append((got[0], label, got[1]))
+            res.sort(reverse=True)
+            cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for g, v, ok in res)
+            print(f"{pt.ex:9s} {pt.op:5s} {pt.bs >> 10:6d}K  {cells}", flush=True)
     finally:
+        kc.KERNEL, kc.BLOCKS_PER_SM, kc.CHUNK_SHIFT = defaults
         target.close()
     return 0
 
@@ -621,85 +653,56 @@ def _xtune2(argv: list[str]) -> int:
 
     try:
         rid, rdescs = target.register("vram", total, rdev)
-        for ex in a.exec.split(","):
-            kc.EXEC_ON = ex
-            with kvx.Agent(f"xtune2-{ex}", kvx.AgentConfig(backends=("cuda",))) as ag:
-                be = ag.backend("cuda")
-                with cp.cuda.Device(0):
-                    g0 = cp.zeros(total, dtype=cp.uint8)
-                reg = ag.register(g0)
-                peer = ag.add_peer(target.meta)
-                for op in ("write", "read"):
-                    for bs in sizes:
-                        n = total // bs
-                        lo = ag.prepare(kvx.DescList.blocks(reg, bs))
-                        re = ag.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
-                        li = np.arange(n, dtype=np.int64)
-                        ri = np.random.default_rng(0).permutation(n).astype(np.int64)
-                        fn = ag.write if op == "write" else ag.read
-                        res: list[tuple[str, float, bool]] = []
-                        for v in (a.small if bs <= (32 << 10) else a.large).split(","):
-                            if v in ("ce",) or v.startswith("split"):
-                                if not be.drv.has_batch:  # type: ignore[attr-defined]
-                                    continue
-                            setv(be, v)
-                            seed = bs + len(res) + 3
-                            with cp.cuda.Device(0):
-                                _arm(cp, op, g0, target, rid, total, seed)
-
-                            def once(fn: Any = fn, lo: Any = lo, re: Any = re) -> None:
-                                fn(lo, li, re, ri).wait()
-
-                            try:
-                                med, _mn = timed(once, a.iters)
-                            except Exception as exc:  # a variant that cannot run here
-                                print(f"  {ex} {op} {bs} {v} failed: {exc}", flush=True)
-                                continue
-                            with cp.cuda.Device(0):
-                                ok = _verified(op, g0, target, rid, total, n, bs, ri, seed)
-                            res.append((v, n * bs / med / 1e9, ok))
-                        cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for v, g, ok in res)
-                        print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
-                        for hp in (a.profile_host.split(",") if bs in prof_sizes else []):
-                            setv(be, "old" if hp == "old" else "kernel")
-                            time.sleep(0.01)  # a polling reaper of "old" is running again
-                            bare = []  # post() alone, no profile events
-                            for i in range(a.iters + 1):
-                                t0 = time.perf_counter()
-                                x = fn(lo, li, re, ri)
-                                t1 = time.perf_counter()
-                                x.wait()
-                                if i:
-                                    bare.append((t1 - t0) * 1e6)
-                            kc.PROFILE = []
-                            posts, walls = [], []
-                            for i in range(a.iters + 1):
-                                t0 = time.perf_counter()
-                                x = fn(lo, li, re, ri)
-                                t1 = time.perf_counter()
-                                x.wait()
-                                t2 = time.perf_counter()
-                                if i:
-                                    posts.append((t1 - t0) * 1e6)
-                                    walls.append((t2 - t0) * 1e6)
-                            recs = kc.PROFILE[1:]
-                            kc.PROFILE = None
-                            el = cp.cuda.get_elapsed_time
-                            up = [sum(el(e0, e1) for e0, e1, _ in r["events"]) * 1e3 for r in recs]
-                            kt = [el(r["events"][0][1], r["events"][-1][2]) * 1e3 for r in recs]
-                            gpu = [el(r["events"][0][0], r["events"][-1][2]) * 1e3 for r in recs]
-                            lau = [r["cpu_launch_us"] for r in recs]
-                            stg = [r.get("cpu_stage_us", 0.0) for r in recs]
-                            med_ = lambda xs: float(np.median(xs))  # noqa: E731
-                            print(f"  profile {ex} {op} {bs >> 10}K kernel host={hp}: wall {med_(walls):.0f} us, "
-                                  f"post() {med_(posts):.0f} (unprofiled {med_(bare):.0f})"
-                                  f" (of which staging+launch {med_(lau):.0f}, index staging {med_(stg):.0f}), "
-                                  f"upload {med_(up):.0f}, kernel "
-                                  f"{med_(kt):.0f}, gpu first-upload..end {med_(gpu):.0f} us; kernel-only "
-                                  f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
-                setv(be, "kernel")
-                be.mode = kc.copy_mode()  # type: ignore[attr-defined]
-                reg.release()
+        for pt in _points(cp, kc, target, rdescs, total, sizes, a.exec.split(","), "xtune2"):
+            ex, op, bs, n, be, fn, lo, re, li, ri = pt.ex, pt.op, pt.bs, pt.n, pt.be, pt.fn, pt.lo, pt.re, pt.li, pt.ri
+            res: list[tuple[str, float, bool]] = []
+            for v in (a.small if bs <= (32 << 10) else a.large).split(","):
+                if v in ("ce",) or v.startswith("split"):
+                    if not be.drv.has_batch:
+                        continue
+                setv(be, v)
+                got = _measure(cp, pt, target, rid, total, bs + len(res) + 3, a.iters, v)
+                if got is not None:
+                    res.append((v, got[0], got[1]))
+            cells = " ".join(f"{v}={g:.0f}{'' if ok else '(BAD)'}" for v, g, ok in res)
+            print(f"{ex:9s} {op:5s} {bs >> 10:6d}K  {cells}", flush=True)
+            for hp in (a.profile_host.split(",") if bs in prof_sizes else []):
+                setv(be, "old" if hp == "old" else "kernel")
+                time.sleep(0.01)  # a polling reaper of "old" is running again
+                bare = []  # post() alone, no profile events
+                for i in range(a.iters + 1):
+                    t0 = time.perf_counter()
+                    x = fn(lo, li, re, ri)
+                    t1 = time.perf_counter()
+                    x.wait()
+                    if i:
+                        bare.append((t1 - t0) * 1e6)
+                kc.PROFILE = []
+                posts, walls = [], []
+                for i in range(a.iters + 1):
+                    t0 = time.perf_counter()
+                    x = fn(lo, li, re, ri)
+                    t1 = time.perf_counter()
+                    x.wait()
+                    t2 = time.perf_counter()
+                    if i:
+                        posts.append((t1 - t0) * 1e6)
+                        walls.append((t2 - t0) * 1e6)
+                recs = kc.PROFILE[1:]
+                kc.PROFILE = None
+                el = cp.cuda.get_elapsed_time
+                up = [sum(el(e0, e1) for e0, e1, _ in r["events"]) * 1e3 for r in recs]
+                kt = [el(r["events"][0][1], r["events"][-1][2]) * 1e3 for r in recs]
+                gpu = [el(r["events"][0][0], r["events"][-1][2]) * 1e3 for r in recs]
+                lau = [r["cpu_launch_us"] for r in recs]
+                stg = [r.get("cpu_stage_us", 0.0) for r in recs]
+                med_ = lambda xs: float(np.median(xs))  # noqa: E731
+                print(f"  profile {ex} {op} {bs >> 10}K kernel host={hp}: wall {med_(walls):.0f} us, "
+                      f"post() {med_(posts):.0f} (unprofiled {med_(bare):.0f})"
+                      f" (of which staging+launch {med_(lau):.0f}, index staging {med_(stg):.0f}), "
+                      f"upload {med_(up):.0f}, kernel "
+                      f"{med_(kt):.0f}, gpu first-upload..end {med_(gpu):.0f} us; kernel-only "
+                      f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
     finally:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
          kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
