@@ -113,19 +113,12 @@ class NsAgent:
         self.hello = self._read(timeout)
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        import select
+        from .procs import read_reply
 
-        assert self.proc.stdout is not None
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not r:
-            raise TimeoutError(f"{self.name} did not answer within {timeout} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError(f"{self.name} exited ({self.proc.poll()})")
-        res = json.loads(line)
+        res = read_reply(self.proc, timeout, self.name)
         if "error" in res:
             raise RuntimeError(f"{self.name}: {res['error']}")
-        return res  # type: ignore[no-any-return]
+        return res
 
     def call(self, timeout: float | None = None, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None

@@ -13,7 +13,20 @@ from typing import Any
 
 import kvx
 
-__all__ = ["PeerProcess"]
+__all__ = ["PeerProcess", "read_reply"]
+
+
+def read_reply(proc: subprocess.Popen[str], timeout: float, who: str) -> dict[str, Any]:
+    """The next JSON line ``proc`` writes, waiting at most ``timeout`` seconds (``TimeoutError``;
+    ``EOFError`` if it exited). ``who`` names it in the errors."""
+    assert proc.stdout is not None
+    r, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not r:
+        raise TimeoutError(f"{who} did not answer within {timeout} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise EOFError(f"{who} exited ({proc.poll()})")
+    return json.loads(line)  # type: ignore[no-any-return]
 
 
 class PeerProcess:
@@ -37,14 +50,7 @@ class PeerProcess:
         self.pid = int(hello["pid"])
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not r:
-            raise TimeoutError(f"{self.WHAT} {self.name!r} did not answer within {timeout} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError(f"{self.WHAT} {self.name!r} exited ({self.proc.poll()})")
-        return json.loads(line)  # type: ignore[no-any-return]
+        return read_reply(self.proc, timeout, f"{self.WHAT} {self.name!r}")
 
     def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
