@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 
 import kvx
 from kvx.bench.cuda import Helper, digest, pattern
+from kvx.testing.conformance import race_release
 
 
 def _reason() -> str | None:
@@ -446,26 +446,7 @@ def test_release_racing_transfers(agent: kvx.Agent, helper: Helper, rseg: str) -
     reg = agent.register(obj)
     local = agent.prepare(kvx.DescList.blocks(reg, bs))
     remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
-    outcomes: list[str] = []
-    stop = threading.Event()
-
-    def hammer() -> None:
-        while not stop.is_set():
-            try:
-                agent.write(local, np.arange(n), remote, np.arange(n)).wait(10)
-                outcomes.append("done")
-            except (kvx.TransferError, kvx.UsageError):
-                outcomes.append("failed")
-
-    t = threading.Thread(target=hammer)
-    t.start()
-    time.sleep(0.3)
-    helper.call(cmd="release", id=rid)
-    after = len(outcomes)
-    time.sleep(0.3)
-    stop.set()
-    t.join(15)
-    assert not t.is_alive()
+    outcomes, after = race_release(agent, local, remote, n, lambda: helper.call(cmd="release", id=rid), lead=0.3)
     assert after > 0 and "done" in outcomes[:after]
     tail = outcomes[after + 1:]
     assert tail and all(o == "failed" for o in tail)

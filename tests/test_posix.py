@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx.testing.conformance import StorageConformance, pattern
+from kvx.testing.conformance import StorageConformance, pattern, race_release
 
 
 class TestPosix(StorageConformance):
@@ -275,35 +275,13 @@ def test_truncated_file_read_fails_clearly(tmp_path: Path) -> None:
 
 
 def test_release_is_final_and_closes_the_descriptor(tmp_path: Path) -> None:
-    import threading
-
     bs, n = 65536, 64
     with _agent(inline_bytes=0) as a:
         mem, sto, _, sreg = _lists(a, pattern(n * bs, 8), kvx.FileRegion(tmp_path / "kv.bin", n * bs), bs)
         b = a.backend("posix")
         slot = sreg.slots[0]
         fd = int(b._fd[slot])
-        outcomes: list[str] = []
-        stop = threading.Event()
-
-        def hammer() -> None:
-            while not stop.is_set():
-                try:
-                    a.write(mem, np.arange(n), sto, np.arange(n)).wait(10)
-                    outcomes.append("done")
-                except (kvx.TransferError, kvx.UsageError):
-                    outcomes.append("failed")
-
-        t = threading.Thread(target=hammer)
-        t.start()
-        import time
-
-        time.sleep(0.2)
-        sreg.release()
-        after = len(outcomes)
-        time.sleep(0.2)
-        stop.set()
-        t.join(15)
+        outcomes, after = race_release(a, mem, sto, n, sreg.release, trail=0.2)
         assert "done" in outcomes[:after]
         assert all(o == "failed" for o in outcomes[after + 1:])
         with pytest.raises(OSError):

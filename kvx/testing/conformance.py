@@ -33,7 +33,7 @@ import pytest
 import kvx
 from kvx.testing.procs import PeerProcess
 
-__all__ = ["TransferConformance", "StorageConformance", "digest", "pattern"]
+__all__ = ["race_release", "TransferConformance", "StorageConformance", "digest", "pattern"]
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -42,6 +42,34 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 def digest(buf: Any) -> str:
     return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def race_release(agent: kvx.Agent, local: Any, remote: Any, n: int, release: Any, lead: float = 0.2,
+                 trail: float = 0.3) -> tuple[list[str], int]:
+    """Post writes of blocks ``0..n-1`` of ``local`` to ``remote`` back to back on a thread, call
+    ``release()`` after ``lead`` seconds, let it post ``trail`` seconds more, stop it (bounded):
+    (each post's outcome, "done" or "failed"; how many had ended when ``release()`` returned)."""
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                agent.write(local, np.arange(n), remote, np.arange(n)).wait(10)
+                outcomes.append("done")
+            except (kvx.TransferError, kvx.UsageError):
+                outcomes.append("failed")
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    time.sleep(lead)
+    release()
+    at = len(outcomes)
+    time.sleep(trail)
+    stop.set()
+    t.join(15)
+    assert not t.is_alive(), "a transfer posted around the release did not end within its bound"
+    return outcomes, at
 
 
 class TransferConformance:
@@ -197,29 +225,8 @@ class TransferConformance:
     def test_release_racing_transfers(self, agent: kvx.Agent, peer: PeerProcess) -> None:
         bs, n = 65536, 64
         local, remote, _buf, rid, _ = self.connect(agent, peer, bs * n, bs)
-        outcomes: list[str] = []
-        stop = threading.Event()
-
-        def hammer() -> None:
-            while not stop.is_set():
-                try:
-                    agent.write(local, np.arange(n), remote, np.arange(n)).wait(10)
-                    outcomes.append("done")
-                except kvx.TransferError:
-                    outcomes.append("failed")
-                except kvx.UsageError:
-                    outcomes.append("failed")
-
-        t = threading.Thread(target=hammer)
-        t.start()
-        time.sleep(0.2)
-        peer.call(cmd="release", id=rid)
         # after release returned, no transfer may succeed any more
-        after = len(outcomes)
-        time.sleep(0.3)
-        stop.set()
-        t.join(15)
-        assert not t.is_alive()
+        outcomes, after = race_release(agent, local, remote, n, lambda: peer.call(cmd="release", id=rid))
         assert "done" in outcomes[:after] or after == 0
         tail = outcomes[after + 1:]  # one transfer may have been posted before the release
         assert tail and all(o == "failed" for o in tail)
