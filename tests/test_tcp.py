@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -475,3 +476,34 @@ def test_forged_many_descriptors_take_the_vector_check(tpeer: PeerProcess) -> No
     finally:
         s.close()
     assert tpeer.digest(rid) == before
+
+
+def test_link_failure_while_a_read_payload_arrives_fails_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection fails while the payload of a read reply is being received -- the chunk has
+    already left the pending table, where the connection's failure looks for transfers to fail:
+    the transfer still turns FAILED with PeerDisconnected at once, not at its deadline."""
+    from kvx.backends import tcp as ktcp
+
+    real = ktcp._net.recvv
+    calls = {"n": 0}
+
+    def reset_once(*a: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+        return real(*a)
+
+    bs = 1 << 20  # one chunk, above the fast path's size limit
+    with _agent("tgt") as tgt, _agent("ini", transfer_timeout=20.0) as ini:
+        treg = tgt.register(np.full(bs, 7, np.uint8))
+        name = ini.add_peer(tgt.metadata())
+        buf = np.zeros(bs, np.uint8)
+        loc = ini.prepare(kvx.DescList.blocks(ini.register(buf), bs))
+        rem = ini.prepare(kvx.DescList.blocks(treg.descs, bs), peer=name)
+        monkeypatch.setattr(ktcp._net, "recvv", reset_once)
+        t0 = time.monotonic()
+        x = ini.read(loc, [0], rem, [0])
+        with pytest.raises(kvx.PeerDisconnected):
+            x.wait(15)
+        assert time.monotonic() - t0 < 10
+        assert calls["n"] == 1 and x.status is kvx.Status.FAILED

@@ -445,8 +445,7 @@ class _Stream:
                 self._handle(msg)
         except (KVXError, OSError) as exc:
             if not conn.dead:
-                err = exc if isinstance(exc, TransferError) else PeerDisconnected(
-                    f"peer {conn.name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
+                err = _link_error(conn.name, exc)
                 if isinstance(exc, ProtocolError):
                     log.warning("dropping the connection to %s: %s", conn.name, exc)
                 conn.fail(err)
@@ -466,13 +465,19 @@ class _Stream:
             item = self.pending.pop(rid, None)
         if t == "rd":
             wire.check(msg, "rd", {"n": int})
-            if isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed:
-                _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, RCV_LOWAT)
-                item.req.chunk_done()
-            else:
-                _net.discard(self.fd, msg["n"], self.conn.timeout)
+            take = isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed
+            try:
+                if take:
+                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, RCV_LOWAT)
+                else:
+                    _net.discard(self.fd, msg["n"], self.conn.timeout)
+            except (KVXError, OSError) as exc:
+                # the chunk left ``pending`` with this reply: the connection's failure cannot reach it
                 if isinstance(item, _Chunk):
-                    item.req.chunk_done(ProtocolError("read reply of the wrong size"))
+                    item.req.chunk_done(_link_error(self.conn.name, exc))
+                raise
+            if isinstance(item, _Chunk):
+                item.req.chunk_done(None if take else ProtocolError("read reply of the wrong size"))
             return
         if item is None:
             return  # a cancelled request's reply
@@ -605,8 +610,7 @@ class _FastStream:
                 except (KVXError, OSError, ValueError) as exc:
                     if isinstance(exc, ProtocolError):
                         log.warning("dropping the connection to %s: %s", conn.name, exc)
-                    err = exc if isinstance(exc, TransferError) else PeerDisconnected(
-                        f"peer {conn.name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
+                    err = _link_error(conn.name, exc)
                     self.closed = True  # the stream is out of sync: never reuse it
             self.cur = None
         finally:
@@ -1273,6 +1277,13 @@ def _native_u64(b: bytes) -> bytes:  # pragma: no cover - big-endian hosts only
 
 def _frame(body: bytes) -> bytes:
     return wire.frame_header(_K_MSG, len(body)) + body
+
+
+def _link_error(name: str, exc: BaseException) -> TransferError:
+    """What a failure on the connection to peer ``name`` means for the transfers on it."""
+    if isinstance(exc, TransferError):
+        return exc
+    return PeerDisconnected(f"peer {name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
 
 
 def _why(exc: OSError) -> str:
