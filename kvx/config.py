@@ -66,7 +66,8 @@ SETTINGS: dict[str, Setting] = {
                 "Largest wire message (metadata, descriptor list, control frame) accepted, in bytes."),
         Setting("KVX_CUDA_COPY", str, "auto",
                 "GPU copy path: kernel (batched NVRTC gather kernel), ce (cuMemcpyBatchAsync on the copy "
-                "engines), auto (ce when the mean block is >= 2 MiB, else kernel)."),
+                "engines), auto (ce when the mean block is >= 8 MiB GPU<->GPU or >= 2 MiB with host memory, else "
+                "kernel)."),
         Setting("KVX_GDS_COMPAT", _bool, False,
                 "Let the gds backend run where GPUDirect Storage is not usable, in kvikio's compat mode (POSIX "
                 "through kvikio's bounce buffers). Off by default: measured 2-8x slower than staging through "

@@ -1396,6 +1396,40 @@ static PyObject *py_cuda_post(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ii)", step, rc);
 }
 
+/*
+ * cuda_event_spin(query_fn, event, max_ns) -> rc
+ *
+ * Poll cuEventQuery(event) without the GIL until it is no longer CUDA_ERROR_NOT_READY (600) or
+ * max_ns nanoseconds have passed; returns its last result (0: the event has completed, 600: still
+ * pending at the bound, anything else: the CUDA error). query_fn is cuEventQuery's address.
+ * A waiter that spins here sees a finished copy within a microsecond or two and leaves the GIL to
+ * other threads meanwhile (a Python loop that yields the GIL between polls saw it 30-50 us late).
+ */
+typedef int (*cu_query_fn)(void *event);
+
+static PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long fq, ev, max_ns;
+    if (!PyArg_ParseTuple(args, "KKK", &fq, &ev, &max_ns)) return NULL;
+    if (!fq || !ev) {
+        PyErr_SetString(PyExc_ValueError, "cuda_event_spin: missing function or event");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        rc = ((cu_query_fn)(uintptr_t)fq)((void *)(uintptr_t)ev);
+        if (rc != 600) break;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        uint64_t el = (uint64_t)(t.tv_sec - t0.tv_sec) * 1000000000ull + (uint64_t)t.tv_nsec - (uint64_t)t0.tv_nsec;
+        if (el >= max_ns) break;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 static PyMethodDef methods[] = {
     {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job (int bytes if done inline, else Job)."},
     {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
@@ -1409,6 +1443,7 @@ static PyMethodDef methods[] = {
     {"cma_probe", py_cma_probe, METH_VARARGS, "Read 8 bytes of another process with process_vm_readv."},
     {"stage_index", py_stage_index, METH_VARARGS, "Check two index sources and write them as int32/int64 at an address."},
     {"cuda_post", py_cuda_post, METH_VARARGS, "cuMemcpyHtoDAsync + cuLaunchKernel + cuEventRecord without the GIL."},
+    {"cuda_event_spin", py_cuda_event_spin, METH_VARARGS, "Poll cuEventQuery without the GIL, bounded in time."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._native", "Native copy engine of kvx.", -1, methods,

@@ -135,6 +135,35 @@ def test_native_cuda_post_calls_in_order() -> None:
         _native.cuda_post(0, fns[1], fns[2], 0x1000, 0x2000, 96, 0x30, 0x40, 1, 32, *a, 14, 0)
 
 
+def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
+    """``_native.cuda_event_spin`` (a waiter's poll without the GIL): driven with a stand-in cuEventQuery."""
+    import ctypes
+
+    from kvx import _native
+
+    seen: list[int] = []
+    script: list[int] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def query(ev: int) -> int:
+        seen.append(ev)
+        return script.pop(0) if script else 600
+
+    q = ctypes.cast(query, ctypes.c_void_p).value
+    assert q
+    script[:] = [600, 600, 600, 0]  # not ready three times, then done
+    assert _native.cuda_event_spin(q, 0x77, 10**9) == 0
+    assert seen == [0x77] * 4
+    script[:] = [700]  # an error ends the spin at once with that code
+    seen.clear()
+    assert _native.cuda_event_spin(q, 0x77, 10**9) == 700 and len(seen) == 1
+    t0 = time.monotonic()  # never ready: back at the bound, still "not ready"
+    assert _native.cuda_event_spin(q, 0x77, 20_000_000) == 600
+    assert 0.02 <= time.monotonic() - t0 < 2.0
+    with pytest.raises(ValueError):
+        _native.cuda_event_spin(0, 0x77, 1000)
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 CFG = {"backends": ["cuda"], "peer_timeout": 3.0}
@@ -499,11 +528,42 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
         exp = np.zeros((8, 64), np.uint8)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        assert any(f[1] == "cuda" for f in agent._fast.values())  # reposts of the pair took the shortcut
         for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0]),
                        (np.arange(2), np.array([0, 8])), (np.array([0, -1]), np.arange(2)),  # native staging
                        (np.arange(8, dtype=np.int32), np.array([0, 1, 2, 3, 4, 5, 6, 9], np.int32))]:
             with pytest.raises(kvx.UsageError):
                 agent.write(local, li, remote, ri)
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spin", [0.0, 1e-6, 0.002])
+def test_wait_spins_then_polls(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch, spin: float) -> None:
+    """``Transfer.wait``: a native spin on the event bounded by ``SPIN_WAIT`` (none, one that ends long
+    before the copy, the default), then the Python loop; each ends with every byte in place."""
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "SPIN_WAIT", spin)
+    size, bs = 16 << 20, 4096
+    rid, rdescs = helper.register("vram", size, 0)
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", size)
+        view[:] = pattern(_xp(view), size, 5)
+        reg = agent.register(obj)
+        n = size // bs
+        ri = np.random.default_rng(1).permutation(n)
+        local = agent.prepare(kvx.DescList.blocks(reg, bs))
+        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
+        for _ in range(2):
+            x = agent.write(local, np.arange(n), remote, ri)
+            assert x.wait(10).done()
+        exp = np.zeros((n, bs), np.uint8)
+        exp[ri] = pattern(np, size, 5).reshape(n, bs)
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
         reg.release()
     finally:
