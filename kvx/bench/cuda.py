@@ -586,7 +586,8 @@ def _xtune2(argv: list[str]) -> int:
     in place), ``eager`` (the reaper woken by every post), ``warp`` / ``warpx`` (block-major /
     chunk-major work items), ``cN`` (work items of 2**N bytes instead of 2**14),
     ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
-    part of the earlier host path). Every variant's bytes are checked once. With ``--profile``,
+    part of the earlier host path), ``nospin`` (waiters poll from Python, no native spin).
+    Every variant's bytes are checked once. With ``--profile``,
     the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
     events), for each host path of ``--profile-host`` (``new`` = the defaults, ``old`` as above),
     with ``post()`` also timed without the profile's events.
@@ -612,11 +613,15 @@ def _xtune2(argv: list[str]) -> int:
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
     target = Helper("xtune2-target", {"backends": ["cuda"]})
     defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX,
-                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY)
+                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
+                kc.SPIN_WAIT)
 
     def setv(be: Any, v: str) -> None:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
+         kc.SPIN_WAIT) = defaults
+        if v == "nospin":  # the waiter's earlier Python loop (no native spin on the event)
+            kc.SPIN_WAIT = 0.0
         if v == "ce":
             be.mode = "ce"
         elif v.startswith("split"):
@@ -705,13 +710,14 @@ def _xtune2(argv: list[str]) -> int:
                       f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
     finally:
         (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY) = defaults
+         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
+         kc.SPIN_WAIT) = defaults
         target.close()
     return 0
 
 
 def _stamps(argv: list[str]) -> int:
-    """``python -m kvx.bench.cuda stamps``: where the CPU time of one kernel post goes.
+    """``python -m kvx.bench.cuda stamps``: where the CPU time of one kernel (or ``--path ce``) post goes.
 
     Two processes (target on GPU 1), GPU0 -> GPU1 writes and reads of ``--total`` in permuted
     blocks; ``kvx.backends.cuda.STAMPS`` collects a clock stamp at each phase of ``post()``; the
@@ -729,6 +735,8 @@ def _stamps(argv: list[str]) -> int:
     ap.add_argument("--block-sizes", default="4K,32K")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--variants", default="default,noreaper")
+    ap.add_argument("--path", default="kernel", choices=["kernel", "ce"],
+                    help="copy path (ce: cuMemcpyBatchAsync; its stamps show the driver's CPU time per batch)")
     a = ap.parse_args(argv)
     total = parse_size(a.total)
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
@@ -756,7 +764,7 @@ def _stamps(argv: list[str]) -> int:
         rid, rdescs = target.register("vram", total, rdev)
         with kvx.Agent("stamps", kvx.AgentConfig(backends=("cuda",))) as ag:
             be = ag.backend("cuda")
-            be.mode = "kernel"  # type: ignore[attr-defined]
+            be.mode = a.path  # type: ignore[attr-defined]
             with cp.cuda.Device(0):
                 g0 = cp.zeros(total, dtype=cp.uint8)
             reg = ag.register(g0)

@@ -13,7 +13,8 @@ prepares both descriptor lists once (``prep_xfer_dlist``), builds one transfer r
 ``make_prepped_xfer`` whose local indices are in order and whose remote indices are a
 permutation (paged KV blocks are not contiguous, so NIXL must not be able to merge them), then
 times ``iters`` posts of all ``n`` blocks, each from ``transfer`` to ``check_xfer_state`` =
-DONE, after one warm-up.  The buffer that receives data is zeroed before every block size and
+DONE, after a warm-up (``kvx.bench.warm``: one post at least, 20 ms at least, as for kvx).
+The buffer that receives data is zeroed before every block size and
 checked afterwards against the expected permuted layout (by the target for writes, after a
 NIXL notification; by the initiator for reads).  Latency is measured last: single prepared
 4 KiB descriptors posted to completion.
@@ -53,6 +54,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import config as _kvx_config
+from ..bench import warm
 
 __all__ = ["nixl_available", "nixl_version", "run_nixl", "parse_size", "main"]
 
@@ -489,7 +491,7 @@ def _initiator_main(cfg: _Config, ch: _Channel, deadline: _Deadline) -> dict[str
                                        remote_seg, backends=backends)
         xfer = agent.make_prepped_xfer(op, local, np.arange(n, dtype=np.int32), remote, perm,
                                        backends=backends)
-        _post_and_wait(agent, xfer, deadline)  # warm-up
+        warm(lambda: _post_and_wait(agent, xfer, deadline))  # as kvx's points are (kvx.bench.warm)
         times = [_post_and_wait(agent, xfer, deadline) for _ in range(cfg.iters)]
         if cfg.op == "write":
             tag = f"kvx-verify:{bs}"
@@ -577,7 +579,7 @@ def _file_main(cfg: _Config, deadline: _Deadline) -> dict[str, Any]:
                                            backends=backends)
             xfer = agent.make_prepped_xfer(op, local, np.arange(n, dtype=np.int32), remote, perm,
                                            backends=backends)
-            _post_and_wait(agent, xfer, deadline)  # warm-up
+            warm(lambda: _post_and_wait(agent, xfer, deadline))
             times = [_post_and_wait(agent, xfer, deadline) for _ in range(cfg.iters)]
             if cfg.op == "write":
                 on_disk = np.fromfile(fd_file.name, dtype=np.uint8, count=n * bs)
@@ -657,7 +659,7 @@ def run_nixl(*, mem: str = "dram", op: str = "write", block_sizes: list[int], to
         op: ``"write"`` or ``"read"``, from the initiator's point of view.
         block_sizes: block sizes in bytes; each is swept over ``total // bs`` blocks.
         total: bytes of each buffer (and of the file).
-        iters: timed transfers per block size (after one warm-up).
+        iters: timed transfers per block size (after a warm-up of 20 ms, one transfer at least).
         permute: remote block ids permuted (``default_rng(seed).permutation(n)``), local in order.
         seed: permutation seed.
         latency_samples: number of single 4 KiB write transfers for the latency figure (0: skip).
