@@ -649,14 +649,9 @@ static void job_free(job_t *j) {
 /* Run a job in the calling thread (guards already entered): GIL released for large ones,
  * file sync if asked, guards exited. Returns 0 or an errno. */
 static int run_inline(job_t *j) {
-    int e;
-    if (j->nbytes >= 65536) {
-        Py_BEGIN_ALLOW_THREADS
-        e = run_range(j, 0, j->nt);
-        Py_END_ALLOW_THREADS
-    } else {
-        e = run_range(j, 0, j->nt);
-    }
+    PyThreadState *ts = j->nbytes >= 65536 ? PyEval_SaveThread() : NULL;
+    int e = run_range(j, 0, j->nt);
+    if (ts) PyEval_RestoreThread(ts);
     if (!e) { atomic_store(&j->err, 0); sync_fds(j); e = atomic_load(&j->err); }
     guards_exit(j);
     return e;
@@ -810,6 +805,20 @@ typedef struct {
     Py_ssize_t n;
 } idx_t;
 
+/* The integer width of a buffer opened with PyBUF_FORMAT: 4 or 8 (*is_signed set), or 0 for anything
+ * else (other sizes, floats, structured formats). 'l'/'L' count by the buffer's itemsize. */
+static int int_buffer_width(const Py_buffer *b, int *is_signed) {
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[0] == 0 || f[1] != 0) return 0;
+    const int sz = (int)b->itemsize;
+    if (sz == 8 && (*f == 'q' || *f == 'l' || *f == 'n')) { *is_signed = 1; return 8; }
+    if (sz == 8 && (*f == 'Q' || *f == 'L' || *f == 'N')) { *is_signed = 0; return 8; }
+    if (sz == 4 && (*f == 'i' || *f == 'l')) { *is_signed = 1; return 4; }
+    if (sz == 4 && (*f == 'I' || *f == 'L')) { *is_signed = 0; return 4; }
+    return 0;
+}
+
 static int idx_open(PyObject *o, idx_t *ix) {
     memset(ix, 0, sizeof(*ix));
     if (PyLong_Check(o)) {
@@ -826,9 +835,8 @@ static int idx_open(PyObject *o, idx_t *ix) {
     }
     if (PyObject_GetBuffer(o, &ix->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     ix->has_buf = 1;
-    const char *f = ix->buf.format ? ix->buf.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (ix->buf.itemsize != 8 || !(*f == 'q' || *f == 'l' || *f == 'Q' || *f == 'L' || *f == 'n' || *f == 'N')) {
+    int is_signed;
+    if (int_buffer_width(&ix->buf, &is_signed) != 8) {
         PyErr_SetString(PyExc_TypeError, "index arrays must be 64-bit integers");
         PyBuffer_Release(&ix->buf);
         ix->has_buf = 0;
@@ -1181,15 +1189,8 @@ static int sidx_open(PyObject *o, sidx_t *ix) {
     }
     if (PyObject_GetBuffer(o, &ix->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     ix->has_buf = 1;
-    const char *f = ix->buf.format ? ix->buf.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    int sz = (int)ix->buf.itemsize;
-    int ok = 0;
-    if (sz == 8 && (*f == 'q' || *f == 'l' || *f == 'n')) ok = 1, ix->is_signed = 1;
-    else if (sz == 8 && (*f == 'Q' || *f == 'L' || *f == 'N')) ok = 1;
-    else if (sz == 4 && (*f == 'i' || *f == 'l')) ok = 1, ix->is_signed = 1;
-    else if (sz == 4 && (*f == 'I' || *f == 'L')) ok = 1;
-    if (!ok || f[1] != 0) {
+    const int sz = int_buffer_width(&ix->buf, &ix->is_signed);
+    if (!sz) {
         PyErr_SetString(PyExc_TypeError, "index arrays must be 32- or 64-bit integers");
         PyBuffer_Release(&ix->buf);
         ix->has_buf = 0;
@@ -1320,15 +1321,10 @@ static PyObject *py_stage_index(PyObject *self, PyObject *args) {
     if (!b.has_buf && stage_seq(&b, d1, wide, ns) < 0) goto out;
     if (n && (a.has_buf || b.has_buf)) {
         int bad0 = 0, bad1 = 0;
-        if (n >= 4096) { /* one GIL release for both arrays */
-            Py_BEGIN_ALLOW_THREADS
-            if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
-            if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
-            Py_END_ALLOW_THREADS
-        } else {
-            if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
-            if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
-        }
+        PyThreadState *ts = n >= 4096 ? PyEval_SaveThread() : NULL; /* one GIL release for both arrays */
+        if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
+        if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
+        if (ts) PyEval_RestoreThread(ts);
         if (bad0 || bad1) {
             PyErr_Format(PyExc_IndexError, "descriptor index out of range for a list of %zd", bad0 ? nd : ns);
             goto out;

@@ -1580,17 +1580,13 @@ class CudaBackend(SameNodeLink, Backend):
         return req
 
     def fast_path(self, op: Op, local: PreparedList, remote: PreparedList) -> Any:
-        """The agent's per-(op, list pair) shortcut to :meth:`post` (no notification): taken for
-        equal-length lists and index forms the native staging checks itself; anything else raises
-        TypeError, so the agent takes its general path (which converts, checks and reports)."""
-        lp, rp = local.bdata.get("cuda"), remote.bdata.get("cuda")
-        if lp is None or rp is None or not (lp.ulen and rp.ulen and lp.ulen == rp.ulen):
-            return None
+        """The agent's per-(op, list pair) shortcut straight to :meth:`post` (no notification).
+        ``post`` takes the index sources as given (checked while staged, or by :func:`_index`) and
+        raises TypeError/ValueError/IndexError before anything moves for one it cannot take; the
+        agent then takes its general path, which converts, checks and raises ``UsageError``."""
         post = self.post
 
         def fast(lidx: Any, ridx: Any) -> Request:
-            if not NATIVE_STAGING or _stageable(lidx) is None or _stageable(ridx) is None:
-                raise TypeError("index form for the general path")
             return post(op, local, lidx, remote, ridx, None)
 
         return fast
