@@ -655,10 +655,13 @@ class Agent:
                          bytes(notify) if notify is not None else None)
         except (IndexError, ValueError, TypeError) as exc:
             raise UsageError(f"bad transfer request: {exc}") from exc
-        if notify is None and backend is None and len(self._fast) < 4096:
-            fp = b.fast_path(op, local, remote)
+        fk = (id(local), id(remote), op)
+        f = self._fast.get(fk)
+        if notify is None and backend is None and len(self._fast) < 4096 and (
+                f is None or f[2] is not local or f[3] is not remote or f[1] != b.name):
+            fp = b.fast_path(op, local, remote)  # once per pair: a backend may cache work in it
             if fp is not None:
-                self._fast[(id(local), id(remote), op)] = (fp, b.name, local, remote)
+                self._fast[fk] = (fp, b.name, local, remote)
         if isinstance(req, int):
             return Transfer._completed(req, b.name)
         return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)

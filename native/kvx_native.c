@@ -1278,6 +1278,38 @@ static int stage_seq(sidx_t *ix, void *dst, int wide, Py_ssize_t limit) {
     return 0;
 }
 
+/* Check two opened index sources against their lists' lengths (nd, ns) and each other, and stage them
+ * at addr (cap bytes): the n destination indices, then the n source indices, int32 or int64 (wide).
+ * Returns n, or -1 with an exception set. Large arrays are converted without the GIL. */
+static Py_ssize_t stage_pair(sidx_t *a, sidx_t *b, Py_ssize_t nd, Py_ssize_t ns, int wide, unsigned long long addr,
+                             unsigned long long cap) {
+    const Py_ssize_t n = a->n;
+    const size_t isz = wide ? 8 : 4;
+    if (b->n != n) {
+        PyErr_SetString(PyExc_ValueError, "index lists differ in length");
+        return -1;
+    }
+    if ((unsigned long long)n * 2 * isz > cap || (n && !addr)) {
+        PyErr_Format(PyExc_ValueError, "staging buffer of %llu bytes too small for %zd index pairs", cap, n);
+        return -1;
+    }
+    char *d0 = (char *)(uintptr_t)addr, *d1 = d0 + (size_t)n * isz;
+    if (!a->has_buf && stage_seq(a, d0, wide, nd) < 0) return -1;
+    if (!b->has_buf && stage_seq(b, d1, wide, ns) < 0) return -1;
+    if (n && (a->has_buf || b->has_buf)) {
+        int bad0 = 0, bad1 = 0;
+        PyThreadState *ts = n >= 4096 ? PyEval_SaveThread() : NULL; /* one GIL release for both arrays */
+        if (a->has_buf) bad0 = stage_buf(d0, wide, a->buf.buf, a->width, a->is_signed, n, (uint64_t)nd);
+        if (b->has_buf) bad1 = stage_buf(d1, wide, b->buf.buf, b->width, b->is_signed, n, (uint64_t)ns);
+        if (ts) PyEval_RestoreThread(ts);
+        if (bad0 || bad1) {
+            PyErr_Format(PyExc_IndexError, "descriptor index out of range for a list of %zd", bad0 ? nd : ns);
+            return -1;
+        }
+    }
+    return n;
+}
+
 /*
  * stage_index(dst_idx, n_dst, src_idx, n_src, addr, cap, wide) -> n
  *
@@ -1306,30 +1338,8 @@ static PyObject *py_stage_index(PyObject *self, PyObject *args) {
     if (sidx_open(di, &a) < 0) return NULL;
     if (sidx_open(si, &b) < 0) { sidx_close(&a); return NULL; }
     PyObject *ret = NULL;
-    Py_ssize_t n = a.n;
-    size_t isz = wide ? 8 : 4;
-    if (b.n != n) {
-        PyErr_SetString(PyExc_ValueError, "index lists differ in length");
-        goto out;
-    }
-    if ((unsigned long long)n * 2 * isz > cap || (n && !addr)) {
-        PyErr_Format(PyExc_ValueError, "staging buffer of %llu bytes too small for %zd index pairs", cap, n);
-        goto out;
-    }
-    char *d0 = (char *)(uintptr_t)addr, *d1 = d0 + (size_t)n * isz;
-    if (!a.has_buf && stage_seq(&a, d0, wide, nd) < 0) goto out;
-    if (!b.has_buf && stage_seq(&b, d1, wide, ns) < 0) goto out;
-    if (n && (a.has_buf || b.has_buf)) {
-        int bad0 = 0, bad1 = 0;
-        PyThreadState *ts = n >= 4096 ? PyEval_SaveThread() : NULL; /* one GIL release for both arrays */
-        if (a.has_buf) bad0 = stage_buf(d0, wide, a.buf.buf, a.width, a.is_signed, n, (uint64_t)nd);
-        if (b.has_buf) bad1 = stage_buf(d1, wide, b.buf.buf, b.width, b.is_signed, n, (uint64_t)ns);
-        if (ts) PyEval_RestoreThread(ts);
-        if (bad0 || bad1) {
-            PyErr_Format(PyExc_IndexError, "descriptor index out of range for a list of %zd", bad0 ? nd : ns);
-            goto out;
-        }
-    }
+    const Py_ssize_t n = stage_pair(&a, &b, nd, ns, wide, addr, cap);
+    if (n < 0) goto out;
     ret = PyLong_FromSsize_t(n);
 out:
     sidx_close(&b);
@@ -1426,6 +1436,197 @@ static PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
     return PyLong_FromLong(rc);
 }
 
+/*
+ * CudaRoute(launch_fn, record_fn, ctx_get_fn, ctx_set_fn, ctx, stream, func, threads, grid_cap, shift,
+ *           dst_addrs, src_addrs, src_lens, ulen, n_dst, n_src, wide, guards)
+ *
+ * One route of the cuda backend (an op between two prepared lists of equal block length on one
+ * GPU, run by the gather kernel with its indices read in place from a pinned staging slot), built
+ * once; post() then does the whole launch in one call. guards: a uint64 buffer of (state address,
+ * wanted value, in-flight counter address) triples (the target's registrations the transfer
+ * writes or reads), copied here.
+ *
+ * post(dst_idx, src_idx, slot, cap, event) -> (n, step, rc)
+ *   1. checks both index sources (as stage_index) and stages them at slot (cap bytes) as int32 or
+ *      int64: a bad index raises TypeError/ValueError/IndexError and nothing else happens;
+ *   2. raises each guard's in-flight counter (seq-cst), then checks every state still holds its
+ *      wanted value; if one does not, lowers the counters again and returns step -1;
+ *   3. makes ctx current if it is not, launches the kernel (n pairs, chunk items of 2^shift bytes)
+ *      on stream, records event (if nonzero), restores the previous context.
+ *   step 3 and rc 0: launched. step 0 (context switch), 1 (launch) or 2 (record) with the CUDA
+ *   error rc: the guards' counters stay raised (the caller lowers them after synchronizing).
+ * Run with the GIL held except while large index arrays are staged (the launch itself takes a
+ * few microseconds; handing the GIL around it would cost more). The caller serializes posts on
+ * one stream and keeps the slot, the guards' pages and the device arrays alive.
+ */
+typedef int (*cu_ctx_get_fn)(void **ctx);
+typedef int (*cu_ctx_set_fn)(void *ctx);
+
+typedef struct {
+    PyObject_HEAD
+    cu_launch_fn launch;
+    cu_record_fn record;
+    cu_ctx_get_fn ctx_get;
+    cu_ctx_set_fn ctx_set;
+    void *ctx, *stream, *func;
+    unsigned threads, grid_cap, shift;
+    uint64_t dst_addrs, src_addrs, src_lens, ulen, cpd;
+    Py_ssize_t n_dst, n_src;
+    int wide;
+    Py_ssize_t nguards;
+    uint64_t *guards; /* nguards triples */
+} RouteObject;
+
+static void Route_dealloc(RouteObject *self) {
+    free(self->guards);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Route_init(RouteObject *self, PyObject *args, PyObject *kw) {
+    (void)kw;
+    unsigned long long fl, fr, fg, fs, ctx, stream, func, dA, sA, sL, ulen;
+    unsigned int threads, cap, shift;
+    Py_ssize_t nd, ns;
+    int wide;
+    PyObject *guards;
+    if (!PyArg_ParseTuple(args, "KKKKKKKIIIKKKKnnpO", &fl, &fr, &fg, &fs, &ctx, &stream, &func, &threads, &cap,
+                          &shift, &dA, &sA, &sL, &ulen, &nd, &ns, &wide, &guards))
+        return -1;
+    if (!fl || !fr || !fg || !fs || !func || !threads || !cap || !ulen || shift > 40) {
+        PyErr_SetString(PyExc_ValueError, "CudaRoute: missing function, kernel or length");
+        return -1;
+    }
+    if (nd < 0 || ns < 0 || (!wide && (nd > INT32_MAX || ns > INT32_MAX))) {
+        PyErr_SetString(PyExc_ValueError, "CudaRoute: bad list lengths");
+        return -1;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(guards, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    int sg = 0;
+    const int w = int_buffer_width(&b, &sg);
+    if (w != 8 || b.len % 24) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "CudaRoute: guards must be uint64 triples");
+        return -1;
+    }
+    free(self->guards);
+    self->guards = NULL;
+    self->nguards = b.len / 24;
+    if (b.len) {
+        self->guards = malloc((size_t)b.len);
+        if (!self->guards) {
+            PyBuffer_Release(&b);
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(self->guards, b.buf, (size_t)b.len);
+    }
+    PyBuffer_Release(&b);
+    self->launch = (cu_launch_fn)(uintptr_t)fl;
+    self->record = (cu_record_fn)(uintptr_t)fr;
+    self->ctx_get = (cu_ctx_get_fn)(uintptr_t)fg;
+    self->ctx_set = (cu_ctx_set_fn)(uintptr_t)fs;
+    self->ctx = (void *)(uintptr_t)ctx;
+    self->stream = (void *)(uintptr_t)stream;
+    self->func = (void *)(uintptr_t)func;
+    self->threads = threads;
+    self->grid_cap = cap;
+    self->shift = shift;
+    self->dst_addrs = dA;
+    self->src_addrs = sA;
+    self->src_lens = sL;
+    self->ulen = ulen;
+    self->cpd = (ulen + (1ull << shift) - 1) >> shift;
+    self->n_dst = nd;
+    self->n_src = ns;
+    self->wide = wide;
+    return 0;
+}
+
+static PyObject *Route_post(RouteObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "post(dst_idx, src_idx, slot, cap, event)");
+        return NULL;
+    }
+    const unsigned long long addr = PyLong_AsUnsignedLongLong(args[2]);
+    const unsigned long long cap = PyLong_AsUnsignedLongLong(args[3]);
+    const unsigned long long ev = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    sidx_t a, b;
+    if (sidx_open(args[0], &a) < 0) return NULL;
+    if (sidx_open(args[1], &b) < 0) {
+        sidx_close(&a);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (a.n == 0 && b.n == 0) {
+        PyErr_SetString(PyExc_ValueError, "CudaRoute.post: no index pairs");
+        goto out;
+    }
+    const Py_ssize_t n = stage_pair(&a, &b, self->n_dst, self->n_src, self->wide, addr, cap);
+    if (n < 0) goto out;
+    /* the target's registrations: counters up first, then the states checked (the target clears a
+     * state, then waits for the counters to drain: one of the two sides sees the other) */
+    const uint64_t *g = self->guards;
+    const Py_ssize_t ng = self->nguards;
+    for (Py_ssize_t i = 0; i < ng; i++) atomic_fetch_add((_Atomic uint64_t *)(uintptr_t)g[3 * i + 2], 1);
+    int live = 1;
+    for (Py_ssize_t i = 0; i < ng && live; i++) live = atomic_load((_Atomic uint64_t *)(uintptr_t)g[3 * i]) == g[3 * i + 1];
+    if (!live) {
+        for (Py_ssize_t i = 0; i < ng; i++) atomic_fetch_sub((_Atomic uint64_t *)(uintptr_t)g[3 * i + 2], 1);
+        ret = Py_BuildValue("(nii)", n, -1, 0);
+        goto out;
+    }
+    const uint64_t items = (uint64_t)n * self->cpd;
+    uint64_t grid = (items * 32 + self->threads - 1) / self->threads;
+    if (grid > self->grid_cap) grid = self->grid_cap;
+    if (grid < 1) grid = 1;
+    uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, 0, (uint64_t)n, self->ulen,
+                      items};
+    uint32_t sh = self->shift;
+    void *params[9];
+    for (int i = 0; i < 8; i++) params[i] = &pv[i];
+    params[8] = &sh;
+    int step = 0, rc;
+    void *cur = NULL;
+    rc = self->ctx_get(&cur);
+    if (!rc && cur != self->ctx) rc = self->ctx_set(self->ctx);
+    if (!rc) {
+        step = 1;
+        rc = self->launch(self->func, (unsigned)grid, 1, 1, self->threads, 1, 1, 0, self->stream, params, NULL);
+        if (!rc) {
+            step = 2;
+            if (ev) rc = self->record((void *)(uintptr_t)ev, self->stream);
+            if (!rc) step = 3;
+        }
+        if (cur != self->ctx) {
+            const int rc2 = self->ctx_set(cur);
+            if (!rc && rc2) rc = rc2; /* step stays 3: launched; the caller reports the context error */
+        }
+    }
+    ret = Py_BuildValue("(nii)", n, step, rc);
+out:
+    sidx_close(&b);
+    sidx_close(&a);
+    return ret;
+}
+
+static PyMethodDef Route_methods[] = {
+    {"post", (PyCFunction)(void (*)(void))Route_post, METH_FASTCALL,
+     "post(dst_idx, src_idx, slot, cap, event) -> (n, step, rc): stage, guard, launch, record."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject RouteType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvx._native.CudaRoute",
+    .tp_basicsize = sizeof(RouteObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One GPU kernel route of the cuda backend: stage indices, guard, launch and record in one call.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Route_init,
+    .tp_dealloc = (destructor)Route_dealloc,
+    .tp_methods = Route_methods,
+};
+
 static PyMethodDef methods[] = {
     {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job (int bytes if done inline, else Job)."},
     {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
@@ -1448,12 +1649,15 @@ static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvx._native", "Native c
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&JobType) < 0) return NULL;
     if (PyType_Ready(&PlanType) < 0) return NULL;
+    if (PyType_Ready(&RouteType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m) return NULL;
     Py_INCREF(&JobType);
     PyModule_AddObject(m, "Job", (PyObject *)&JobType);
     Py_INCREF(&PlanType);
     PyModule_AddObject(m, "Plan", (PyObject *)&PlanType);
+    Py_INCREF(&RouteType);
+    PyModule_AddObject(m, "CudaRoute", (PyObject *)&RouteType);
     PyModule_AddIntConstant(m, "OP_MEMCPY", OP_MEMCPY);
     PyModule_AddIntConstant(m, "OP_CMA_WRITE", OP_CMA_WRITE);
     PyModule_AddIntConstant(m, "OP_CMA_READ", OP_CMA_READ);

@@ -135,6 +135,102 @@ def test_native_cuda_post_calls_in_order() -> None:
         _native.cuda_post(0, fns[1], fns[2], 0x1000, 0x2000, 96, 0x30, 0x40, 1, 32, *a, 14, 0)
 
 
+def test_native_cuda_route_stages_guards_launches() -> None:
+    """``_native.CudaRoute.post`` (the cached route's whole launch in one call), with stand-in driver
+    functions: indices checked and staged, the target's guards raised and checked, the context made
+    current and restored, the kernel launched with its arguments, the event recorded; bad input and
+    a released target leave no counter raised and launch nothing."""
+    import ctypes
+
+    from kvx import _native
+
+    calls: list[tuple[Any, ...]] = []
+    rcs = {"launch": 0, "record": 0}
+    cur = [0x5]  # the current context of this thread (a stand-in)
+    vp, u = ctypes.c_void_p, ctypes.c_uint
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, u, u, u, u, u, u, u, vp, vp, vp)
+    def launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, sh: int, stream: int, params: int,
+               extra: Any) -> int:
+        pp = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        a = [ctypes.c_uint64.from_address(pp[i]).value for i in range(8)]
+        calls.append(("launch", f, gx, bx, stream, a, ctypes.c_uint32.from_address(pp[8]).value, cur[0]))
+        return rcs["launch"]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
+    def record(ev: int, stream: int) -> int:
+        calls.append(("record", ev, stream, cur[0]))
+        return rcs["record"]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    def ctx_get(out: Any) -> int:
+        out[0] = cur[0] or None
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp)
+    def ctx_set(ctx: int) -> int:
+        calls.append(("ctx", ctx or 0))
+        cur[0] = ctx or 0
+        return 0
+
+    fns = [ctypes.cast(f, vp).value for f in (launch, record, ctx_get, ctx_set)]
+    # the target's control words: two registrations (state, in-flight counter)
+    ctl = np.zeros(4, dtype=np.uint64)
+    ctl[0], ctl[2] = 3, 5  # states: live generations 3 and 5
+    base = ctl.ctypes.data
+    guards = np.array([base, 3, base + 8, base + 16, 5, base + 24], dtype=np.uint64)
+    n_dst, n_src, ulen = 10, 12, 40000  # 40000 bytes per block: 3 items of 16 KiB
+    for wide in (False, True):
+        route = _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, n_dst, n_src,
+                                  wide, guards)
+        slot = np.zeros(64, dtype=np.uint8)
+        addr = slot.ctypes.data
+        calls.clear()
+        n, step, rc = route.post(np.array([9, 0, 4], dtype=np.int64), [11, 2, 3], addr, 64, 0x50)
+        assert (n, step, rc) == (3, 3, 0)
+        it = np.int64 if wide else np.int32
+        assert slot.view(it)[:6].tolist() == [9, 0, 4, 11, 2, 3]
+        items = 3 * 3
+        grid = (items * 32 + 255) // 256
+        assert calls == [("ctx", 0x7), ("launch", 0x40, grid, 256, 0x30, [0xA0, 0xB0, addr, 0xC0, 0, 3, ulen, items],
+                                        14, 0x7), ("record", 0x50, 0x30, 0x7), ("ctx", 0x5)]
+        assert ctl[1] == 1 and ctl[3] == 1  # both counters raised (the caller lowers them at completion)
+        ctl[1] = ctl[3] = 0
+        # context already current: no switch; no event: no record
+        cur[0] = 0x7
+        calls.clear()
+        assert route.post(1, 2, addr, 64, 0) == (1, 3, 0)
+        assert [c[0] for c in calls] == ["launch"]
+        cur[0] = 0x5
+        ctl[1] = ctl[3] = 0
+        # bad input: raises, nothing raised, nothing launched
+        calls.clear()
+        for di, si, exc in (([10], [0], IndexError), ([0], [12], IndexError), ([-1], [0], IndexError),
+                            ([0, 1], [0], ValueError), (np.array([0.5]), [0], TypeError), (["a"], [0], TypeError),
+                            ([], [], ValueError)):
+            with pytest.raises(exc):
+                route.post(di, si, addr, 64, 0x50)
+        with pytest.raises(ValueError):  # slot too small
+            route.post(list(range(9)), list(range(9)), addr, 64, 0x50)
+        assert calls == [] and ctl[1] == 0 and ctl[3] == 0
+        # the target released the second registration: counters lowered again, nothing launched
+        ctl[2] = 6
+        assert route.post([1], [1], addr, 64, 0x50) == (1, -1, 0)
+        assert calls == [] and ctl[1] == 0 and ctl[3] == 0
+        ctl[2] = 5
+        # a failed launch says where; the counters stay raised for the caller; the context is restored
+        rcs["launch"] = 700
+        assert route.post([1], [1], addr, 64, 0x50) == (1, 1, 700)
+        assert [c[0] for c in calls] == ["ctx", "launch", "ctx"] and cur[0] == 0x5
+        assert ctl[1] == 1 and ctl[3] == 1
+        ctl[1] = ctl[3] = 0
+        rcs["launch"] = 0
+    with pytest.raises(ValueError):  # guards must be u64 triples
+        _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards[:4])
+    with pytest.raises(ValueError):  # no kernel
+        _native.CudaRoute(*fns, 0x7, 0x30, 0, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards)
+
+
 def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
     """``_native.cuda_event_spin`` (a waiter's poll without the GIL): driven with a stand-in cuEventQuery."""
     import ctypes
@@ -443,17 +539,24 @@ def test_forged_descriptors_are_refused(agent: kvx.Agent, helper: Helper) -> Non
         helper.call(cmd="free", id=rid)
 
 
+def _gpu_pair(agent: kvx.Agent, helper: Helper, bs: int, n: int, seed: int) -> tuple[int, Any, Any, Any]:
+    """The target's GPU memory (on GPU 1 when there are two) and this process's, ``n`` blocks of ``bs``
+    bytes each, the local one filled with ``pattern(seed)``: (target id, registration, local list,
+    remote list). The caller releases the registration and frees the target's memory."""
+    rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
+    peer = agent.add_peer(helper.meta)
+    obj, view = _local("vram", n * bs)
+    view[:] = pattern(_xp(view), n * bs, seed)
+    reg = agent.register(obj)
+    return (rid, reg, agent.prepare(kvx.DescList.blocks(reg, bs)),
+            agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer))
+
+
 @pytest.mark.gpu
 def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> None:
     bs, n = 4096, 256
-    rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
+    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 11)
     try:
-        peer = agent.add_peer(helper.meta)
-        obj, view = _local("vram", n * bs)
-        view[:] = pattern(_xp(view), n * bs, 11)
-        reg = agent.register(obj)
-        local = agent.prepare(kvx.DescList.blocks(reg, bs))
-        remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
         rev = np.arange(n)[::-1].copy()
         agent.write(local, np.arange(n), remote, rev, notify=b"req-17")  # nobody polls it
         got = helper.notifs(timeout=10.0)
@@ -512,7 +615,14 @@ def test_killed_peer_fails_within_bound() -> None:
 
 
 @pytest.mark.gpu
-def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
+@pytest.mark.parametrize("route", [True, False])
+def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch,
+                                     route: bool) -> None:
+    """Every index form through the agent's cached route of the pair (a native ``_Route``, or
+    ``post()`` with ``ROUTE`` off), and bad indices rejected with nothing moved."""
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "ROUTE", route)
     rid, rdescs = helper.register("vram", 8 * 64, 0)
     try:
         peer = agent.add_peer(helper.meta)
@@ -529,12 +639,44 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper) -> None:
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
         assert any(f[1] == "cuda" for f in agent._fast.values())  # reposts of the pair took the shortcut
+        monkeypatch.setattr(kc, "STAMPS", [])  # which way a repost goes: the route stamps "route"
+        agent.write(local, [0], remote, [1]).wait(10)
+        assert ("route" in [label for label, _t in kc.STAMPS or []]) == route
+        monkeypatch.setattr(kc, "STAMPS", None)
         for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0]),
                        (np.arange(2), np.array([0, 8])), (np.array([0, -1]), np.arange(2)),  # native staging
                        (np.arange(8, dtype=np.int32), np.array([0, 1, 2, 3, 4, 5, 6, 9], np.int32))]:
             with pytest.raises(kvx.UsageError):
                 agent.write(local, li, remote, ri)
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make_transfer`` on cuda: indices checked when the plan is made; each post goes through the
+    pair's route; a setting the route depends on, changed between posts, takes effect."""
+    from kvx.backends import cuda as kc
+
+    bs, n = 4096, 64
+    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 9)
+    try:
+        with pytest.raises(kvx.UsageError):
+            agent.make_transfer("write", local, [0, 1], remote, [0, n])
+        perm = np.random.default_rng(3).permutation(n)
+        plan = agent.make_transfer("write", local, np.arange(n), remote, perm)
+        exp = np.zeros((n, bs), np.uint8)
+        exp[perm] = pattern(np, bs * n, 9).reshape(n, bs)
+        for route in (True, False, True):
+            monkeypatch.setattr(kc, "ROUTE", route)
+            helper.call(cmd="zero", id=rid)
+            monkeypatch.setattr(kc, "STAMPS", [])
+            plan.post().wait(10)
+            assert ("route" in [label for label, _t in kc.STAMPS or []]) == route
+            monkeypatch.setattr(kc, "STAMPS", None)
+            assert helper.digest(rid) == digest(np, exp.reshape(-1))
         reg.release()
     finally:
         helper.call(cmd="free", id=rid)

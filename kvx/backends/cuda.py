@@ -126,6 +126,10 @@ REAPER_DEEP_AFTER = 0.05
 #: up to this many seconds, then sleeps between polls. Measured: the earlier Python loop (yield the GIL,
 #: poll) saw a finished 256 MiB copy 30-50 us late (5-6% of its time); 0 = that loop.
 SPIN_WAIT = 0.002
+#: The agent's cached route of a list pair posts through :class:`_Route`: index check and staging,
+#: the target's guards, the launch and the event record in one native call (``_native.CudaRoute``),
+#: the completion event created after the launch. False: every post through :meth:`CudaBackend.post`.
+ROUTE = True
 #: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
 #: ``python -m kvx.bench.cuda xtune2``.
 PROFILE: list[dict[str, Any]] | None = None
@@ -519,6 +523,29 @@ class _Device:
                     self.cufns = (fns[0], fns[1], fns[2])
             except (AttributeError, BackendUnavailable):
                 self.cufns = None
+        self._route_fns: tuple[int, int, int, int] | None = None
+        self.ctx = 0
+
+    def route_fns(self) -> tuple[int, int, int, int] | None:
+        """Addresses of cuLaunchKernel, cuEventRecord, cuCtxGetCurrent, cuCtxSetCurrent for
+        :class:`_native.CudaRoute` (and this GPU's primary context in ``self.ctx``), or None."""
+        if self._route_fns is None and self.cufns is not None:
+            try:
+                lib = _driver().lib
+                g = lib.cuCtxGetCurrent
+                g.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+                g.restype = ctypes.c_int
+                with _cupy().cuda.Device(self.dev):  # the runtime's (primary) context of this GPU
+                    cur = ctypes.c_void_p()
+                    rc = g(ctypes.byref(cur))
+                fns = (self.cufns[1], self.cufns[2], int(ctypes.cast(g, ctypes.c_void_p).value or 0),
+                       int(ctypes.cast(lib.cuCtxSetCurrent, ctypes.c_void_p).value or 0))
+                if rc == 0 and cur.value and all(fns):
+                    self.ctx = int(cur.value)
+                    self._route_fns = fns
+            except (AttributeError, BackendUnavailable):
+                pass
+        return self._route_fns
 
     def config(self, cp: Any, variant: str, host_side: bool, i32: bool) -> tuple[Any, int, int, int]:
         """(kernel, CUfunction handle or 0, threads per CTA, grid cap) for a launch; cached."""
@@ -602,7 +629,7 @@ _BUSY = _Busy()
 class _Slot:
     """One staging slot: a pinned host buffer (mapped, portable) and a device buffer of the same size."""
 
-    __slots__ = ("cap", "dmem", "dptr", "guard", "hmem", "hptr", "hview")
+    __slots__ = ("cap", "dmem", "dptr", "guard", "hmem", "hptr", "hview", "req")
 
     def __init__(self) -> None:
         self.cap = 0
@@ -612,6 +639,7 @@ class _Slot:
         self.dmem: Any = None
         self.dptr = 0
         self.guard: Any = None  # event after the last kernel that read this slot (None: free)
+        self.req: Any = None  # the request of that kernel, if known: once retired, no need to query the event
 
     def reserve(self, cp: Any, nbytes: int) -> None:
         """At least ``nbytes`` in both buffers (the slot is free: its last kernel has finished)."""
@@ -643,7 +671,8 @@ class _Staging:
         for j in range(k):
             c = (self.next + j) % k
             g = slots[c].guard
-            if g is None or g.done:
+            r = slots[c].req
+            if g is None or (r is not None and r._done) or g.done:
                 i = c
                 break
         if i < 0:
@@ -658,6 +687,7 @@ class _Staging:
         s = slots[i]
         self.next = (i + 1) % len(slots)
         s.guard = _BUSY
+        s.req = None
         try:
             s.reserve(cp, nbytes)
         except BaseException:
@@ -741,9 +771,15 @@ class _CudaRequest(Request):
             finished, err = True, TransferError(f"CUDA copy failed: {exc}")
         if not finished:
             return False
+        self._retire(err)
+        return True
+
+    def _retire(self, err: BaseException | None) -> None:
+        """The event has completed (or failed with ``err``): lower the counters, send the
+        notification; once."""
         with self._lock:
             if self._done:
-                return True
+                return
             peer = self.peer
             if err is None and peer is not None and not peer.alive:
                 err = PeerDisconnected(f"peer {peer.name!r} disconnected during the transfer")
@@ -754,7 +790,6 @@ class _CudaRequest(Request):
             self._done = True
         if err is None and self.notify is not None:
             self.backend._send_notif(peer, self.notify)
-        return True
 
     def test(self) -> bool:
         if not self._poll():
@@ -768,8 +803,9 @@ class _CudaRequest(Request):
         deadline = t0 + timeout
         if not self._done and SPIN_WAIT > 0 and timeout > 0:
             q = self.backend.drv.event_query
-            if q:  # poll natively without the GIL first; any outcome is read again by _poll below
-                _native.cuda_event_spin(q, int(self.event.ptr), int(min(SPIN_WAIT, timeout) * 1e9))
+            if q:  # poll natively without the GIL first; an error or the bound: read again by _poll below
+                if _native.cuda_event_spin(q, int(self.event.ptr), int(min(SPIN_WAIT, timeout) * 1e9)) == 0:
+                    self._retire(None)  # completed (another query would cost 1-2 us more)
         while not self._poll():
             now = time.monotonic()
             if now >= deadline:
@@ -779,6 +815,127 @@ class _CudaRequest(Request):
             else:
                 time.sleep(min(2e-4 if now - t0 < 0.05 else 1e-3, deadline - now))
         return self.test()
+
+
+def _route_knobs(be: "CudaBackend") -> tuple[Any, ...]:
+    """The settings a :class:`_Route` is built under (it is rebuilt when one changes)."""
+    return (ROUTE, be.mode, KERNEL, CHUNK_SHIFT, THREADS, BLOCKS_PER_SM, BLOCKS_PER_SM_HOST, BLOCKS_PER_SM_BULK,
+            PIPE_PAIRS, INDEX_ZEROCOPY, NATIVE_POST, NATIVE_STAGING, _I32_MAX, PROFILE is None, EXEC_ON,
+            CE_MIN_BLOCK, id(AUTO_PLAN), len(AUTO_PLAN))
+
+
+class _Route:
+    """The agent's cached route of one (op, list pair) (:meth:`CudaBackend.fast_path`). On the kernel
+    path with equal block lengths (:meth:`CudaBackend._route` builds the native part) a post is only
+    the peer check, a staging slot, one native call (indices checked and staged, guards raised and
+    checked, context, launch, record) and, after the launch, the completion event and the request;
+    elsewhere it calls :meth:`CudaBackend.post`. Nothing is launched, and nothing stays raised, when
+    the call raises (bad indices) or the target released its memory. Rebuilt when a setting it
+    depends on changes (:func:`_route_knobs`)."""
+
+    __slots__ = ("be", "cnts", "d", "isz", "key", "local", "nat", "op", "peer", "remote", "ulen", "write")
+
+    def __init__(self, be: "CudaBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
+        self.be = be
+        self.op = op
+        self.local = local
+        self.remote = remote
+        self.write = op is Op.WRITE
+        self.key: Any = None
+        self.nat: Any = None
+        self.d: Any = None
+        self.peer: _Peer | None = None
+        self.cnts: list[int] = []
+        self.ulen = 0
+        self.isz = 4
+
+    def __call__(self, lidx: Any, ridx: Any) -> Request:
+        be = self.be
+        k = _route_knobs(be)
+        if k != self.key:
+            self.nat = None
+            if ROUTE:
+                be._route(self)
+            self.key = k
+        nat = self.nat
+        if nat is None:
+            return be.post(self.op, self.local, lidx, self.remote, ridx, None)
+        if STAMPS is not None:
+            STAMPS.append(("route", time.perf_counter_ns()))
+        d, peer = self.d, self.peer
+        if be._closed:
+            raise UsageError("cuda backend is closed")
+        if peer is not None and be._peers.get(peer.name) is not peer:
+            raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
+        didx, sidx = (ridx, lidx) if self.write else (lidx, ridx)
+        need = 2 * self.isz * (1 if type(didx) is int else max(1, len(didx)))
+        cp = be.cp
+        with d.lock:
+            st = d.staging
+            slots = st.slots
+            slot = slots[st.next] if slots else None
+            if slot is not None and slot.cap >= need and (slot.guard is None or (
+                    slot.req is not None and slot.req._done)):
+                st.next = (st.next + 1) % len(slots)  # the next slot is free (its transfer retired): take it
+                slot.guard = _BUSY
+                slot.req = None
+            else:
+                slot = st.take(cp, need)
+            if STAMPS is not None:
+                STAMPS.append(("take", time.perf_counter_ns()))
+            try:
+                if peer is not None:
+                    with peer.clock:
+                        if not peer.ctrl or not peer.alive:
+                            raise PeerDisconnected(f"peer {peer.name!r} is not connected")
+                        n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, 0)
+                else:
+                    n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, 0)
+            except BaseException:
+                slot.guard = None  # nothing was queued that reads it
+                raise
+            if STAMPS is not None:
+                STAMPS.append(("launched", time.perf_counter_ns()))
+            if step < 3:
+                self._undo(slot, step)
+                if step == -1:
+                    name = peer.name if peer is not None else "?"
+                    raise RemoteError(f"peer {name!r}: the target released (or re-registered) the memory")
+                what = ("context switch", "kernel launch", "event record")[step]
+                raise TransferError(f"CUDA {what} failed with CUDA error {rc}")
+            try:  # the completion event, after the launch (its creation no longer delays the copy)
+                if cp.cuda.runtime.getDevice() == d.dev:
+                    ev = cp.cuda.Event(block=True, disable_timing=True)
+                    ev.record(d.stream)
+                else:
+                    with cp.cuda.Device(d.dev):
+                        ev = cp.cuda.Event(block=True, disable_timing=True)
+                        ev.record(d.stream)
+            except BaseException:
+                self._undo(slot, 2)
+                raise
+            slot.guard = ev
+            req = _CudaRequest(be, ev, n * self.ulen, peer, self.cnts, None, None)
+            slot.req = req
+        if rc:
+            log.warning("cuda: restoring the caller's CUDA context after a launch failed with error %d", rc)
+        be._reaper.add(req)
+        if STAMPS is not None:
+            STAMPS.append(("request", time.perf_counter_ns()))
+        return req
+
+    def _undo(self, slot: _Slot, step: int) -> None:
+        """After a post that did not launch (step -1: the target released its memory, nothing raised;
+        0/1: the context switch or the launch failed) or launched without its event (2): once nothing
+        reads the memory any more, lower the counters and free the slot."""
+        if step == 2:
+            try:
+                self.d.stream.synchronize()
+            except Exception:
+                log.debug("synchronizing GPU %d after a failed event record", self.d.dev, exc_info=True)
+        slot.guard = None
+        if step >= 0:
+            self.be._release_counters(self.peer, self.cnts)
 
 
 class _Reaper:
@@ -1524,26 +1681,8 @@ class CudaBackend(SameNodeLink, Backend):
                         self._translate_remote(rp)
         if n == 0:
             return DoneRequest(0)
-        dev = lp.dev if lp.kind == MemoryKind.CUDA else rp.dev
-        gpu2gpu = lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA
-        ipc = peer is not None and not peer.same_process
-        if ipc and rp.kind == MemoryKind.CUDA and rp.dev >= 0 and rp.dev != lp.dev:
-            dev = rp.dev  # IPC memory is reachable only from the GPU it was imported on (_map_ipc)
-        if EXEC_ON == "pull" and gpu2gpu:
-            rhome = rp.owner if rp.owner >= 0 else rp.dev
-            want = rhome if op is Op.WRITE else lp.dev
-            if want >= 0 and want != dev:
-                if ipc and want != rp.dev and want not in rp.alt:
-                    with rp.lock:
-                        if want not in rp.alt:
-                            self._import_on(rp, want)
-                dev = want
-        if dev < 0:
-            dev = self._home_dev()
-        d = self._device(dev)
-        if gpu2gpu:
-            self._ensure_peer_access(d, lp.dev)
-            self._ensure_peer_access(d, rp.owner if rp.owner >= 0 else rp.dev)
+        d, gpu2gpu = self._exec_device(op, lp, rp)
+        dev = d.dev
         if STAMPS is not None:
             STAMPS.append(("device", time.perf_counter_ns()))
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
@@ -1579,17 +1718,92 @@ class CudaBackend(SameNodeLink, Backend):
             STAMPS.append(("reaper", time.perf_counter_ns()))
         return req
 
+    def _exec_device(self, op: Op, lp: _Prep, rp: _Prep) -> tuple[_Device, bool]:
+        """The GPU that runs a transfer between ``lp`` and ``rp`` (peer access enabled), and whether
+        both sides are GPU memory."""
+        peer: _Peer | None = rp.peer
+        dev = lp.dev if lp.kind == MemoryKind.CUDA else rp.dev
+        gpu2gpu = lp.kind == MemoryKind.CUDA and rp.kind == MemoryKind.CUDA
+        ipc = peer is not None and not peer.same_process
+        if ipc and rp.kind == MemoryKind.CUDA and rp.dev >= 0 and rp.dev != lp.dev:
+            dev = rp.dev  # IPC memory is reachable only from the GPU it was imported on (_map_ipc)
+        if EXEC_ON == "pull" and gpu2gpu:
+            rhome = rp.owner if rp.owner >= 0 else rp.dev
+            want = rhome if op is Op.WRITE else lp.dev
+            if want >= 0 and want != dev:
+                if ipc and want != rp.dev and want not in rp.alt:
+                    with rp.lock:
+                        if want not in rp.alt:
+                            self._import_on(rp, want)
+                dev = want
+        if dev < 0:
+            dev = self._home_dev()
+        d = self._device(dev)
+        if gpu2gpu:
+            self._ensure_peer_access(d, lp.dev)
+            self._ensure_peer_access(d, rp.owner if rp.owner >= 0 else rp.dev)
+        return d, gpu2gpu
+
     def fast_path(self, op: Op, local: PreparedList, remote: PreparedList) -> Any:
-        """The agent's per-(op, list pair) shortcut straight to :meth:`post` (no notification).
-        ``post`` takes the index sources as given (checked while staged, or by :func:`_index`) and
-        raises TypeError/ValueError/IndexError before anything moves for one it cannot take; the
-        agent then takes its general path, which converts, checks and raises ``UsageError``."""
-        post = self.post
+        """The agent's per-(op, list pair) shortcut (no notification): a :class:`_Route`, which
+        launches the kernel in one native call where the pair qualifies and calls :meth:`post`
+        otherwise. Either takes the index sources as given (checked while staged, or by
+        :func:`_index`) and raises TypeError/ValueError/IndexError before anything moves for one it
+        cannot take; the agent then takes its general path, which converts, checks and raises
+        ``UsageError``."""
+        return _Route(self, op, local, remote)
 
-        def fast(lidx: Any, ridx: Any) -> Request:
-            return post(op, local, lidx, remote, ridx, None)
+    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+                  notify: bytes | None) -> Any:
+        """A transfer posted again and again: indices checked once here, each post through the
+        pair's route (:meth:`fast_path`) when there is no notification."""
+        lp: _Prep = local.bdata["cuda"]
+        rp: _Prep = remote.bdata["cuda"]
+        li, ri = _index(lidx, len(lp.addr)), _index(ridx, len(rp.addr))
+        if li.shape[0] != ri.shape[0]:
+            raise ValueError("index lists differ in length")
+        if notify is not None or not li.shape[0]:
+            return lambda: self.post(op, local, li, remote, ri, notify)
+        fast = self.fast_path(op, local, remote)
+        return lambda: fast(li, ri)
 
-        return fast
+    def _route(self, r: _Route) -> None:
+        """Build the native part of route ``r`` (``r.nat``), or leave it None where it does not apply
+        (then :meth:`post` runs): lists of unequal block lengths, a plan other than the kernel's,
+        settings the route does not implement (profiling, pieces, index upload, the Python post
+        path), a copy ordered after another GPU's default stream, or driver entry points missing."""
+        lp: _Prep = r.local.bdata["cuda"]
+        rp: _Prep = r.remote.bdata["cuda"]
+        op = r.op
+        if (PROFILE is not None or not (NATIVE_POST and NATIVE_STAGING and INDEX_ZEROCOPY) or PIPE_PAIRS
+                or not lp.ulen or lp.ulen != rp.ulen or rp.pending_host or self._closed):
+            return
+        peer: _Peer | None = rp.peer
+        if peer is not None and (self._peers.get(peer.name) is not peer or not peer.alive):
+            return
+        d, gpu2gpu = self._exec_device(op, lp, rp)
+        if lp.kind == MemoryKind.CUDA and lp.dev != d.dev:
+            return  # _order_after_default per post
+        path = self.mode
+        if path == "auto":
+            path = self._plan(lp.ulen, 1, gpu2gpu)[0]
+        fns = d.route_fns()
+        if path != "kernel" or fns is None:
+            return
+        cp = self.cp
+        src, dst = (lp, rp) if op is Op.WRITE else (rp, lp)
+        i32 = len(dst.addr) <= _I32_MAX and len(src.addr) <= _I32_MAX
+        host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
+        _kern, func, threads, cap = d.config(cp, KERNEL, host_side, i32)
+        if not func:
+            return
+        dap = dst.device_ptrs(cp, d.dev)[0]
+        sap, slp = src.device_ptrs(cp, d.dev)
+        guards = np.array([x for g in rp.guards for x in g] if peer is not None else [], dtype=np.uint64)
+        r.nat = _native.CudaRoute(fns[0], fns[1], fns[2], fns[3], d.ctx, int(d.stream.ptr), func, threads, cap,
+                                  CHUNK_SHIFT, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32, guards)
+        r.d, r.peer, r.ulen, r.isz = d, peer, lp.ulen, 4 if i32 else 8
+        r.cnts = [g[2] for g in rp.guards] if peer is not None else []
 
     def _order_after_default(self, src_dev: int, d: _Device) -> None:
         """Order ``d``'s copy stream after the work queued so far on ``src_dev``'s legacy default stream.

@@ -577,16 +577,19 @@ def _xtune2(argv: list[str]) -> int:
 
     Executing GPU ``initiator`` (write pushes, read pulls) or ``pull`` (every copy on its
     destination's GPU). Variants: ``kernel`` (warp kernel, 4 CTAs/SM), ``pf`` (next item's
-    descriptors prefetched), ``k8`` (8 CTAs/SM), ``pipeN`` (indices uploaded and launched in pieces
-    of N pairs), ``ce`` (copy engines), ``splitF`` (fraction F of the bytes on the copy engines while
-    the kernel copies the rest), ``i64`` (indices staged as int64 instead of int32), ``zc`` / ``zcpf``
-    (the warp / prefetching kernel reads the indices from the pinned staging slot, no upload),
+    descriptors prefetched), ``kN`` / ``hN`` (N CTAs/SM; hN: with host memory), ``tN`` (N threads per
+    CTA, <= 256), ``bulk`` / ``warp16`` (TMA bulk copies / 16 loads in flight per lane), ``pipeN``
+    (indices uploaded and launched in pieces of N pairs), ``ce`` (copy engines), ``splitF`` (fraction F
+    of the bytes on the copy engines while the kernel copies the rest), ``i64`` (indices staged as
+    int64 instead of int32), ``zc`` / ``zcpf`` (the warp / prefetching kernel reads the indices
+    from the pinned staging slot, no upload),
     ``old`` (the kernel with the earlier host path: numpy index staging, three Python-level CUDA
     calls, a reaper polling every 50 us), ``upload`` (indices uploaded before the kernel instead of read
     in place), ``eager`` (the reaper woken by every post), ``warp`` / ``warpx`` (block-major /
     chunk-major work items), ``cN`` (work items of 2**N bytes instead of 2**14),
     ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
-    part of the earlier host path), ``nospin`` (waiters poll from Python, no native spin).
+    part of the earlier host path), ``nospin`` (waiters poll from Python, no native spin), ``noroute``
+    (every post through ``post()`` instead of the pair's native route).
     Every variant's bytes are checked once. With ``--profile``,
     the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
     events), for each host path of ``--profile-host`` (``new`` = the defaults, ``old`` as above),
@@ -606,22 +609,29 @@ def _xtune2(argv: list[str]) -> int:
     ap.add_argument("--large", default="kernel,ce,split0.1,split0.2,split0.3,split0.4,split0.5,split0.6")
     ap.add_argument("--profile", default="4K,32K")
     ap.add_argument("--profile-host", default="new,old")
+    ap.add_argument("--rseg", default="vram", choices=["vram", "pinned"],
+                    help="the target's memory: GPU 1 (vram) or its pinned host memory")
     a = ap.parse_args(argv)
     total = parse_size(a.total)
     sizes = [parse_size(x) for x in a.block_sizes.split(",")]
     prof_sizes = {parse_size(x) for x in a.profile.split(",") if x}
     rdev = 1 if cp.cuda.runtime.getDeviceCount() > 1 else 0
     target = Helper("xtune2-target", {"backends": ["cuda"]})
-    defaults = (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY, kc._I32_MAX,
-                kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
-                kc.SPIN_WAIT)
+    knobs = ("KERNEL", "BLOCKS_PER_SM", "BLOCKS_PER_SM_HOST", "THREADS", "PIPE_PAIRS", "SPLIT_FRACTION",
+             "INDEX_ZEROCOPY", "_I32_MAX", "NATIVE_STAGING", "NATIVE_POST", "REAPER_POLL", "CHUNK_SHIFT",
+             "REAPER_LAZY", "SPIN_WAIT", "ROUTE")
+    defaults = {k: getattr(kc, k) for k in knobs}
+
+    def reset() -> None:
+        for k, v0 in defaults.items():
+            setattr(kc, k, v0)
 
     def setv(be: Any, v: str) -> None:
-        (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
-         kc.SPIN_WAIT) = defaults
+        reset()
         if v == "nospin":  # the waiter's earlier Python loop (no native spin on the event)
             kc.SPIN_WAIT = 0.0
+        if v == "noroute":  # every post through post() (no native route of the pair)
+            kc.ROUTE = False
         if v == "ce":
             be.mode = "ce"
         elif v.startswith("split"):
@@ -634,7 +644,7 @@ def _xtune2(argv: list[str]) -> int:
                 kc.INDEX_ZEROCOPY = True
             elif v == "upload":  # the indices uploaded before the kernel (the default before zero copy)
                 kc.INDEX_ZEROCOPY = False
-            elif v in ("warp", "warpx"):  # block-major / chunk-major work items
+            elif v in ("warp", "warpx", "bulk", "warp16"):  # block-/chunk-major items, TMA bulk, 16 loads
                 kc.KERNEL = v
             elif v == "eager":  # the reaper woken by every post (the default before the lazy reaper)
                 kc.REAPER_LAZY = 0.0
@@ -649,15 +659,19 @@ def _xtune2(argv: list[str]) -> int:
                 kc.NATIVE_POST = False
             elif v == "pollreaper":
                 kc.REAPER_POLL = 5e-5
-            elif v == "k8":
-                kc.BLOCKS_PER_SM = 8
+            elif v[:1] == "k" and v[1:].isdigit():  # kN: N CTAs per SM
+                kc.BLOCKS_PER_SM = int(v[1:])
+            elif v[:1] == "t" and v[1:].isdigit():  # tN: N threads per CTA (at most 256)
+                kc.THREADS = int(v[1:])
+            elif v[:1] == "h" and v[1:].isdigit():  # hN: N CTAs per SM when host memory is involved
+                kc.BLOCKS_PER_SM_HOST = int(v[1:])
             elif v.startswith("pipe"):
                 kc.PIPE_PAIRS = int(v[4:])
             elif v[:1] == "c" and v[1:].isdigit():  # cN: work items of 2**N bytes
                 kc.CHUNK_SHIFT = int(v[1:])
 
     try:
-        rid, rdescs = target.register("vram", total, rdev)
+        rid, rdescs = target.register(a.rseg, total, rdev)
         for pt in _points(cp, kc, target, rdescs, total, sizes, a.exec.split(","), "xtune2"):
             ex, op, bs, n, be, fn, lo, re, li, ri = pt.ex, pt.op, pt.bs, pt.n, pt.be, pt.fn, pt.lo, pt.re, pt.li, pt.ri
             res: list[tuple[str, float, bool]] = []
@@ -709,9 +723,7 @@ def _xtune2(argv: list[str]) -> int:
                       f"{med_(kt):.0f}, gpu first-upload..end {med_(gpu):.0f} us; kernel-only "
                       f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
     finally:
-        (kc.KERNEL, kc.BLOCKS_PER_SM, kc.PIPE_PAIRS, kc.SPLIT_FRACTION, kc.INDEX_ZEROCOPY,
-         kc._I32_MAX, kc.NATIVE_STAGING, kc.NATIVE_POST, kc.REAPER_POLL, kc.CHUNK_SHIFT, kc.REAPER_LAZY,
-         kc.SPIN_WAIT) = defaults
+        reset()
         target.close()
     return 0
 
@@ -722,7 +734,8 @@ def _stamps(argv: list[str]) -> int:
     Two processes (target on GPU 1), GPU0 -> GPU1 writes and reads of ``--total`` in permuted
     blocks; ``kvx.backends.cuda.STAMPS`` collects a clock stamp at each phase of ``post()``; the
     median time between consecutive stamps is printed per block size and variant (``default``,
-    ``noreaper``: transfers not handed to the completion reaper, the waiter retires them). Also
+    ``noreaper``: transfers not handed to the completion reaper, the waiter retires them; ``noroute``:
+    every post through ``post()``, not the pair's native route). Also
     times a few CUDA/cupy primitives the post uses.
     """
     import cupy as cp
@@ -734,7 +747,7 @@ def _stamps(argv: list[str]) -> int:
     ap.add_argument("--total", default="256M")
     ap.add_argument("--block-sizes", default="4K,32K")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--variants", default="default,noreaper")
+    ap.add_argument("--variants", default="default,noroute")
     ap.add_argument("--path", default="kernel", choices=["kernel", "ce"],
                     help="copy path (ce: cuMemcpyBatchAsync; its stamps show the driver's CPU time per batch)")
     a = ap.parse_args(argv)
@@ -780,6 +793,7 @@ def _stamps(argv: list[str]) -> int:
                     fn = ag.write if op == "write" else ag.read
                     for v in a.variants.split(","):
                         be._reaper.add = (lambda r: None) if v == "noreaper" else real_add  # type: ignore
+                        kc.ROUTE = v != "noroute"
                         rows: dict[str, list[float]] = {}
                         walls = []
                         for i in range(a.iters + 2):
@@ -803,6 +817,7 @@ def _stamps(argv: list[str]) -> int:
             reg.release()
     finally:
         kc.STAMPS = None
+        kc.ROUTE = True
         target.close()
     return 0
 
