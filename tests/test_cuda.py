@@ -50,13 +50,26 @@ def test_pinned_alloc_without_cuda_raises_backend_unavailable() -> None:
         kvx.alloc_host(4096, pinned=True)
 
 
-def test_native_stage_index_checks_and_converts() -> None:
+@pytest.fixture(params=[0, 2], ids=["one-thread", "helpers"])
+def stage_mode(request: pytest.FixtureRequest) -> Any:
+    """Large index arrays staged by the calling thread alone, or with the helper threads (forced even
+    on machines with few CPUs)."""
+    from kvx import _native
+
+    prev = _native.stage_parallel(request.param)
+    yield request.param
+    _native.stage_parallel(prev)
+
+
+def test_native_stage_index_checks_and_converts(stage_mode: int) -> None:
     """The post path's index staging (``_native.stage_index``): every index form, int32 and int64
-    output, bounds, pairing and buffer size checked; no GPU needed."""
+    output, bounds (the message names the list whose index is out of range), pairing and buffer size
+    checked; no GPU needed."""
     import ctypes
 
     from kvx import _native
 
+    assert _native.stage_parallel() == stage_mode
     buf = (ctypes.c_uint8 * (1 << 20))()
     addr, cap = ctypes.addressof(buf), len(buf)
     raw = np.frombuffer(buf, dtype=np.uint8)
@@ -88,6 +101,13 @@ def test_native_stage_index_checks_and_converts() -> None:
     for a, b in ((bad_hi, ri), (li, -ri), (li, ri.astype(np.int32) - 1)):
         with pytest.raises(IndexError):
             _native.stage_index(a, n, b, n, addr, cap, False)
+    # lists of different lengths: the bad index is reported against its own list
+    with pytest.raises(IndexError, match=f"list of {n}$"):
+        _native.stage_index(bad_hi, n, ri, n + 5, addr, cap, False)
+    with pytest.raises(IndexError, match=f"list of {n - 1}$"):
+        _native.stage_index(li, n + 5, ri, n - 1, addr, cap, True)  # ri holds n - 1
+    with pytest.raises(ValueError):
+        _native.stage_parallel(3)
     with pytest.raises(ValueError, match="too small"):
         _native.stage_index(li, n, ri, n, addr, 8 * n - 1, False)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 import kvx
 
+from .. import _native
 from ..testing.procs import PeerProcess
 from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
 
@@ -589,7 +590,8 @@ def _xtune2(argv: list[str]) -> int:
     chunk-major work items), ``cN`` (work items of 2**N bytes instead of 2**14),
     ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
     part of the earlier host path), ``nospin`` (waiters poll from Python, no native spin), ``noroute``
-    (every post through ``post()`` instead of the pair's native route).
+    (every post through ``post()`` instead of the pair's native route), ``onestage`` (large index
+    arrays staged by the posting thread alone, no helper threads).
     Every variant's bytes are checked once. With ``--profile``,
     the kernel's time at the small sizes is split into CPU post, index upload and kernel (GPU
     events), for each host path of ``--profile-host`` (``new`` = the defaults, ``old`` as above),
@@ -632,6 +634,7 @@ def _xtune2(argv: list[str]) -> int:
             kc.SPIN_WAIT = 0.0
         if v == "noroute":  # every post through post() (no native route of the pair)
             kc.ROUTE = False
+        _native.stage_parallel(0 if v == "onestage" else 1)  # onestage: no helper threads staging indices
         if v == "ce":
             be.mode = "ce"
         elif v.startswith("split"):
@@ -724,6 +727,7 @@ def _xtune2(argv: list[str]) -> int:
                       f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
     finally:
         reset()
+        _native.stage_parallel(1)
         target.close()
     return 0
 
