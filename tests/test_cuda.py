@@ -675,6 +675,45 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypat
 
 
 @pytest.mark.gpu
+def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four threads post through one pair's route at once, many transfers each before waiting, on a
+    staging ring of two slots: every transfer ends and every byte lands where its indices say."""
+    import threading
+
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
+    bs, n, k = 4096, 512, 4
+    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 13)
+    try:
+        perm = np.random.default_rng(5).permutation(n)
+        agent.write(local, [0], remote, [int(perm[0])]).wait(10)  # the pair's route from here on
+        errors: list[BaseException] = []
+
+        def run(t: int) -> None:
+            try:
+                mine = np.arange(t, n, k)
+                xs = [agent.write(local, mine[j::3], remote, perm[mine[j::3]]) for _ in range(4) for j in range(3)]
+                for x in xs:
+                    x.wait(30)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(k)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads) and not errors, errors
+        exp = np.zeros((n, bs), np.uint8)
+        exp[perm] = pattern(np, n * bs, 13).reshape(n, bs)
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
 def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
     """``make_transfer`` on cuda: indices checked when the plan is made; each post goes through the
     pair's route; a setting the route depends on, changed between posts, takes effect."""

@@ -1800,10 +1800,11 @@ class CudaBackend(SameNodeLink, Backend):
         dap = dst.device_ptrs(cp, d.dev)[0]
         sap, slp = src.device_ptrs(cp, d.dev)
         guards = np.array([x for g in rp.guards for x in g] if peer is not None else [], dtype=np.uint64)
-        r.nat = _native.CudaRoute(fns[0], fns[1], fns[2], fns[3], d.ctx, int(d.stream.ptr), func, threads, cap,
-                                  CHUNK_SHIFT, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32, guards)
+        nat = _native.CudaRoute(fns[0], fns[1], fns[2], fns[3], d.ctx, int(d.stream.ptr), func, threads, cap,
+                                CHUNK_SHIFT, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32, guards)
         r.d, r.peer, r.ulen, r.isz = d, peer, lp.ulen, 4 if i32 else 8
         r.cnts = [g[2] for g in rp.guards] if peer is not None else []
+        r.nat = nat  # last: a post on another thread sees the whole route or none
 
     def _order_after_default(self, src_dev: int, d: _Device) -> None:
         """Order ``d``'s copy stream after the work queued so far on ``src_dev``'s legacy default stream.
