@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--op", default="both", choices=["read", "write", "both"])
     b.add_argument("--block-sizes", type=_sizes, default=_sizes("4K,32K,256K,2M"))
     b.add_argument("--total", type=_size, default=256 << 20, help="bytes per buffer (default 256M)")
-    b.add_argument("--iters", type=int, default=5, help="timed transfers per point, after one warm-up")
+    b.add_argument("--iters", type=int, default=5,
+                   help="timed transfers per point (median), after a warm-up of at least 20 ms")
     b.add_argument("--no-permute", action="store_true", help="contiguous block ids (default: permuted)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--compare", default="", help="comma list of comparisons: nixl")
