@@ -530,7 +530,26 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* fork: the child has none of the workers, and the condition variable still counts them as waiters
+ * (signalling it in the child lost the wake-up: the next pooled copy hung); the child starts from a
+ * fresh mutex, condition variable and queue (copies in flight in the parent are not the child's).
+ * pool_mu is held across the fork so that no worker is inside it. */
+static void pool_atfork_prepare(void) { pthread_mutex_lock(&pool_mu); }
+static void pool_atfork_parent(void) { pthread_mutex_unlock(&pool_mu); }
+static void pool_atfork_child(void) {
+    static const pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
+    static const pthread_cond_t c0 = PTHREAD_COND_INITIALIZER;
+    memcpy(&pool_mu, &m0, sizeof m0);
+    memcpy(&pool_cv, &c0, sizeof c0);
+    pool_threads = 0;
+    q_head = q_tail = NULL;
+    pool_pid = getpid();
+}
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_register_atfork(void) { pthread_atfork(pool_atfork_prepare, pool_atfork_parent, pool_atfork_child); }
+
 static int pool_ensure(int n) {
+    pthread_once(&pool_once, pool_register_atfork);
     pthread_mutex_lock(&pool_mu);
     if (pool_pid != getpid()) { /* after fork the threads are gone */
         pool_threads = 0;
@@ -1263,16 +1282,33 @@ static pthread_mutex_t sp_call = PTHREAD_MUTEX_INITIALIZER; /* one parallel stag
 static pthread_mutex_t sp_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sp_cv = PTHREAD_COND_INITIALIZER;
 static stage_piece_t sp_piece[2 * STAGE_PIECES];
-static int sp_wide, sp_count;
-static _Atomic int sp_next, sp_left, sp_bad;
+static int sp_wide;
+static _Atomic int sp_count, sp_next, sp_left, sp_bad;
 static uint64_t sp_gen;
 static int sp_threads;
 static pid_t sp_pid;
 
+/* fork: the child has none of the helpers, and the condition variable still counts them as waiters
+ * (a broadcast in the child would wait for them forever): the child starts from fresh ones. sp_mu is
+ * held across the fork so that no helper is inside it. */
+static void sp_atfork_prepare(void) { pthread_mutex_lock(&sp_mu); }
+static void sp_atfork_parent(void) { pthread_mutex_unlock(&sp_mu); }
+static void sp_atfork_child(void) {
+    static const pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
+    static const pthread_cond_t c0 = PTHREAD_COND_INITIALIZER;
+    memcpy(&sp_mu, &m0, sizeof m0);
+    memcpy(&sp_call, &m0, sizeof m0); /* a post staging on another thread of the parent is not in the child */
+    memcpy(&sp_cv, &c0, sizeof c0);
+    sp_threads = 0;
+    sp_pid = getpid();
+}
+static pthread_once_t sp_once = PTHREAD_ONCE_INIT;
+static void sp_register_atfork(void) { pthread_atfork(sp_atfork_prepare, sp_atfork_parent, sp_atfork_child); }
+
 static void sp_run(void) {
     for (;;) {
         const int i = atomic_fetch_add(&sp_next, 1);
-        if (i >= sp_count) return;
+        if (i >= atomic_load(&sp_count)) return; /* also a helper late from an earlier post: sp_next is past it */
         const stage_piece_t *p = &sp_piece[i];
         if (stage_buf(p->dst, sp_wide, p->src, p->width, p->is_signed, p->n, p->lim)) atomic_store(&sp_bad, 1);
         atomic_fetch_sub(&sp_left, 1);
@@ -1298,6 +1334,7 @@ static void *sp_worker(void *arg) {
 static int stage_par(void *d0, const sidx_t *a, Py_ssize_t nd, void *d1, const sidx_t *b, Py_ssize_t ns, int wide,
                      Py_ssize_t n) {
     if (pthread_mutex_trylock(&sp_call)) return -1;
+    pthread_once(&sp_once, sp_register_atfork);
     pthread_mutex_lock(&sp_mu);
     if (sp_pid != getpid()) { /* after a fork the helpers are gone */
         sp_threads = 0;
@@ -1343,7 +1380,7 @@ static int stage_par(void *d0, const sidx_t *a, Py_ssize_t nd, void *d1, const s
         if (side == 0) first = k; /* pieces [0, first) belong to the first array */
     }
     sp_wide = wide;
-    sp_count = k;
+    atomic_store(&sp_count, k);
     atomic_store(&sp_bad, 0);
     atomic_store(&sp_left, k);
     atomic_store(&sp_next, 0);

@@ -112,6 +112,31 @@ def test_native_stage_index_checks_and_converts(stage_mode: int) -> None:
         _native.stage_index(li, n, ri, n, addr, 8 * n - 1, False)
 
 
+def test_native_stage_helpers_survive_fork() -> None:
+    """Index staging with the helper threads, then in a forked child (whose helpers are gone and are
+    started again), then in the parent again: every result right, nothing hangs."""
+    from kvx import _native
+    from kvx.testing.procs import forked_ok
+
+    prev = _native.stage_parallel(2)
+    try:
+        n = 1 << 16
+        a = np.random.default_rng(1).permutation(n).astype(np.int64)
+        b = np.arange(n, dtype=np.int64)
+        out = np.zeros(2 * n, dtype=np.int32)
+
+        def staged_right() -> bool:
+            out[:] = 0
+            return (_native.stage_index(a, n, b, n, out.ctypes.data, out.nbytes, False) == n
+                    and np.array_equal(out[:n], a) and np.array_equal(out[n:], b))
+
+        assert staged_right()
+        assert forked_ok(lambda: staged_right() and staged_right(), 30.0)
+        assert staged_right()
+    finally:
+        _native.stage_parallel(prev)
+
+
 def test_native_cuda_post_calls_in_order() -> None:
     """``_native.cuda_post`` (copy + launch + record in one call): driven with stand-in functions."""
     import ctypes

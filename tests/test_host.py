@@ -21,3 +21,32 @@ class TestHostUds(TransferConformance):
     backend = "host"
     config = {"host_path": "uds"}
     mem = "numpy"
+
+
+def test_native_pool_copies_after_fork() -> None:
+    """The native copy pool (large host copies run on its threads) works in a forked child, whose
+    workers are gone and whose condition variable still counted them: a child's pooled copy used to
+    hang. Parent, child (twice) and parent again each copy 256 MiB and check every byte."""
+    import numpy as np
+
+    from kvx import _native
+    from kvx.testing.procs import forked_ok
+
+    n, bs = 256, 1 << 20
+    src = np.random.default_rng(0).integers(0, 255, n * bs, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(bs)
+    sa, da = offs + np.uint64(src.ctypes.data), offs + np.uint64(dst.ctypes.data)
+    ln = np.full(n, bs, dtype=np.uint64)
+    idx = np.arange(n, dtype=np.int64)[::-1].copy()
+
+    def copied() -> bool:
+        dst[:] = 0
+        job = _native.submit(_native.OP_MEMCPY, 0, da, ln, idx, sa, ln, idx, None, None, 4, 0, 0)
+        if not isinstance(job, int) and not job.wait(20.0):
+            return False
+        return bool(np.array_equal(dst, src))
+
+    assert copied()
+    assert forked_ok(lambda: copied() and copied(), 60.0)
+    assert copied()

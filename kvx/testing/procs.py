@@ -9,11 +9,38 @@ import select
 import signal
 import subprocess
 import sys
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import kvx
 
-__all__ = ["PeerProcess", "read_reply"]
+__all__ = ["PeerProcess", "forked_ok", "read_reply"]
+
+
+def forked_ok(fn: Callable[[], bool], timeout: float) -> bool:
+    """Run ``fn`` in a forked child of this process: whether it returned True there, within ``timeout``
+    seconds (``TimeoutError`` otherwise, the child killed). For code that must keep working after
+    ``fork()`` (helper threads gone, locks and condition variables copied mid-use)."""
+    with warnings.catch_warnings():  # Python 3.12 warns about fork() in a process with threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if fn() else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise TimeoutError(f"the forked child did not finish within {timeout} s")
 
 
 def read_reply(proc: subprocess.Popen[str], timeout: float, who: str) -> dict[str, Any]:
