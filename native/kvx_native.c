@@ -93,7 +93,6 @@ static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
 static chunk_t *q_head = NULL, *q_tail = NULL;
 static int pool_threads = 0;
-static pid_t pool_pid = 0;
 
 static void job_release(job_t *j) {
     if (atomic_fetch_sub(&j->refs, 1) == 1) {
@@ -530,20 +529,34 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* fork: the child has none of the workers, and the condition variable still counts them as waiters
- * (signalling it in the child lost the wake-up: the next pooled copy hung); the child starts from a
- * fresh mutex, condition variable and queue (copies in flight in the parent are not the child's).
- * pool_mu is held across the fork so that no worker is inside it. */
-static void pool_atfork_prepare(void) { pthread_mutex_lock(&pool_mu); }
-static void pool_atfork_parent(void) { pthread_mutex_unlock(&pool_mu); }
-static void pool_atfork_child(void) {
+/* Thread pools and fork: a forked child has none of a pool's threads, and the pool's condition
+ * variable still counts them as waiters (signalling it in the child lost the wake-up: the next pooled
+ * copy hung). Each pool holds its mutex across fork() (no thread of it is inside) and the child starts
+ * from a fresh mutex and condition variable (sync_reset) and no threads. */
+static void sync_reset(pthread_mutex_t *mu, pthread_cond_t *cv) {
     static const pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
     static const pthread_cond_t c0 = PTHREAD_COND_INITIALIZER;
-    memcpy(&pool_mu, &m0, sizeof m0);
-    memcpy(&pool_cv, &c0, sizeof c0);
+    memcpy(mu, &m0, sizeof m0);
+    if (cv) memcpy(cv, &c0, sizeof c0);
+}
+
+/* start a detached thread running fn; 0 or the pthread_create error */
+static int spawn_detached(void *(*fn)(void *)) {
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    const int r = pthread_create(&th, &at, fn, NULL);
+    pthread_attr_destroy(&at);
+    return r;
+}
+
+static void pool_atfork_prepare(void) { pthread_mutex_lock(&pool_mu); }
+static void pool_atfork_parent(void) { pthread_mutex_unlock(&pool_mu); }
+static void pool_atfork_child(void) { /* copies in flight in the parent are not the child's */
+    sync_reset(&pool_mu, &pool_cv);
     pool_threads = 0;
     q_head = q_tail = NULL;
-    pool_pid = getpid();
 }
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static void pool_register_atfork(void) { pthread_atfork(pool_atfork_prepare, pool_atfork_parent, pool_atfork_child); }
@@ -551,18 +564,8 @@ static void pool_register_atfork(void) { pthread_atfork(pool_atfork_prepare, poo
 static int pool_ensure(int n) {
     pthread_once(&pool_once, pool_register_atfork);
     pthread_mutex_lock(&pool_mu);
-    if (pool_pid != getpid()) { /* after fork the threads are gone */
-        pool_threads = 0;
-        q_head = q_tail = NULL;
-        pool_pid = getpid();
-    }
     while (pool_threads < n) {
-        pthread_t th;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        int r = pthread_create(&th, &at, worker, NULL);
-        pthread_attr_destroy(&at);
+        const int r = spawn_detached(worker);
         if (r) { pthread_mutex_unlock(&pool_mu); return r; }
         pool_threads++;
     }
@@ -1286,24 +1289,21 @@ static int sp_wide;
 static _Atomic int sp_count, sp_next, sp_left, sp_bad;
 static uint64_t sp_gen;
 static int sp_threads;
-static pid_t sp_pid;
+static long sp_ncpu; /* online CPUs, read once */
 
-/* fork: the child has none of the helpers, and the condition variable still counts them as waiters
- * (a broadcast in the child would wait for them forever): the child starts from fresh ones. sp_mu is
- * held across the fork so that no helper is inside it. */
+/* fork: as for the copy pool (sync_reset) */
 static void sp_atfork_prepare(void) { pthread_mutex_lock(&sp_mu); }
 static void sp_atfork_parent(void) { pthread_mutex_unlock(&sp_mu); }
 static void sp_atfork_child(void) {
-    static const pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
-    static const pthread_cond_t c0 = PTHREAD_COND_INITIALIZER;
-    memcpy(&sp_mu, &m0, sizeof m0);
-    memcpy(&sp_call, &m0, sizeof m0); /* a post staging on another thread of the parent is not in the child */
-    memcpy(&sp_cv, &c0, sizeof c0);
+    sync_reset(&sp_mu, &sp_cv);
+    sync_reset(&sp_call, NULL); /* a post staging on another thread of the parent is not in the child */
     sp_threads = 0;
-    sp_pid = getpid();
 }
 static pthread_once_t sp_once = PTHREAD_ONCE_INIT;
-static void sp_register_atfork(void) { pthread_atfork(sp_atfork_prepare, sp_atfork_parent, sp_atfork_child); }
+static void sp_init(void) {
+    sp_ncpu = sysconf(_SC_NPROCESSORS_ONLN); /* glibc reads /sys for it: not once per post */
+    pthread_atfork(sp_atfork_prepare, sp_atfork_parent, sp_atfork_child);
+}
 
 static void sp_run(void) {
     for (;;) {
@@ -1333,29 +1333,11 @@ static void *sp_worker(void *arg) {
  * caller converts alone). Called without the GIL. */
 static int stage_par(void *d0, const sidx_t *a, Py_ssize_t nd, void *d1, const sidx_t *b, Py_ssize_t ns, int wide,
                      Py_ssize_t n) {
+    pthread_once(&sp_once, sp_init);
+    if (atomic_load(&stage_parallel) < 2 && sp_ncpu < 4) return -1; /* too few cores to gain: they would compete */
     if (pthread_mutex_trylock(&sp_call)) return -1;
-    pthread_once(&sp_once, sp_register_atfork);
     pthread_mutex_lock(&sp_mu);
-    if (sp_pid != getpid()) { /* after a fork the helpers are gone */
-        sp_threads = 0;
-        sp_pid = getpid();
-    }
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    if (atomic_load(&stage_parallel) < 2 && ncpu < 4) { /* too few cores to gain: they would compete */
-        pthread_mutex_unlock(&sp_mu);
-        pthread_mutex_unlock(&sp_call);
-        return -1;
-    }
-    while (sp_threads < STAGE_HELPERS) {
-        pthread_t th;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        const int r = pthread_create(&th, &at, sp_worker, NULL);
-        pthread_attr_destroy(&at);
-        if (r) break;
-        sp_threads++;
-    }
+    while (sp_threads < STAGE_HELPERS && !spawn_detached(sp_worker)) sp_threads++;
     if (!sp_threads) {
         pthread_mutex_unlock(&sp_mu);
         pthread_mutex_unlock(&sp_call);

@@ -11,10 +11,12 @@ descriptors, a release racing transfers, a killed peer, notifications after the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -584,24 +586,27 @@ def test_forged_descriptors_are_refused(agent: kvx.Agent, helper: Helper) -> Non
         helper.call(cmd="free", id=rid)
 
 
-def _gpu_pair(agent: kvx.Agent, helper: Helper, bs: int, n: int, seed: int) -> tuple[int, Any, Any, Any]:
+@contextlib.contextmanager
+def _gpu_pair(agent: kvx.Agent, helper: Helper, bs: int, n: int, seed: int) -> Iterator[tuple[int, Any, Any, Any]]:
     """The target's GPU memory (on GPU 1 when there are two) and this process's, ``n`` blocks of ``bs``
     bytes each, the local one filled with ``pattern(seed)``: (target id, registration, local list,
-    remote list). The caller releases the registration and frees the target's memory."""
+    remote list). The caller releases the registration; the target's memory is freed on leaving."""
     rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
-    peer = agent.add_peer(helper.meta)
-    obj, view = _local("vram", n * bs)
-    view[:] = pattern(_xp(view), n * bs, seed)
-    reg = agent.register(obj)
-    return (rid, reg, agent.prepare(kvx.DescList.blocks(reg, bs)),
-            agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer))
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local("vram", n * bs)
+        view[:] = pattern(_xp(view), n * bs, seed)
+        reg = agent.register(obj)
+        yield (rid, reg, agent.prepare(kvx.DescList.blocks(reg, bs)),
+               agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer))
+    finally:
+        helper.call(cmd="free", id=rid)
 
 
 @pytest.mark.gpu
 def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> None:
     bs, n = 4096, 256
-    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 11)
-    try:
+    with _gpu_pair(agent, helper, bs, n, 11) as (rid, reg, local, remote):
         rev = np.arange(n)[::-1].copy()
         agent.write(local, np.arange(n), remote, rev, notify=b"req-17")  # nobody polls it
         got = helper.notifs(timeout=10.0)
@@ -609,8 +614,6 @@ def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> No
         exp = np.ascontiguousarray(pattern(np, n * bs, 11).reshape(n, bs)[::-1]).reshape(-1)
         assert helper.digest(rid) == digest(np, exp)
         reg.release()
-    finally:
-        helper.call(cmd="free", id=rid)
 
 
 @pytest.mark.gpu
@@ -709,8 +712,7 @@ def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatc
 
     monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
     bs, n, k = 4096, 512, 4
-    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 13)
-    try:
+    with _gpu_pair(agent, helper, bs, n, 13) as (rid, reg, local, remote):
         perm = np.random.default_rng(5).permutation(n)
         agent.write(local, [0], remote, [int(perm[0])]).wait(10)  # the pair's route from here on
         errors: list[BaseException] = []
@@ -734,8 +736,6 @@ def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatc
         exp[perm] = pattern(np, n * bs, 13).reshape(n, bs)
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
         reg.release()
-    finally:
-        helper.call(cmd="free", id=rid)
 
 
 @pytest.mark.gpu
@@ -745,8 +745,7 @@ def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkey
     from kvx.backends import cuda as kc
 
     bs, n = 4096, 64
-    rid, reg, local, remote = _gpu_pair(agent, helper, bs, n, 9)
-    try:
+    with _gpu_pair(agent, helper, bs, n, 9) as (rid, reg, local, remote):
         with pytest.raises(kvx.UsageError):
             agent.make_transfer("write", local, [0, 1], remote, [0, n])
         perm = np.random.default_rng(3).permutation(n)
@@ -762,8 +761,6 @@ def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkey
             monkeypatch.setattr(kc, "STAMPS", None)
             assert helper.digest(rid) == digest(np, exp.reshape(-1))
         reg.release()
-    finally:
-        helper.call(cmd="free", id=rid)
 
 
 @pytest.mark.gpu

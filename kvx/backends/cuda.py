@@ -868,19 +868,10 @@ class _Route:
         if peer is not None and be._peers.get(peer.name) is not peer:
             raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
         didx, sidx = (ridx, lidx) if self.write else (lidx, ridx)
-        need = 2 * self.isz * (1 if type(didx) is int else max(1, len(didx)))
+        need = 2 * self.isz * max(1, _count(didx))
         cp = be.cp
         with d.lock:
-            st = d.staging
-            slots = st.slots
-            slot = slots[st.next] if slots else None
-            if slot is not None and slot.cap >= need and (slot.guard is None or (
-                    slot.req is not None and slot.req._done)):
-                st.next = (st.next + 1) % len(slots)  # the next slot is free (its transfer retired): take it
-                slot.guard = _BUSY
-                slot.req = None
-            else:
-                slot = st.take(cp, need)
+            slot = d.staging.take(cp, need)
             if STAMPS is not None:
                 STAMPS.append(("take", time.perf_counter_ns()))
             try:

@@ -623,6 +623,7 @@ def _xtune2(argv: list[str]) -> int:
              "INDEX_ZEROCOPY", "_I32_MAX", "NATIVE_STAGING", "NATIVE_POST", "REAPER_POLL", "CHUNK_SHIFT",
              "REAPER_LAZY", "SPIN_WAIT", "ROUTE")
     defaults = {k: getattr(kc, k) for k in knobs}
+    stage_mode = _native.stage_parallel()
 
     def reset() -> None:
         for k, v0 in defaults.items():
@@ -634,7 +635,7 @@ def _xtune2(argv: list[str]) -> int:
             kc.SPIN_WAIT = 0.0
         if v == "noroute":  # every post through post() (no native route of the pair)
             kc.ROUTE = False
-        _native.stage_parallel(0 if v == "onestage" else 1)  # onestage: no helper threads staging indices
+        _native.stage_parallel(0 if v == "onestage" else stage_mode)  # onestage: no helper threads staging
         if v == "ce":
             be.mode = "ce"
         elif v.startswith("split"):
@@ -727,7 +728,7 @@ def _xtune2(argv: list[str]) -> int:
                       f"{n * bs / med_(kt) / 1e3:.0f} GB/s", flush=True)
     finally:
         reset()
-        _native.stage_parallel(1)
+        _native.stage_parallel(stage_mode)
         target.close()
     return 0
 
@@ -777,6 +778,7 @@ def _stamps(argv: list[str]) -> int:
                 pass
         prim("with cp.cuda.Device(0)", ctx)
     target = Helper("stamps-target", {"backends": ["cuda"]})
+    route = kc.ROUTE
     try:
         rid, rdescs = target.register("vram", total, rdev)
         with kvx.Agent("stamps", kvx.AgentConfig(backends=("cuda",))) as ag:
@@ -797,7 +799,7 @@ def _stamps(argv: list[str]) -> int:
                     fn = ag.write if op == "write" else ag.read
                     for v in a.variants.split(","):
                         be._reaper.add = (lambda r: None) if v == "noreaper" else real_add  # type: ignore
-                        kc.ROUTE = v != "noroute"
+                        kc.ROUTE = route and v != "noroute"
                         rows: dict[str, list[float]] = {}
                         walls = []
                         for i in range(a.iters + 2):
@@ -821,7 +823,7 @@ def _stamps(argv: list[str]) -> int:
             reg.release()
     finally:
         kc.STAMPS = None
-        kc.ROUTE = True
+        kc.ROUTE = route
         target.close()
     return 0
 
