@@ -739,6 +739,39 @@ def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatc
 
 
 @pytest.mark.gpu
+def test_route_reuses_slot_events(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route records each staging slot's own event: a slot taken again retires the transfer that
+    last used it (its event is recorded anew), so an unwaited transfer never reads as pending again;
+    every transfer ends, in any order of waiting, and every byte lands."""
+    from kvx.backends import cuda as kc
+
+    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
+    bs, n, k = 4096, 256, 8
+    with _gpu_pair(agent, helper, bs, n, 17) as (rid, reg, local, remote):
+        perm = np.random.default_rng(7).permutation(n)
+        agent.write(local, [0], remote, [int(perm[0])]).wait(10)  # the pair's route from here on
+        be = agent.backend("cuda")
+        reqs: list[Any] = []
+        real_add = be._reaper.add
+        monkeypatch.setattr(be._reaper, "add", lambda r: (reqs.append(r), real_add(r)))
+        parts = np.array_split(np.arange(n), k)
+        xs = [agent.write(local, p, remote, perm[p]) for p in parts]  # nobody waits yet
+        assert len(reqs) == k
+        events = [r.event for r in reqs]
+        assert len({id(e) for e in events}) <= 2  # the slots' own events, recorded again and again
+        for i, r in enumerate(reqs):  # a transfer whose slot (event) was taken again was retired then
+            if any(e is events[i] for e in events[i + 1:]):
+                assert r._done, i
+        for x in reversed(xs):
+            x.wait(30)
+            assert x.status is kvx.Status.DONE
+        exp = np.zeros((n, bs), np.uint8)
+        exp[perm] = pattern(np, n * bs, 17).reshape(n, bs)
+        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        reg.release()
+
+
+@pytest.mark.gpu
 def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
     """``make_transfer`` on cuda: indices checked when the plan is made; each post goes through the
     pair's route; a setting the route depends on, changed between posts, takes effect."""

@@ -629,9 +629,10 @@ _BUSY = _Busy()
 class _Slot:
     """One staging slot: a pinned host buffer (mapped, portable) and a device buffer of the same size."""
 
-    __slots__ = ("cap", "dmem", "dptr", "guard", "hmem", "hptr", "hview", "req")
+    __slots__ = ("cap", "dmem", "dptr", "ev", "guard", "hmem", "hptr", "hview", "req")
 
     def __init__(self) -> None:
+        self.ev: Any = None  # the slot's own completion event (the route records it with the launch)
         self.cap = 0
         self.hmem: Any = None
         self.hptr = 0
@@ -686,6 +687,9 @@ class _Staging:
                     g.synchronize()
         s = slots[i]
         self.next = (i + 1) % len(slots)
+        r = s.req
+        if r is not None and not r._done and r.event is s.ev:
+            r._retire(None)  # its event (found complete above) is about to be recorded again
         s.guard = _BUSY
         s.req = None
         try:
@@ -828,8 +832,8 @@ class _Route:
     """The agent's cached route of one (op, list pair) (:meth:`CudaBackend.fast_path`). On the kernel
     path with equal block lengths (:meth:`CudaBackend._route` builds the native part) a post is only
     the peer check, a staging slot, one native call (indices checked and staged, guards raised and
-    checked, context, launch, record) and, after the launch, the completion event and the request;
-    elsewhere it calls :meth:`CudaBackend.post`. Nothing is launched, and nothing stays raised, when
+    checked, context, launch, and the record of the slot's own completion event, made once per slot)
+    and the request; elsewhere it calls :meth:`CudaBackend.post`. Nothing is launched, and nothing stays raised, when
     the call raises (bad indices) or the target released its memory. Rebuilt when a setting it
     depends on changes (:func:`_route_knobs`)."""
 
@@ -875,13 +879,17 @@ class _Route:
             if STAMPS is not None:
                 STAMPS.append(("take", time.perf_counter_ns()))
             try:
+                ev = slot.ev
+                if ev is None:  # made once per slot; recorded by the native call right after the launch
+                    with cp.cuda.Device(d.dev):
+                        ev = slot.ev = cp.cuda.Event(block=True, disable_timing=True)
                 if peer is not None:
                     with peer.clock:
                         if not peer.ctrl or not peer.alive:
                             raise PeerDisconnected(f"peer {peer.name!r} is not connected")
-                        n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, 0)
+                        n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, ev.ptr)
                 else:
-                    n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, 0)
+                    n, step, rc = nat.post(didx, sidx, slot.hptr, slot.cap, ev.ptr)
             except BaseException:
                 slot.guard = None  # nothing was queued that reads it
                 raise
@@ -894,17 +902,6 @@ class _Route:
                     raise RemoteError(f"peer {name!r}: the target released (or re-registered) the memory")
                 what = ("context switch", "kernel launch", "event record")[step]
                 raise TransferError(f"CUDA {what} failed with CUDA error {rc}")
-            try:  # the completion event, after the launch (its creation no longer delays the copy)
-                if cp.cuda.runtime.getDevice() == d.dev:
-                    ev = cp.cuda.Event(block=True, disable_timing=True)
-                    ev.record(d.stream)
-                else:
-                    with cp.cuda.Device(d.dev):
-                        ev = cp.cuda.Event(block=True, disable_timing=True)
-                        ev.record(d.stream)
-            except BaseException:
-                self._undo(slot, 2)
-                raise
             slot.guard = ev
             req = _CudaRequest(be, ev, n * self.ulen, peer, self.cnts, None, None)
             slot.req = req
