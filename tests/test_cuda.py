@@ -303,6 +303,10 @@ def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
     t0 = time.monotonic()  # never ready: back at the bound, still "not ready"
     assert _native.cuda_event_spin(q, 0x77, 20_000_000) == 600
     assert 0.02 <= time.monotonic() - t0 < 2.0
+    script[:] = [600, 0]  # max_ns 0: one query (a poll), whatever it says
+    seen.clear()
+    assert _native.cuda_event_spin(q, 0x77, 0) == 600 and seen == [0x77]
+    assert _native.cuda_event_spin(q, 0x77, 0) == 0 and seen == [0x77] * 2
     with pytest.raises(ValueError):
         _native.cuda_event_spin(0, 0x77, 1000)
 

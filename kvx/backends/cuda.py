@@ -175,6 +175,7 @@ _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
                  "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x"}
 _H2D = 1  # cudaMemcpyHostToDevice
+_CUDA_NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery of a pending event)
 _HOST_ALLOC_FLAGS = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped (staging slots)
 _STAGING_MIN = 64 << 10
 _I32_MAX = (1 << 31) - 1
@@ -769,12 +770,20 @@ class _CudaRequest(Request):
         if self._done:
             return True
         err: BaseException | None = None
-        try:
-            finished = bool(self.event.done)
-        except Exception as exc:  # a CUDA error (faulting kernel, lost device)
-            finished, err = True, TransferError(f"CUDA copy failed: {exc}")
-        if not finished:
-            return False
+        q = self.backend.drv.event_query
+        if q:  # one cuEventQuery, natively (cupy's Event.done costs ~1 us more)
+            rc = _native.cuda_event_spin(q, int(self.event.ptr), 0)
+            if rc == _CUDA_NOT_READY:
+                return False
+            if rc:  # a CUDA error (faulting kernel, lost device)
+                err = TransferError(f"CUDA copy failed with CUDA error {rc}")
+        else:
+            try:
+                finished = bool(self.event.done)
+            except Exception as exc:  # a CUDA error (faulting kernel, lost device)
+                finished, err = True, TransferError(f"CUDA copy failed: {exc}")
+            if not finished:
+                return False
         self._retire(err)
         return True
 
