@@ -127,8 +127,8 @@ REAPER_DEEP_AFTER = 0.05
 #: poll) saw a finished 256 MiB copy 30-50 us late (5-6% of its time); 0 = that loop.
 SPIN_WAIT = 0.002
 #: The agent's cached route of a list pair posts through :class:`_Route`: index check and staging,
-#: the target's guards, the launch and the event record in one native call (``_native.CudaRoute``),
-#: the completion event created after the launch. False: every post through :meth:`CudaBackend.post`.
+#: the target's guards, the launch and the record of the staging slot's own completion event in one
+#: native call (``_native.CudaRoute``). False: every post through :meth:`CudaBackend.post`.
 ROUTE = True
 #: When not None, every kernel launch appends its phases here (CPU stamps and timing events), for
 #: ``python -m kvx.bench.cuda xtune2``.
