@@ -841,10 +841,10 @@ class _Route:
     """The agent's cached route of one (op, list pair) (:meth:`CudaBackend.fast_path`). On the kernel
     path with equal block lengths (:meth:`CudaBackend._route` builds the native part) a post is only
     the peer check, a staging slot, one native call (indices checked and staged, guards raised and
-    checked, context, launch, and the record of the slot's own completion event, made once per slot)
-    and the request; elsewhere it calls :meth:`CudaBackend.post`. Nothing is launched, and nothing stays raised, when
-    the call raises (bad indices) or the target released its memory. Rebuilt when a setting it
-    depends on changes (:func:`_route_knobs`)."""
+    checked, context, launch, and the record of the slot's own completion event, made once per
+    slot) and the request; elsewhere it calls :meth:`CudaBackend.post`. Nothing is launched, and
+    nothing stays raised, when the call raises (bad indices) or the target released its memory.
+    Rebuilt when a setting it depends on changes (:func:`_route_knobs`)."""
 
     __slots__ = ("be", "cnts", "d", "isz", "key", "local", "nat", "op", "peer", "remote", "ulen", "write")
 
