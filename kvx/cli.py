@@ -69,6 +69,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         latency_samples=a.latency_samples,
         path=a.path,
     )
+    if opts.latency_samples < 0 or opts.iters < 1:
+        print("kvx bench: --latency-samples must be >= 0 and --iters >= 1", file=sys.stderr)
+        return 2
     for bs in opts.block_sizes:
         if bs <= 0 or bs > opts.total:
             print(f"kvx bench: block size {bs} must be in 1..--total ({opts.total})", file=sys.stderr)
@@ -182,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seg", default="dram", help="cuda: local,remote memory: vram, pinned or dram")
     b.add_argument("--peer", default=None, help="tcp: host:port of a remote `kvx bench-target`")
     b.add_argument("--path", default=None, help="posix/gds: directory for the test file")
-    b.add_argument("--latency-samples", type=int, default=2000)
+    b.add_argument("--latency-samples", type=int, default=2000,
+                   help="single 4 KiB writes timed post to completion (default 2000; 0: no latency test)")
     b.add_argument("--json", default=None, help="write results as JSON to FILE ('-' for stdout only)")
     b.add_argument("--plot", default=None, help="write a PNG plot of bandwidth vs block size")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -45,6 +45,21 @@ def test_bench_rejects_bad_sizes() -> None:
     assert r.returncode == 2
 
 
+def test_bench_without_latency_test(tmp_path: Path) -> None:
+    """``--latency-samples 0`` skips the latency test (small totals time whole small transfers)."""
+    out = tmp_path / "b.json"
+    r = kvx("bench", "--backend", "host", "--total", "64K", "--block-sizes", "16K", "--iters", "3",
+            "--latency-samples", "0", "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert not [x for x in rows if "lat_us_median" in x]
+    assert {(x["op"], x["block_bytes"]) for x in rows if x["impl"] == "kvx"} == {("write", 16384), ("read", 16384)}
+    assert "| latency |" not in r.stdout
+    for bad in (("--latency-samples", "-1"), ("--iters", "0")):
+        r = kvx("bench", "--backend", "host", "--total", "64K", "--block-sizes", "16K", *bad)
+        assert r.returncode == 2 and "must be" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_unknown_or_unavailable_backend_is_a_clear_error() -> None:
     r = kvx("bench", "--backend", "bogus", "--total", "4M")
     assert r.returncode == 2 and "unknown backend 'bogus'" in r.stderr and "Traceback" not in r.stderr

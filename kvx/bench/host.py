@@ -106,7 +106,9 @@ def latency(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, target: Ta
     """Post-to-completion time of one 4 KiB write at the initiator, as NIXL's figure is taken
     (the same block posted again and again), two ways: ``agent.write`` with index lists (impl
     "kvx") and a ``make_transfer`` plan re-posted (impl "kvx-plan", the equivalent of NIXL's
-    ``make_prepped_xfer`` handle)."""
+    ``make_prepped_xfer`` handle). No rows for ``samples`` 0."""
+    if samples <= 0:
+        return []
     bs = 4096
     local = agent.prepare(kvx.DescList.blocks(local_reg, bs))
     remote = agent.prepare(kvx.DescList.blocks(target.descs, bs), peer=peer)
