@@ -1606,7 +1606,7 @@ static PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
 
 /*
  * CudaRoute(launch_fn, record_fn, ctx_get_fn, ctx_set_fn, ctx, stream, func, threads, grid_cap, shift,
- *           dst_addrs, src_addrs, src_lens, ulen, n_dst, n_src, wide, guards)
+ *           dst_addrs, src_addrs, src_lens, ulen, n_dst, n_src, wide, guards[, min_shift])
  *
  * One route of the cuda backend (an op between two prepared lists of equal block length on one
  * GPU, run by the gather kernel with its indices read in place from a pinned staging slot), built
@@ -1619,8 +1619,10 @@ static PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
  *      int64: a bad index raises TypeError/ValueError/IndexError and nothing else happens;
  *   2. raises each guard's in-flight counter (seq-cst), then checks every state still holds its
  *      wanted value; if one does not, lowers the counters again and returns step -1;
- *   3. makes ctx current if it is not, launches the kernel (n pairs, chunk items of 2^shift bytes)
- *      on stream, records event (if nonzero), restores the previous context.
+ *   3. makes ctx current if it is not, launches the kernel (n pairs, chunk items of 2^shift bytes;
+ *      while that leaves at most half as many items as the grid has warps, chunks half as large,
+ *      down to 2^min_shift, default shift) on stream, records event (if nonzero), restores the
+ *      previous context.
  *   step 3 and rc 0: launched. step 0 (context switch), 1 (launch) or 2 (record) with the CUDA
  *   error rc: the guards' counters stay raised (the caller lowers them after synchronizing).
  * Run with the GIL held except while large index arrays are staged (the launch itself takes a
@@ -1637,7 +1639,7 @@ typedef struct {
     cu_ctx_get_fn ctx_get;
     cu_ctx_set_fn ctx_set;
     void *ctx, *stream, *func;
-    unsigned threads, grid_cap, shift;
+    unsigned threads, grid_cap, shift, min_shift;
     uint64_t dst_addrs, src_addrs, src_lens, ulen, cpd;
     Py_ssize_t n_dst, n_src;
     int wide;
@@ -1653,13 +1655,14 @@ static void Route_dealloc(RouteObject *self) {
 static int Route_init(RouteObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
     unsigned long long fl, fr, fg, fs, ctx, stream, func, dA, sA, sL, ulen;
-    unsigned int threads, cap, shift;
+    unsigned int threads, cap, shift, min_shift = 99;
     Py_ssize_t nd, ns;
     int wide;
     PyObject *guards;
-    if (!PyArg_ParseTuple(args, "KKKKKKKIIIKKKKnnpO", &fl, &fr, &fg, &fs, &ctx, &stream, &func, &threads, &cap,
-                          &shift, &dA, &sA, &sL, &ulen, &nd, &ns, &wide, &guards))
+    if (!PyArg_ParseTuple(args, "KKKKKKKIIIKKKKnnpO|I", &fl, &fr, &fg, &fs, &ctx, &stream, &func, &threads, &cap,
+                          &shift, &dA, &sA, &sL, &ulen, &nd, &ns, &wide, &guards, &min_shift))
         return -1;
+    if (min_shift > shift) min_shift = shift;
     if (!fl || !fr || !fg || !fs || !func || !threads || !cap || !ulen || shift > 40) {
         PyErr_SetString(PyExc_ValueError, "CudaRoute: missing function, kernel or length");
         return -1;
@@ -1700,6 +1703,7 @@ static int Route_init(RouteObject *self, PyObject *args, PyObject *kw) {
     self->threads = threads;
     self->grid_cap = cap;
     self->shift = shift;
+    self->min_shift = min_shift;
     self->dst_addrs = dA;
     self->src_addrs = sA;
     self->src_lens = sL;
@@ -1745,13 +1749,22 @@ static PyObject *Route_post(RouteObject *self, PyObject *const *args, Py_ssize_t
         ret = Py_BuildValue("(nii)", n, -1, 0);
         goto out;
     }
-    const uint64_t items = (uint64_t)n * self->cpd;
+    /* few items for the grid's warps: smaller chunks, so more warps share the transfer */
+    uint32_t sh = self->shift;
+    uint64_t cpd = self->cpd;
+    const uint64_t warps = (uint64_t)self->grid_cap * self->threads / 32;
+    while (sh > self->min_shift) {
+        const uint64_t c = (self->ulen + (1ull << (sh - 1)) - 1) >> (sh - 1);
+        if ((uint64_t)n * c > warps) break;
+        sh--;
+        cpd = c;
+    }
+    const uint64_t items = (uint64_t)n * cpd;
     uint64_t grid = (items * 32 + self->threads - 1) / self->threads;
     if (grid > self->grid_cap) grid = self->grid_cap;
     if (grid < 1) grid = 1;
     uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, 0, (uint64_t)n, self->ulen,
                       items};
-    uint32_t sh = self->shift;
     void *params[9];
     for (int i = 0; i < 8; i++) params[i] = &pv[i];
     params[8] = &sh;

@@ -182,7 +182,7 @@ def test_native_cuda_post_calls_in_order() -> None:
         _native.cuda_post(0, fns[1], fns[2], 0x1000, 0x2000, 96, 0x30, 0x40, 1, 32, *a, 14, 0)
 
 
-def test_native_cuda_route_stages_guards_launches() -> None:
+def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_native.CudaRoute.post`` (the cached route's whole launch in one call), with stand-in driver
     functions: indices checked and staged, the target's guards raised and checked, the context made
     current and restored, the kernel launched with its arguments, the event recorded; bad input and
@@ -272,6 +272,25 @@ def test_native_cuda_route_stages_guards_launches() -> None:
         assert ctl[1] == 1 and ctl[3] == 1
         ctl[1] = ctl[3] = 0
         rcs["launch"] = 0
+    # small transfers: chunks halved while the items still fit the grid's warps (528 x 256 / 32),
+    # down to min_shift; as kvx.backends.cuda._chunk_shift
+    from kvx.backends import cuda as kc
+
+    for min_shift, n_pairs, want_shift in ((12, 3, 12), (13, 3, 13), (12, 200, 12), (12, 500, 13), (12, 2000, 14),
+                                         (15, 3, 14)):
+        route = _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 4000, 4000, False,
+                                  guards, min_shift)
+        slot = np.zeros(16 * n_pairs, dtype=np.uint8)
+        calls.clear()
+        assert route.post(np.arange(n_pairs), np.arange(n_pairs), slot.ctypes.data, slot.size, 0) == (n_pairs, 3, 0)
+        ctl[1] = ctl[3] = 0
+        launch_args = calls[1]
+        items = n_pairs * -(-ulen // (1 << want_shift))
+        assert launch_args[6] == want_shift and launch_args[5][7] == items, (min_shift, n_pairs, launch_args)
+        assert launch_args[2] == min(528, (items * 32 + 255) // 256)
+        with monkeypatch.context() as m:
+            m.setattr(kc, "CHUNK_SHIFT_MIN", min_shift)
+            assert kc._chunk_shift(n_pairs, ulen, 528 * 256 // 32) == want_shift
     with pytest.raises(ValueError):  # guards must be u64 triples
         _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards[:4])
     with pytest.raises(ValueError):  # no kernel
@@ -871,15 +890,19 @@ def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("min_shift", [12, 14])
 @pytest.mark.parametrize("kernel", ["warpx", "warp"])
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_kernel_item_orders(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch, kernel: str,
-                            op: str) -> None:
-    """Blocks of several work items (3 full 16 KiB chunks + a 100-byte tail), permuted, both ways:
-    chunk-major (``warpx``, the default) and block-major (``warp``) items land every byte."""
+                            op: str, min_shift: int) -> None:
+    """Blocks of several work items (3 full 16 KiB chunks + a 100-byte tail; with ``CHUNK_SHIFT_MIN``
+    12 this small transfer is cut into 4 KiB items instead), permuted, both ways, posted twice (the
+    general path, then the pair's route): chunk-major (``warpx``, the default) and block-major
+    (``warp``) items land every byte."""
     from kvx.backends import cuda as kc
 
     monkeypatch.setattr(kc, "KERNEL", kernel)
+    monkeypatch.setattr(kc, "CHUNK_SHIFT_MIN", min_shift)
     _set_path(agent, "kernel")
     bs, n = 3 * 16384 + 100, 48
     rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
@@ -893,17 +916,19 @@ def test_kernel_item_orders(agent: kvx.Agent, helper: Helper, monkeypatch: pytes
         ids = np.arange(n, dtype=np.int64)
         b = pattern(np, n * bs, 9).reshape(n, bs)
         exp = np.zeros((n, bs), np.uint8)
-        if op == "write":
-            view[:] = pattern(_xp(view), n * bs, 9)
-            agent.write(local, ids, remote, perm).wait(20)
-            exp[perm] = b
-            assert helper.digest(rid) == digest(np, exp.reshape(-1))
-        else:
-            helper.call(cmd="fill", id=rid, seed=9)
-            view[:] = 0
-            agent.read(local, ids, remote, perm).wait(20)
-            exp[:] = b[perm]
-            assert digest(_xp(view), view) == digest(np, exp.reshape(-1))
+        for _ in range(2):
+            if op == "write":
+                helper.call(cmd="zero", id=rid)
+                view[:] = pattern(_xp(view), n * bs, 9)
+                agent.write(local, ids, remote, perm).wait(20)
+                exp[perm] = b
+                assert helper.digest(rid) == digest(np, exp.reshape(-1))
+            else:
+                helper.call(cmd="fill", id=rid, seed=9)
+                view[:] = 0
+                agent.read(local, ids, remote, perm).wait(20)
+                exp[:] = b[perm]
+                assert digest(_xp(view), view) == digest(np, exp.reshape(-1))
         reg.release()
     finally:
         helper.call(cmd="free", id=rid)

@@ -138,6 +138,11 @@ PROFILE: list[dict[str, Any]] | None = None
 STAMPS: list[tuple[str, int]] | None = None
 #: One warp copies one chunk of 2**CHUNK_SHIFT bytes of a block (a work item of the kernel).
 CHUNK_SHIFT = 14
+#: Small transfers: while halving the chunks still leaves no more work items than the kernel has
+#: warps, they are halved, down to 2**CHUNK_SHIFT_MIN bytes (equal-length blocks), so more warps
+#: share the transfer: a warp moves 4 KiB per round of loads, one NVLink round trip on reads.
+#: Transfers of 256 MiB keep 2**CHUNK_SHIFT from 4 KiB blocks up (docs/gpu.md).
+CHUNK_SHIFT_MIN = 12
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
 THREADS = 256
 BLOCKS_PER_SM = 4
@@ -832,9 +837,9 @@ class _CudaRequest(Request):
 
 def _route_knobs(be: "CudaBackend") -> tuple[Any, ...]:
     """The settings a :class:`_Route` is built under (it is rebuilt when one changes)."""
-    return (ROUTE, be.mode, KERNEL, CHUNK_SHIFT, THREADS, BLOCKS_PER_SM, BLOCKS_PER_SM_HOST, BLOCKS_PER_SM_BULK,
-            PIPE_PAIRS, INDEX_ZEROCOPY, NATIVE_POST, NATIVE_STAGING, _I32_MAX, PROFILE is None, EXEC_ON,
-            CE_MIN_BLOCK, id(AUTO_PLAN), len(AUTO_PLAN))
+    return (ROUTE, be.mode, KERNEL, CHUNK_SHIFT, CHUNK_SHIFT_MIN, THREADS, BLOCKS_PER_SM, BLOCKS_PER_SM_HOST,
+            BLOCKS_PER_SM_BULK, PIPE_PAIRS, INDEX_ZEROCOPY, NATIVE_POST, NATIVE_STAGING, _I32_MAX, PROFILE is None,
+            EXEC_ON, CE_MIN_BLOCK, id(AUTO_PLAN), len(AUTO_PLAN))
 
 
 class _Route:
@@ -1074,6 +1079,15 @@ def _stageable(idx: Any) -> Any:
     if t is np.ndarray and idx.ndim == 1 and idx.dtype in _STAGE_DTYPES and idx.flags.c_contiguous:
         return idx
     return None
+
+
+def _chunk_shift(n: int, ulen: int, warps: int) -> int:
+    """log2 of the work item for ``n`` pairs of ``ulen`` bytes on a grid of ``warps`` warps
+    (:data:`CHUNK_SHIFT`, halved while the items still fit the warps; as ``CudaRoute.post``)."""
+    sh = CHUNK_SHIFT
+    while sh > CHUNK_SHIFT_MIN and n * ((ulen + (1 << (sh - 1)) - 1) >> (sh - 1)) <= warps:
+        sh -= 1
+    return sh
 
 
 def _count(idx: Any) -> int:
@@ -1798,7 +1812,8 @@ class CudaBackend(SameNodeLink, Backend):
         sap, slp = src.device_ptrs(cp, d.dev)
         guards = np.array([x for g in rp.guards for x in g] if peer is not None else [], dtype=np.uint64)
         nat = _native.CudaRoute(fns[0], fns[1], fns[2], fns[3], d.ctx, int(d.stream.ptr), func, threads, cap,
-                                CHUNK_SHIFT, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32, guards)
+                                CHUNK_SHIFT, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32, guards,
+                                min(CHUNK_SHIFT, CHUNK_SHIFT_MIN))
         r.d, r.peer, r.ulen, r.isz = d, peer, lp.ulen, 4 if i32 else 8
         r.cnts = [g[2] for g in rp.guards] if peer is not None else []
         r.nat = nat  # last: a post on another thread sees the whole route or none
@@ -1847,6 +1862,8 @@ class CudaBackend(SameNodeLink, Backend):
         host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
         cfg = d.config(cp, KERNEL, host_side, i32)
         threads, cap = cfg[2], cfg[3]
+        if ulen:
+            shift = _chunk_shift(n, ulen, cap * threads // 32)
         zc = INDEX_ZEROCOPY
         cpd = (ulen + (1 << shift) - 1) >> shift
         ev: Any = None

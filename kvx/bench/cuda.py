@@ -588,6 +588,7 @@ def _xtune2(argv: list[str]) -> int:
     calls, a reaper polling every 50 us), ``upload`` (indices uploaded before the kernel instead of read
     in place), ``eager`` (the reaper woken by every post), ``warp`` / ``warpx`` (block-major /
     chunk-major work items), ``cN`` (work items of 2**N bytes instead of 2**14),
+    ``mN`` (small transfers' work items halved down to 2**N bytes instead of 2**12; ``m14``: never),
     ``npstage`` / ``pypost`` / ``pollreaper`` (only that one
     part of the earlier host path), ``nospin`` (waiters poll from Python, no native spin), ``noroute``
     (every post through ``post()`` instead of the pair's native route), ``onestage`` (large index
@@ -621,6 +622,7 @@ def _xtune2(argv: list[str]) -> int:
     target = Helper("xtune2-target", {"backends": ["cuda"]})
     knobs = ("KERNEL", "BLOCKS_PER_SM", "BLOCKS_PER_SM_HOST", "THREADS", "PIPE_PAIRS", "SPLIT_FRACTION",
              "INDEX_ZEROCOPY", "_I32_MAX", "NATIVE_STAGING", "NATIVE_POST", "REAPER_POLL", "CHUNK_SHIFT",
+             "CHUNK_SHIFT_MIN",
              "REAPER_LAZY", "SPIN_WAIT", "ROUTE")
     defaults = {k: getattr(kc, k) for k in knobs}
     stage_mode = _native.stage_parallel()
@@ -673,6 +675,8 @@ def _xtune2(argv: list[str]) -> int:
                 kc.PIPE_PAIRS = int(v[4:])
             elif v[:1] == "c" and v[1:].isdigit():  # cN: work items of 2**N bytes
                 kc.CHUNK_SHIFT = int(v[1:])
+            elif v[:1] == "m" and v[1:].isdigit():  # mN: small transfers' work items down to 2**N bytes
+                kc.CHUNK_SHIFT_MIN = int(v[1:])
 
     try:
         rid, rdescs = target.register(a.rseg, total, rdev)
