@@ -69,8 +69,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         latency_samples=a.latency_samples,
         path=a.path,
     )
-    if opts.latency_samples < 0 or opts.iters < 1:
-        print("kvx bench: --latency-samples must be >= 0 and --iters >= 1", file=sys.stderr)
+    if opts.latency_samples < 0 or opts.iters < 1 or opts.total <= 0:
+        print("kvx bench: --latency-samples must be >= 0, --iters >= 1 and --total > 0", file=sys.stderr)
+        return 2
+    if opts.path is not None and not os.path.isdir(opts.path):
+        print(f"kvx bench: --path {opts.path}: not an existing directory", file=sys.stderr)
         return 2
     for bs in opts.block_sizes:
         if bs <= 0 or bs > opts.total:

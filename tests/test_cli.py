@@ -55,9 +55,17 @@ def test_bench_without_latency_test(tmp_path: Path) -> None:
     assert not [x for x in rows if "lat_us_median" in x]
     assert {(x["op"], x["block_bytes"]) for x in rows if x["impl"] == "kvx"} == {("write", 16384), ("read", 16384)}
     assert "| latency |" not in r.stdout
-    for bad in (("--latency-samples", "-1"), ("--iters", "0")):
+    for bad in (("--latency-samples", "-1"), ("--iters", "0"), ("--total", "0")):
         r = kvx("bench", "--backend", "host", "--total", "64K", "--block-sizes", "16K", *bad)
         assert r.returncode == 2 and "must be" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_path_must_be_a_directory(tmp_path: Path) -> None:
+    """A mistyped ``--path`` is an error, not a directory created on the way."""
+    missing = tmp_path / "no" / "such"
+    r = kvx("bench", "--backend", "posix", "--path", str(missing), "--total", "1M", "--block-sizes", "64K")
+    assert r.returncode == 2 and "not an existing directory" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "no").exists()
 
 
 def test_bench_unknown_or_unavailable_backend_is_a_clear_error() -> None:

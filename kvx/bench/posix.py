@@ -236,7 +236,6 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
     """Run the posix benchmark (see the module docstring); return its rows."""
     own = opts.path is None
     base = tempfile.mkdtemp(prefix="kvx-bench-posix-", dir="/tmp") if own else str(opts.path)
-    os.makedirs(base, exist_ok=True)
     prog.add(len(opts.ops) * len(opts.block_sizes) * 2 + len(opts.ops))
     can_drop = drop_caches()
     rows: list[dict[str, Any]] = []
