@@ -72,6 +72,10 @@ SETTINGS: dict[str, Setting] = {
                 "Let the gds backend run where GPUDirect Storage is not usable, in kvikio's compat mode (POSIX "
                 "through kvikio's bounce buffers). Off by default: measured 2-8x slower than staging through "
                 "pinned host memory with the cuda and posix backends (docs/benchmarks.md)."),
+        Setting("KVX_CUDA_SPIN_US", float, 2000.0,
+                "Microseconds a waiter on a GPU transfer polls its CUDA event natively (no GIL, one busy "
+                "core) before sleeping between polls; 0 or less: no native spin (a Python poll loop, which "
+                "notices a finished copy tens of microseconds later)."),
         Setting("KVX_CUDA_EXEC", str, "initiator",
                 "Which GPU runs a GPU<->GPU copy: initiator (the caller's), owner (the target memory's GPU), "
                 "pull (the destination's GPU)."),

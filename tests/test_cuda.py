@@ -297,6 +297,19 @@ def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatc
         _native.CudaRoute(*fns, 0x7, 0x30, 0, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards)
 
 
+def test_spin_setting() -> None:
+    """``KVX_CUDA_SPIN_US`` sets how long a waiter spins natively (read at import): microseconds, 0 or
+    less for none; a value that is not a number is a UsageError naming the setting."""
+    code = "import kvx.backends.cuda as c; print(repr(c.SPIN_WAIT))"
+    for raw, want in (("500", 0.0005), ("-3", 0.0), ("", 0.002)):
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVX_CUDA_SPIN_US": raw},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and float(r.stdout) == pytest.approx(want), (raw, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVX_CUDA_SPIN_US": "abc"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "UsageError: KVX_CUDA_SPIN_US='abc'" in r.stderr
+
+
 def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
     """``_native.cuda_event_spin`` (a waiter's poll without the GIL): driven with a stand-in cuEventQuery."""
     import ctypes

@@ -125,7 +125,8 @@ REAPER_DEEP_AFTER = 0.05
 #: A waiter (``Transfer.wait``) first polls the transfer's CUDA event in native code without the GIL for
 #: up to this many seconds, then sleeps between polls. Measured: the earlier Python loop (yield the GIL,
 #: poll) saw a finished 256 MiB copy 30-50 us late (5-6% of its time); 0 = that loop.
-SPIN_WAIT = 0.002
+#: ``KVX_CUDA_SPIN_US`` sets it at import (microseconds, default 2000).
+SPIN_WAIT = max(0.0, float(_config_get("KVX_CUDA_SPIN_US"))) / 1e6
 #: The agent's cached route of a list pair posts through :class:`_Route`: index check and staging,
 #: the target's guards, the launch and the record of the staging slot's own completion event in one
 #: native call (``_native.CudaRoute``). False: every post through :meth:`CudaBackend.post`.
