@@ -639,6 +639,15 @@ def _gpu_pair(agent: kvx.Agent, helper: Helper, bs: int, n: int, seed: int) -> I
         helper.call(cmd="free", id=rid)
 
 
+def _scattered(perm: Any, bs: int, seed: int) -> str:
+    """Digest of the target once block ``i`` of ``pattern(seed)`` landed at block ``perm[i]``, for every
+    block (``perm`` a permutation of them all)."""
+    n = len(perm)
+    exp = np.zeros((n, bs), np.uint8)
+    exp[perm] = pattern(np, n * bs, seed).reshape(n, bs)
+    return digest(np, exp.reshape(-1))
+
+
 @pytest.mark.gpu
 def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> None:
     bs, n = 4096, 256
@@ -768,9 +777,7 @@ def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatc
         for th in threads:
             th.join(60)
         assert not any(th.is_alive() for th in threads) and not errors, errors
-        exp = np.zeros((n, bs), np.uint8)
-        exp[perm] = pattern(np, n * bs, 13).reshape(n, bs)
-        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        assert helper.digest(rid) == _scattered(perm, bs, 13)
         reg.release()
 
 
@@ -801,9 +808,7 @@ def test_route_reuses_slot_events(agent: kvx.Agent, helper: Helper, monkeypatch:
         for x in reversed(xs):
             x.wait(30)
             assert x.status is kvx.Status.DONE
-        exp = np.zeros((n, bs), np.uint8)
-        exp[perm] = pattern(np, n * bs, 17).reshape(n, bs)
-        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        assert helper.digest(rid) == _scattered(perm, bs, 17)
         reg.release()
 
 
@@ -819,8 +824,7 @@ def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkey
             agent.make_transfer("write", local, [0, 1], remote, [0, n])
         perm = np.random.default_rng(3).permutation(n)
         plan = agent.make_transfer("write", local, np.arange(n), remote, perm)
-        exp = np.zeros((n, bs), np.uint8)
-        exp[perm] = pattern(np, bs * n, 9).reshape(n, bs)
+        want = _scattered(perm, bs, 9)
         for route in (True, False, True):
             monkeypatch.setattr(kc, "ROUTE", route)
             helper.call(cmd="zero", id=rid)
@@ -828,7 +832,7 @@ def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkey
             plan.post().wait(10)
             assert ("route" in [label for label, _t in kc.STAMPS or []]) == route
             monkeypatch.setattr(kc, "STAMPS", None)
-            assert helper.digest(rid) == digest(np, exp.reshape(-1))
+            assert helper.digest(rid) == want
         reg.release()
 
 
@@ -854,9 +858,7 @@ def test_wait_spins_then_polls(agent: kvx.Agent, helper: Helper, monkeypatch: py
         for _ in range(2):
             x = agent.write(local, np.arange(n), remote, ri)
             assert x.wait(10).done()
-        exp = np.zeros((n, bs), np.uint8)
-        exp[ri] = pattern(np, size, 5).reshape(n, bs)
-        assert helper.digest(rid) == digest(np, exp.reshape(-1))
+        assert helper.digest(rid) == _scattered(ri, bs, 5)
         reg.release()
     finally:
         helper.call(cmd="free", id=rid)
