@@ -1518,6 +1518,16 @@ typedef int (*cu_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
                             unsigned shmem, void *stream, void **params, void **extra);
 typedef int (*cu_record_fn)(void *event, void *stream);
 
+/* Launch the copy kernel func (grid x threads) on stream with its arguments: the eight u64 a[] and
+ * the u32 work-item shift; the CUDA error or 0. Shared by cuda_post and CudaRoute.post. */
+static int launch_copy(cu_launch_fn launch, void *func, unsigned grid, unsigned threads, void *stream, uint64_t a[8],
+                       uint32_t shift) {
+    void *params[9];
+    for (int i = 0; i < 8; i++) params[i] = &a[i];
+    params[8] = &shift;
+    return launch(func, grid, 1, 1, threads, 1, 1, 0, stream, params, NULL);
+}
+
 /*
  * cuda_post(memcpy_fn, launch_fn, record_fn, dptr, hptr, nbytes, stream, func, grid, threads,
  *           a0, ..., a7, shift, event) -> (step, rc)
@@ -1542,21 +1552,14 @@ static PyObject *py_cuda_post(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint64_t pv[8];
-    uint32_t sh = shift;
-    void *params[9];
-    for (int i = 0; i < 8; i++) {
-        pv[i] = a[i];
-        params[i] = &pv[i];
-    }
-    params[8] = &sh;
+    for (int i = 0; i < 8; i++) pv[i] = a[i];
     int step = 0, rc = 0;
     void *st = (void *)(uintptr_t)stream;
     Py_BEGIN_ALLOW_THREADS
     if (nbytes) rc = ((cu_memcpy_htod_fn)(uintptr_t)fm)(dptr, (const void *)(uintptr_t)hptr, (size_t)nbytes, st);
     if (!rc) {
         step = 1;
-        if (func)
-            rc = ((cu_launch_fn)(uintptr_t)fl)((void *)(uintptr_t)func, grid, 1, 1, threads, 1, 1, 0, st, params, NULL);
+        if (func) rc = launch_copy((cu_launch_fn)(uintptr_t)fl, (void *)(uintptr_t)func, grid, threads, st, pv, shift);
     }
     if (!rc) {
         step = 2;
@@ -1763,18 +1766,15 @@ static PyObject *Route_post(RouteObject *self, PyObject *const *args, Py_ssize_t
     uint64_t grid = (items * 32 + self->threads - 1) / self->threads;
     if (grid > self->grid_cap) grid = self->grid_cap;
     if (grid < 1) grid = 1;
-    uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, 0, (uint64_t)n, self->ulen,
-                      items};
-    void *params[9];
-    for (int i = 0; i < 8; i++) params[i] = &pv[i];
-    params[8] = &sh;
+    uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, 0, (uint64_t)n,
+                      self->ulen, items};
     int step = 0, rc;
     void *cur = NULL;
     rc = self->ctx_get(&cur);
     if (!rc && cur != self->ctx) rc = self->ctx_set(self->ctx);
     if (!rc) {
         step = 1;
-        rc = self->launch(self->func, (unsigned)grid, 1, 1, self->threads, 1, 1, 0, self->stream, params, NULL);
+        rc = launch_copy(self->launch, self->func, (unsigned)grid, self->threads, self->stream, pv, sh);
         if (!rc) {
             step = 2;
             if (ev) rc = self->record((void *)(uintptr_t)ev, self->stream);
