@@ -622,8 +622,7 @@ def _xtune2(argv: list[str]) -> int:
     target = Helper("xtune2-target", {"backends": ["cuda"]})
     knobs = ("KERNEL", "BLOCKS_PER_SM", "BLOCKS_PER_SM_HOST", "THREADS", "PIPE_PAIRS", "SPLIT_FRACTION",
              "INDEX_ZEROCOPY", "_I32_MAX", "NATIVE_STAGING", "NATIVE_POST", "REAPER_POLL", "CHUNK_SHIFT",
-             "CHUNK_SHIFT_MIN",
-             "REAPER_LAZY", "SPIN_WAIT", "ROUTE")
+             "CHUNK_SHIFT_MIN", "REAPER_LAZY", "SPIN_WAIT", "ROUTE")
     defaults = {k: getattr(kc, k) for k in knobs}
     stage_mode = _native.stage_parallel()
 
