@@ -585,6 +585,8 @@ class Agent:
             if descs.kind in b.kinds and (peer is None or b.name in pinfo.sections.get("_reached", ())):  # type: ignore[union-attr]
                 try:
                     pl.bdata[b.name] = b.prepare(pl)
+                except RegistrationError:
+                    raise  # the target itself refuses a descriptor that its metadata claimed
                 except KVXError:
                     log.debug("backend %s cannot prepare %r", b.name, pl, exc_info=True)
         return pl
@@ -609,8 +611,13 @@ class Agent:
         if remote.peer is None:
             if remote.epoch != self._epoch:
                 self._check_live(remote)
-        elif remote.peer not in self._peers:
-            raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+        elif self._peers.get(remote.peer) is not remote.pinfo:
+            if remote.peer not in self._peers:
+                raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+            # a list is bound to one incarnation of its peer: after remove_peer/add_peer, or a new
+            # agent under the same name, its descriptors and mappings describe memory that is gone
+            raise UsageError(f"peer {remote.peer!r} was removed and added again since this list was prepared; "
+                             "prepare again")
 
     def _select(self, local: PreparedList, remote: PreparedList, backend: str | None) -> Backend:
         key = (id(local), id(remote))
