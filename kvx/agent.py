@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import uuid
 import weakref
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import wire
+from ._slots import BOOT_ID, MAX_SLOTS
 from .backends import registry
-from .backends.base import Backend, BackendContext, Op, PeerInfo
+from .backends.base import Backend, BackendContext, Op, PeerInfo, validate
 from .config import AgentConfig
 from .errors import (
     BackendUnavailable,
@@ -32,20 +32,7 @@ __all__ = ["Agent", "Registration", "PreparedList", "MAX_SLOTS"]
 
 log = logging.getLogger(__name__)
 
-#: Most live regions one agent can hold (one slot each; published to same-node peers).
-MAX_SLOTS = 1 << 16
 _U64 = np.uint64
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-BOOT_ID = _boot_id()
 
 
 class Registration:
@@ -125,63 +112,6 @@ class PreparedList:
     def __repr__(self) -> str:
         where = f"peer={self.peer!r}" if self.peer else "local"
         return f"<PreparedList {self.descs.kind.name} n={len(self.descs)} {where}>"
-
-
-def validate(
-    kind: MemoryKind,
-    addr: np.ndarray,
-    nbytes: np.ndarray,
-    dev: np.ndarray,
-    table: Sequence[tuple[int, int, int, int, int, int]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Find, for each descriptor, the live region that contains it.
-
-    ``table`` rows are ``(kind, addr, nbytes, dev, slot, gen)``. Returns ``(slots, ok)``:
-    the containing region's slot per descriptor (-1 where none) and a boolean mask.
-    Vectorized: per device one ``searchsorted`` over the region starts.
-    """
-    n = addr.shape[0]
-    slots = np.full(n, -1, dtype=np.int64)
-    if n == 0:
-        return slots, np.ones(0, dtype=bool)
-    rows = [r for r in table if r[0] == int(kind)]
-    if not rows:
-        return slots, np.zeros(n, dtype=bool)
-    end = addr + nbytes
-    wrap = end < addr
-    if kind in (MemoryKind.FILE, MemoryKind.OBJECT):
-        # dev is the slot; regions start at offset 0
-        size = np.zeros(MAX_SLOTS, dtype=_U64)
-        for r in rows:
-            size[r[4]] = r[2]
-        inrange = dev < MAX_SLOTS
-        d = np.where(inrange, dev, 0).astype(np.int64)
-        ok = inrange & (size[d] > 0) & (end <= size[d]) & ~wrap
-        slots[ok] = d[ok]
-        return slots, ok
-    ok = np.zeros(n, dtype=bool)
-    bydev: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
-    for r in rows:
-        bydev[r[3]].append(r)
-    devs = list(bydev)
-    for dv in devs:
-        rs = sorted(bydev[dv], key=lambda r: r[1])
-        starts = np.array([r[1] for r in rs], dtype=_U64)
-        ends = np.array([r[1] + r[2] for r in rs], dtype=_U64)
-        rslot = np.array([r[4] for r in rs], dtype=np.int64)
-        sel = dev == dv if len(devs) > 1 or dv != 0 else slice(None)
-        a = addr[sel]
-        i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
-        good = (i >= 0)
-        ic = np.where(good, i, 0)
-        good &= (a >= starts[ic]) & (end[sel] <= ends[ic]) & ~wrap[sel]
-        if isinstance(sel, slice):
-            ok = good & (dev == dv)
-            slots = np.where(ok, rslot[ic], -1)
-        else:
-            ok[sel] = good
-            slots[sel] = np.where(good, rslot[ic], -1)
-    return slots, ok
 
 
 class Agent:

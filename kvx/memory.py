@@ -154,7 +154,7 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
         raise UsageError(f"alloc_host needs a positive size, not {nbytes!r}")
     nbytes = int(nbytes)
     if pinned:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
         _cuda.require_runtime("alloc_host(pinned=True)")
     fd = os.memfd_create("kvx-host", os.MFD_CLOEXEC)
@@ -174,7 +174,7 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
     # the finalizer must not hold ``mm`` itself, or the memory would live until exit
     weakref.finalize(mm, _forget_alloc, addr, fd)
     if pinned:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
         _cuda.pin_host(addr, nbytes)
         weakref.finalize(mm, _cuda.unpin_host, addr)
@@ -227,9 +227,10 @@ def _one_region(obj: Any) -> Region:
         raise RegistrationError(f"cannot register a tensor on device {obj.device}")
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
-        return _cuda.region_from_cai(obj, cai)
+        ptr, nbytes, dev = _cuda.region_from_cai(cai)
+        return Region(MemoryKind.CUDA, ptr, nbytes, dev, owner=obj)
     if isinstance(obj, np.ndarray):
         arr = obj
     else:

@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 
 from .. import config as _config
-from ..agent import PreparedList
 from ..errors import BackendUnavailable, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, Request
+from .base import Backend, BackendContext, Op, PreparedList, Request
 from .posix import _sync_code, open_preallocated, translate_oserror
 
 __all__ = ["GdsBackend"]

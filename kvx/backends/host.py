@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native, config, wire
-from ..agent import BOOT_ID, MAX_SLOTS, PreparedList, validate
+from .._slots import BOOT_ID, MAX_SLOTS
 from ..channel import Channel
 from ..copy import copy_blocking, staging_offsets
 from ..errors import (
@@ -46,7 +46,7 @@ from ..errors import (
 )
 from ..memory import MemoryKind, Region
 from ._samenode import SameNodeLink
-from .base import Backend, BackendContext, JobRequest, Op, PeerInfo, Request, ThreadRequest
+from .base import Backend, BackendContext, JobRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest, validate
 
 __all__ = ["HostBackend"]
 

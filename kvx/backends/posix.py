@@ -74,10 +74,10 @@ import numpy as np
 
 from .. import _native
 from .. import config as _config
-from ..agent import MAX_SLOTS, PreparedList
+from .._slots import MAX_SLOTS
 from ..errors import BackendUnavailable, KVXError, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, JobRequest, Op, Request, ThreadRequest
+from .base import Backend, BackendContext, JobRequest, Op, PreparedList, Request, ThreadRequest
 
 __all__ = ["PosixBackend", "ALIGN", "SYNC_MODES", "open_preallocated", "translate_oserror"]
 

@@ -75,7 +75,7 @@ from ._sigv4 import Signer, canonical_path
 from .base import Backend, BackendContext, DoneRequest, Op, Request
 
 if TYPE_CHECKING:
-    from ..agent import PreparedList
+    from .base import PreparedList
 
 __all__ = ["S3Backend", "S3Settings", "MULTIPART_THRESHOLD", "PART_BYTES", "settings_from_env"]
 

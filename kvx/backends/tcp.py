@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import auth, wire
 from .. import config as _cfg
-from ..agent import MAX_SLOTS, PreparedList
+from .._slots import MAX_SLOTS
 from ..errors import (
     AuthError,
     KVXError,
@@ -67,7 +67,7 @@ from ..errors import (
     TransferTimeout,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request, ThreadRequest
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest
 
 __all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake", "server_handshake",
            "send_frame", "recv_frame", "tune_socket"]
