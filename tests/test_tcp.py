@@ -507,3 +507,31 @@ def test_link_failure_while_a_read_payload_arrives_fails_the_transfer(monkeypatc
             x.wait(15)
         assert time.monotonic() - t0 < 10
         assert calls["n"] == 1 and x.status is kvx.Status.FAILED
+
+
+def _tcp(agent: kvx.Agent) -> Any:
+    return next(b for b in agent.backends if b.name == "tcp")
+
+
+def test_small_write_to_two_blocks_of_one_region_leaves_no_pin() -> None:
+    """Two descriptors of one region in one small request: the target pins the region once per
+    distinct region and unpins it once, so release (and close) return at once instead of waiting
+    out the peer timeout for a pin nothing holds (issue 14.6)."""
+    with _agent("tgt", peer_timeout=4.0) as tgt, _agent("ini", peer_timeout=4.0) as ini:
+        tb = _tcp(tgt)
+        tregs = [tgt.register(np.zeros(1 << 14, np.uint8)) for _ in range(3)]
+        name = ini.add_peer(tgt.metadata())
+        buf = pattern(1 << 14, 3)
+        loc = ini.prepare(kvx.DescList.blocks(ini.register(buf), 4096))
+        for treg in tregs:
+            rem = ini.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=name)
+            ini.write(loc, [0, 1], rem, [0, 1]).wait(10)
+            ini.write(loc, [2, 3, 2], rem, [3, 2, 1]).wait(10)
+        assert int(tb._pins.sum()) == 0
+        t0 = time.monotonic()
+        tregs[0].release()
+        assert time.monotonic() - t0 < 2.0  # below the 4 s peer timeout a stuck pin waits out
+        assert ini.peers() == [name]
+        t0 = time.monotonic()
+        tgt.close()  # releases the other two regions
+        assert time.monotonic() - t0 < 2.0

@@ -871,9 +871,10 @@ class TcpBackend(Backend):
                     return (f"descriptor {i} (0x{a:x}+{n}) is outside registered memory"
                             " (or the region was released)"), total
                 slots.append(view[j][2])
-            for sl in slots:
+            used = set(slots)  # one pin per distinct region, as ``_unpin`` drops one per region
+            for sl in used:
                 self._pins[sl] += 1
-        pinned.update(slots)
+        pinned.update(used)
         return None, total
 
     def _rebuild_view(self) -> None:
