@@ -1,7 +1,7 @@
 """The same-node peer link shared by the ``host`` and ``cuda`` backends.
 
 Both backends listen on an abstract AF_UNIX socket and run the same handshake over it: the
-listener checks the caller's user (SO_PEERCRED; root may serve anyone), sends a challenge, checks
+listener checks the caller's user (SO_PEERCRED: the same uid only, root included), sends a challenge, checks
 the HMAC in the ``hello`` (``KVX_AUTH_TOKEN``, :mod:`kvx.auth`), and answers ``welcome`` with two
 descriptors: its control table (memfd, mapped read-only by the peer) and a fresh page of in-flight
 counters for that peer (memfd, mapped read-write on both sides). What differs -- the size of a
@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from .. import _native, auth, wire
-from ..channel import Channel
+from ..channel import K_MSG, Channel
 from ..errors import AuthError, KVXError, PeerDisconnected, ProtocolError
 from .base import PeerInfo
 
@@ -68,8 +68,9 @@ class SameNodeLink:
         s.settimeout(self.cfg.handshake_timeout)
         try:
             pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid() and os.getuid() != 0:
-                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
+            if uid != os.getuid():  # root too serves only its own user (CMA, mappings)
+                self._deny(s, "a peer of another user is not served")
+                raise AuthError(f"refusing same-node peer of another user (uid {uid}, pid {pid})")
             chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{pid}")
             nonce = auth.new_nonce()
             chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
@@ -103,6 +104,15 @@ class SameNodeLink:
             self._accepted.append(chan)
         chan.start()
 
+    @staticmethod
+    def _deny(s: socket.socket, why: str) -> None:
+        """Tell a refused caller why (best effort, never blocks), before closing."""
+        try:
+            body = wire.pack("denied", msg=why)
+            s.send(wire.frame_header(K_MSG, len(body)) + body, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+
     # ---- dialling side ---------------------------------------------------------------------
     def _dial(self, peer: PeerInfo, uds: str) -> tuple[Channel, int, int]:
         """Connect to ``peer``'s listener and run the handshake: (channel, not started yet;
@@ -119,6 +129,8 @@ class SameNodeLink:
         try:
             msg, _, f0 = chan.recv_one()
             fds += f0
+            if msg.get("t") == "denied":
+                raise AuthError(f"{peer.name!r} refused us: {msg.get('msg')!s:.200}")
             wire.check(msg, "challenge", {"nonce": bytes, "id": str})
             if msg["id"] != peer.agent_id:
                 raise ProtocolError(f"{peer.name!r} answered with another agent id")
