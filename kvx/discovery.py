@@ -25,15 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import config, wire
-from .backends.tcp import (
-    MAX_HANDSHAKES,
-    _open_listener,
-    accept_loop,
-    advertised,
-    client_handshake,
-    send_frame,
-    server_handshake,
-)
+from .backends.tcp import advertised
 from .errors import (
     BackendUnavailable,
     KVXError,
@@ -42,6 +34,15 @@ from .errors import (
     UsageError,
 )
 from .memory import DescList
+from .net import (
+    MAX_HANDSHAKES,
+    REPLY_MAX,
+    accept_loop,
+    client_handshake,
+    open_listener,
+    send_frame,
+    server_handshake,
+)
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -93,7 +94,7 @@ class SideChannel:
             self.address: tuple[str, int] = tcp.address
             self._addrs = tcp._addrs
         else:
-            self._lsock = _open_listener(host, port)
+            self._lsock = open_listener(host, port)
             self.address = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
             self._addrs = advertised(self._lsock)
             self._thread = threading.Thread(target=self._accept_loop, name=f"kvx-side-{agent.name}", daemon=True)
@@ -202,9 +203,10 @@ def _ask(host: str, port: int, svc: str, token: str | None, timeout: float, **ex
     try:
         s = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        raise PeerDisconnected(f"cannot reach the side channel at {host}:{port}: {exc}") from exc
+        raise PeerDisconnected(f"cannot reach the side channel at {host!r:.80}:{port}: {exc}") from exc
     try:
-        return client_handshake(s, _token(token), uuid.uuid4().hex, "kvx-discovery", svc, timeout, **extra)
+        return client_handshake(s, _token(token), uuid.uuid4().hex, "kvx-discovery", svc, timeout,
+                                max_reply=REPLY_MAX, **extra)
     except OSError as exc:
         raise PeerDisconnected(f"side channel at {host}:{port} failed: {exc}") from exc
     finally:

@@ -114,3 +114,134 @@ def test_root_agent_refuses_a_peer_of_another_user() -> None:
             rem = f.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=name)
             f.write(loc, [1], rem, [1]).wait(10)
         assert bytes(np.frombuffer(mem, np.uint8)[4096:8192]) == b"\x07" * 4096
+
+
+# ---- bounds before authentication (issue 14.5) ----------------------------------------------
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("cannot reset the peak RSS here (/proc/self/clear_refs)")
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def _raw(agent: kvx.Agent, timeout: float = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(_uds(agent))
+    return s
+
+
+def _closed_within(s: socket.socket, secs: float) -> bool:
+    """Whether the listener closes ``s`` within ``secs`` (reading and dropping what it sends)."""
+    s.settimeout(secs)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _good_peer(tgt: kvx.Agent) -> None:
+    """A legitimate same-node peer still connects and moves data."""
+    treg = tgt.register(np.zeros(1 << 14, np.uint8))
+    with _host("good") as g:
+        name = g.add_peer(tgt.metadata())
+        buf = np.full(1 << 14, 3, np.uint8)
+        loc = g.prepare(kvx.DescList.blocks(g.register(buf), 4096))
+        rem = g.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=name)
+        g.write(loc, [0, 1, 2, 3], rem, [0, 1, 2, 3]).wait(10)
+    treg.release()
+
+
+def test_preauth_frame_size_is_capped_and_allocates_nothing() -> None:
+    """Four connections each declaring a 64 MiB 'hello' before authenticating: refused at the
+    header, closed at once, and the listener's process did not grow by the declared sizes."""
+    with _host("tgt", handshake_timeout=5.0) as tgt:
+        socks = [_raw(tgt) for _ in range(4)]
+        try:
+            for s in socks:
+                s.recv(4096)  # the challenge
+            _reset_peak_rss()
+            base = _peak_rss()
+            for s in socks:
+                s.sendall(wire.frame_header(1, 64 << 20) + b"\x81" * 16)
+            assert all(_closed_within(s, 3.0) for s in socks)
+            assert _peak_rss() - base < 32 << 20
+        finally:
+            for s in socks:
+                s.close()
+        _good_peer(tgt)
+
+
+def test_slow_loris_is_cut_at_the_whole_handshake_deadline() -> None:
+    """One byte of 'hello' every 0.2 s: the handshake timeout (1 s) bounds the whole handshake,
+    not each recv, so the connection is closed within about a second."""
+    import time
+
+    with _host("tgt", handshake_timeout=1.0) as tgt:
+        s = _raw(tgt)
+        try:
+            s.recv(4096)
+            hello = wire.pack("hello", name="slow", id="slow-id", mac=b"m" * 32)
+            frame = wire.frame_header(1, len(hello)) + hello
+            t0 = time.monotonic()
+            closed_after = None
+            for b in frame:
+                try:
+                    s.sendall(bytes([b]))
+                except (BrokenPipeError, ConnectionResetError):
+                    closed_after = time.monotonic() - t0
+                    break
+                if _closed_within(s, 0.2):
+                    closed_after = time.monotonic() - t0
+                    break
+                if time.monotonic() - t0 > 8:
+                    break
+            assert closed_after is not None and closed_after < 3.0
+        finally:
+            s.close()
+        _good_peer(tgt)
+
+
+def test_concurrent_handshakes_are_capped_and_a_peer_is_told_why() -> None:
+    """Idle connections flooding the listener hold at most MAX_HANDSHAKES handshake threads; one
+    more connection is told 'busy', and a peer dialling during the flood gets PeerDisconnected
+    saying so (not an authentication error); once the flood is gone it connects."""
+    import threading
+    import time
+
+    from kvx.net import MAX_HANDSHAKES
+
+    with _host("tgt", handshake_timeout=6.0) as tgt:
+        base = threading.active_count()
+        socks = [_raw(tgt) for _ in range(MAX_HANDSHAKES + 16)]
+        try:
+            time.sleep(0.5)
+            assert threading.active_count() - base <= MAX_HANDSHAKES
+            with _host("late") as late:
+                with pytest.raises(kvx.PeerDisconnected, match="busy"):
+                    late.add_peer(tgt.metadata())
+        finally:
+            for s in socks:
+                s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the handshake threads notice the closed connections
+            try:
+                _good_peer(tgt)
+                break
+            except kvx.PeerDisconnected:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)

@@ -535,3 +535,98 @@ def test_small_write_to_two_blocks_of_one_region_leaves_no_pin() -> None:
         t0 = time.monotonic()
         tgt.close()  # releases the other two regions
         assert time.monotonic() - t0 < 2.0
+
+
+def test_a_flooded_listener_tells_a_peer_it_is_busy_not_a_token_error() -> None:
+    """With every handshake slot taken by idle connections, a peer with the right token learns
+    the true reason (busy: PeerDisconnected), not 'wrong KVX_AUTH_TOKEN?' (issue 14.5)."""
+    from kvx.net import MAX_HANDSHAKES
+
+    with _agent("tgt", auth_token=TOKEN, handshake_timeout=5.0) as tgt:
+        addr = _addr(tgt.metadata())
+        socks = [_raw_connect(addr) for _ in range(MAX_HANDSHAKES)]
+        try:
+            for s in socks:
+                s.recv(4096)  # each one is in its handshake now
+            with _agent("late", auth_token=TOKEN) as late:
+                with pytest.raises(kvx.PeerDisconnected, match="busy") as ei:
+                    late.add_peer(tgt.metadata())
+                assert "TOKEN" not in str(ei.value)
+        finally:
+            for s in socks:
+                s.close()
+        deadline = time.monotonic() + 10
+        with _agent("later", auth_token=TOKEN) as later:
+            while True:
+                try:
+                    later.add_peer(tgt.metadata())
+                    break
+                except kvx.PeerDisconnected:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+
+
+def _hostile_listener(script: Any) -> tuple[socket.socket, threading.Thread]:
+    """A listener that runs ``script(conn)`` on the first connection."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+
+    def run() -> None:
+        try:
+            c, _ = ls.accept()
+        except OSError:
+            return
+        with c:
+            try:
+                script(c)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return ls, t
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_a_hostile_listener_cannot_make_the_dialler_allocate() -> None:
+    """A listener answering the handshake with a frame that claims 256 MiB: the dialler refuses
+    it at the header (ProtocolError) without allocating it (issue 14.5)."""
+    def script(c: socket.socket) -> None:
+        c.settimeout(5)
+        send_frame(c, wire.pack("challenge", nonce=b"n" * 32, id="hostile"))
+        c.recv(4096)  # the hello
+        c.sendall(wire.frame_header(1, 256 << 20) + b"\xc0" * 64)
+        time.sleep(1.0)
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("cannot reset the peak RSS here")
+    from kvx.discovery import fetch_metadata
+
+    for case in ("data", "meta"):
+        ls, t = _hostile_listener(script)
+        try:
+            base = _peak_rss()
+            with pytest.raises(kvx.ProtocolError, match="exceeds"):
+                if case == "data":
+                    s = _raw_connect(ls.getsockname())
+                    try:
+                        client_handshake(s, TOKEN, "me", "me", "data", 5.0)
+                    finally:
+                        s.close()
+                else:
+                    fetch_metadata(*ls.getsockname(), token=TOKEN, timeout=5.0)
+            assert _peak_rss() - base < 64 << 20
+        finally:
+            ls.close()
+            t.join(5)
