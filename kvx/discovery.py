@@ -37,6 +37,7 @@ from .memory import DescList
 from .net import (
     MAX_HANDSHAKES,
     REPLY_MAX,
+    RefusalLog,
     accept_loop,
     client_handshake,
     open_listener,
@@ -86,6 +87,8 @@ class SideChannel:
         self._thread: threading.Thread | None = None
         self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: refused connections: logged a few at a time, counted per kind
+        self.refused = RefusalLog(log)
         self._tcp: Any = None
         tcp: Any = next((b for b in agent.backends if b.name == "tcp"), None)
         if tcp is not None and agent.config.listen is not None and (host, port) == tuple(agent.config.listen):
@@ -120,7 +123,8 @@ class SideChannel:
 
     def _accept_loop(self) -> None:
         assert self._lsock is not None
-        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "side channel")
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "side channel",
+                    self.refused)
 
     def _start_serving(self, s: socket.socket, addr: Any) -> None:
         t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-side-serve", daemon=True)
@@ -136,7 +140,7 @@ class SideChannel:
                 self._hs.release()
             self._handle(s, hello)
         except (KVXError, OSError) as exc:
-            log.warning("side channel: refused a connection from %s:%s: %s", addr[0], addr[1], exc)
+            self.refused("connections", "side channel: refused a connection from %s:%s: %s", addr[0], addr[1], exc)
         finally:
             with self._lock:
                 self._conns.pop(id(s), None)
@@ -191,6 +195,7 @@ class SideChannel:
                 pass
         for _s, t in conns:
             t.join(timeout=5.0)
+        self.refused.flush()
 
     def __enter__(self) -> "SideChannel":
         return self

@@ -1,6 +1,6 @@
-"""Frames, the HMAC handshake and bounded accept loops: what a kvx listener
+"""Frames, the HMAC handshake, bounded accept loops and the refusal log: what a kvx listener
 does before it trusts a connection (the tcp backend's data listener, the discovery side channel,
-and -- for the limits and the busy notice -- the same-node link).
+and -- for the limits, the busy notice and the refusal log -- the same-node link).
 
 Before a peer has proved the token (or, without a token, before the handshake is over) it gets:
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 from . import auth, wire
 from .errors import AuthError, PeerDisconnected, ProtocolError, TransferTimeout
 
-__all__ = ["MAX_HANDSHAKES", "PREAUTH_MAX", "PREAUTH_ITEMS", "REPLY_MAX", "accept_loop",
+__all__ = ["MAX_HANDSHAKES", "PREAUTH_MAX", "PREAUTH_ITEMS", "REPLY_MAX", "RefusalLog", "accept_loop",
            "client_handshake", "notice", "open_listener", "recv_exact_deadline", "recv_frame", "send_frame",
            "server_handshake"]
 
@@ -98,8 +98,62 @@ def recv_frame(sock: socket.socket, deadline: float, max_bytes: int, max_items: 
     return wire.unpack(recv_exact_deadline(sock, n, deadline), max_bytes=max_bytes, max_items=max_items)
 
 
+class RefusalLog:
+    """Log refused connections and requests without flooding the log.
+
+    Per kind of refusal, the first ``burst`` of each ``period`` seconds are logged at WARNING one
+    by one; the rest are counted and summed up in one WARNING line when the next period starts (or
+    at :meth:`flush`). :attr:`counts` holds the totals per kind since the start.
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 60.0) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.period = period
+        self.counts: dict[str, int] = {}
+        self._win: dict[str, list[float]] = {}  # kind -> [window start, logged, suppressed]
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, fmt: str, *args: Any) -> None:
+        """Count one refusal of ``kind``; log ``fmt % args`` unless over this period's burst."""
+        now = time.monotonic()
+        summary = None
+        with self._lock:
+            total = self.counts.get(kind, 0)
+            self.counts[kind] = total + 1
+            w = self._win.get(kind)
+            if w is None or now - w[0] >= self.period:
+                if w is not None and w[2]:
+                    summary = (int(w[2]), now - w[0], total)
+                w = self._win[kind] = [now, 0, 0]
+            if w[1] < self.burst:
+                w[1] += 1
+                emit = True
+            else:
+                w[2] += 1
+                emit = False
+        if summary is not None:
+            self._summary(kind, *summary)
+        if emit:
+            self.logger.warning(fmt, *args)
+
+    def _summary(self, kind: str, n: int, secs: float, total: int) -> None:
+        self.logger.warning("%d more refused %s not logged one by one in the last %.1f s (%d in all)",
+                            n, kind, secs, total)
+
+    def flush(self) -> None:
+        """Log the summaries of refusals counted but not logged yet."""
+        now = time.monotonic()
+        with self._lock:
+            pend = [(k, int(w[2]), now - w[0], self.counts.get(k, 0)) for k, w in self._win.items() if w[2]]
+            for k, _n, _s, _t in pend:
+                self._win[k][2] = 0
+        for k, n, secs, total in pend:
+            self._summary(k, n, secs, total)
+
+
 def accept_loop(lsock: socket.socket, closed: Callable[[], bool], hs: threading.BoundedSemaphore,
-                start: Callable[[socket.socket, Any], None], what: str) -> None:
+                start: Callable[[socket.socket, Any], None], what: str, refused: RefusalLog) -> None:
     """Accept connections on ``lsock`` until it is closed (or ``closed()``), handing each to
     ``start(sock, addr)`` -- which serves it on a thread of its own and releases ``hs`` once the
     handshake is over -- unless ``hs`` says too many are still in their handshake: then it is told
@@ -113,7 +167,8 @@ def accept_loop(lsock: socket.socket, closed: Callable[[], bool], hs: threading.
             s.close()
             return
         if not hs.acquire(blocking=False):
-            log.warning("%s: refused a connection from %s: too many connections in their handshake", what, addr)
+            refused("connections (busy)", "%s: refused a connection from %s: too many connections in their handshake",
+                    what, addr)
             notice(s, "busy", "too many connections in their handshake")
             s.close()
             continue

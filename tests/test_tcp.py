@@ -630,3 +630,60 @@ def test_a_hostile_listener_cannot_make_the_dialler_allocate() -> None:
         finally:
             ls.close()
             t.join(5)
+
+
+def test_refused_requests_are_logged_a_few_and_counted() -> None:
+    """200 forged requests on one authenticated connection: a handful of WARNING lines, the
+    rest counted and summed up in one line at close (issue 14.10)."""
+    records: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = H(level=logging.WARNING)
+    lg = logging.getLogger("kvx")
+    lg.addHandler(h)
+    try:
+        with _agent("target", auth_token=TOKEN) as tgt:
+            info = kvx.Agent.parse_metadata(tgt.metadata())
+            s = _raw_connect(_addr(tgt.metadata()))
+            try:
+                client_handshake(s, TOKEN, "forger-id", "forger", "data", 5.0, expect_id=info.agent_id)
+                for i in range(200):
+                    body = wire.pack("r", rid=i + 1, addr=np.array([1 << 40], np.uint64).tobytes(),
+                                     nbytes=np.array([64], np.uint64).tobytes())
+                    s.sendall(wire.frame_header(1, len(body)) + body)
+                    r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+                    assert r["t"] == "err" and r["re"] == i + 1
+            finally:
+                s.close()
+            tb = _tcp(tgt)
+    finally:
+        lg.removeHandler(h)
+    msgs = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    one_by_one = [m for m in msgs if "refused a read" in m]
+    assert 1 <= len(one_by_one) <= 10
+    assert tb.refused.counts.get("requests") == 200
+    assert any(f"{200 - len(one_by_one)} more refused requests" in m for m in msgs), msgs
+
+
+def test_refusal_log_sums_up_each_period(caplog: Any) -> None:
+    """The refusal log: ``burst`` lines per kind and period, then one summary with the count."""
+    from kvx.net import RefusalLog
+
+    lg = logging.getLogger("kvx.test.refusals")
+    r = RefusalLog(lg, burst=2, period=0.3)
+    with caplog.at_level(logging.WARNING, logger="kvx.test.refusals"):
+        for i in range(10):
+            r("requests", "refused %d", i)
+        r("connections", "conn %d", 0)
+        assert [m.getMessage() for m in caplog.records] == ["refused 0", "refused 1", "conn 0"]
+        time.sleep(0.35)
+        r("requests", "refused %d", 10)
+        msgs = [m.getMessage() for m in caplog.records][3:]
+        assert msgs[0].startswith("8 more refused requests") and "(10 in all)" in msgs[0]
+        assert msgs[1] == "refused 10"
+        r.flush()  # nothing pending: no line
+        assert len(caplog.records) == 5
+    assert r.counts == {"requests": 11, "connections": 1}

@@ -21,7 +21,7 @@ from typing import Any
 from .. import _native, auth, wire
 from ..channel import Channel
 from ..errors import AuthError, KVXError, PeerDisconnected, ProtocolError
-from ..net import MAX_HANDSHAKES, PREAUTH_ITEMS, PREAUTH_MAX, accept_loop, notice
+from ..net import MAX_HANDSHAKES, PREAUTH_ITEMS, PREAUTH_MAX, RefusalLog, accept_loop, notice
 from .base import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,18 @@ class SameNodeLink:
     _drop: Any
 
     # ---- listener side ---------------------------------------------------------------------
+    @property
+    def refused(self) -> RefusalLog:
+        """Refused connections: logged a few at a time, counted per kind."""
+        r = self.__dict__.get("_refused")
+        if r is None:
+            r = self.__dict__.setdefault("_refused", RefusalLog(log))
+        return r  # type: ignore[no-any-return]
+
     def _accept_loop(self) -> None:
         hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
         accept_loop(self._lsock, lambda: self._closed, hs, lambda s, _a: self._start_handshake(s, hs),
-                    self._LINK_WHAT)
+                    self._LINK_WHAT, self.refused)
 
     def _start_handshake(self, s: socket.socket, hs: threading.BoundedSemaphore) -> None:
         def run() -> None:
@@ -100,7 +108,7 @@ class SameNodeLink:
             finally:
                 os.close(infl_fd)
         except (KVXError, OSError) as exc:
-            log.warning("refused a %s connection: %s", self._LINK_WHAT, exc)
+            self.refused("connections", "refused a %s connection: %s", self._LINK_WHAT, exc)
             try:
                 s.close()
             except OSError:
@@ -193,4 +201,5 @@ class SameNodeLink:
             self._drop(p)
         for c in acc:
             c.close()
+        self.refused.flush()
         return True

@@ -69,6 +69,7 @@ from ..memory import MemoryKind, Region
 from ..net import (
     MAX_HANDSHAKES,
     PREAUTH_MAX,
+    RefusalLog,
     accept_loop,
     client_handshake,
     open_listener,
@@ -665,6 +666,8 @@ class TcpBackend(Backend):
         self._peers: dict[str, _PeerConn] = {}
         self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
         self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: refused connections and requests: logged a few at a time, counted per kind
+        self.refused = RefusalLog(log)
         #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
         self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
         host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
@@ -779,7 +782,7 @@ class TcpBackend(Backend):
         return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
 
     def _accept_loop(self) -> None:
-        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp")
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp", self.refused)
 
     def _start_serving(self, s: socket.socket, addr: Any) -> None:
         t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
@@ -796,14 +799,15 @@ class TcpBackend(Backend):
                 hello = server_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name,
                                          float(self.cfg.handshake_timeout))
             except (KVXError, OSError) as exc:
-                log.warning("tcp: refused a connection from %s: %s", who, exc)
+                self.refused("connections", "tcp: refused a connection from %s: %s", who, exc)
                 return
             finally:
                 self._hs.release()
             if hello["svc"] != "data":
                 h = self.side_handler
                 if h is None:
-                    log.warning("tcp: refused %r request from %s: no side channel here", hello["svc"], who)
+                    self.refused("connections", "tcp: refused %r request from %s: no side channel here",
+                                 hello["svc"], who)
                     return
                 h(s, hello)
                 return
@@ -869,7 +873,7 @@ class TcpBackend(Backend):
                             self._unpin(pinned)
                         _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
                     else:
-                        log.warning("tcp: refused a write from %s: %s", peer, why)
+                        self.refused("requests", "tcp: refused a write from %s: %s", peer, why)
                         if total > self.max_msg:
                             raise ProtocolError(f"refused write of {total} bytes: {why}")
                         _net.discard(fd, total, to)
@@ -881,7 +885,7 @@ class TcpBackend(Backend):
                         finally:
                             self._unpin(pinned)
                     else:
-                        log.warning("tcp: refused a read from %s: %s", peer, why)
+                        self.refused("requests", "tcp: refused a read from %s: %s", peer, why)
                         _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
             elif t == "notif":
                 wire.check(msg, "notif", {"msg": bytes})
@@ -1149,6 +1153,7 @@ class TcpBackend(Backend):
         for _s, t, _p in served:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
+        self.refused.flush()
 
 
 _BIG_ENDIAN = struct.pack("=H", 1) != struct.pack("<H", 1)
