@@ -207,6 +207,8 @@ class SideChannel:
 def _ask(host: str, port: int, svc: str, token: str | None, timeout: float, **extra: Any) -> dict[str, Any]:
     try:
         s = socket.create_connection((host, port), timeout=timeout)
+    except (UnicodeError, ValueError, TypeError, OverflowError) as exc:  # not an address at all
+        raise UsageError(f"bad side channel address {host!r:.80}:{port!r}: {exc}") from exc
     except OSError as exc:
         raise PeerDisconnected(f"cannot reach the side channel at {host!r:.80}:{port}: {exc}") from exc
     try:

@@ -18,13 +18,14 @@ The dialling side bounds what a listener may answer in the same way: a handshake
 from __future__ import annotations
 
 import logging
+import operator
 import socket
 import threading
 import time
 from typing import Any, Callable
 
 from . import auth, wire
-from .errors import AuthError, PeerDisconnected, ProtocolError, TransferTimeout
+from .errors import AuthError, PeerDisconnected, ProtocolError, TransferTimeout, UsageError
 
 __all__ = ["MAX_HANDSHAKES", "PREAUTH_MAX", "PREAUTH_ITEMS", "REPLY_MAX", "RefusalLog", "accept_loop",
            "client_handshake", "notice", "open_listener", "recv_exact_deadline", "recv_frame", "send_frame",
@@ -243,15 +244,34 @@ def client_handshake(sock: socket.socket, token: str | None, my_id: str, my_name
 
 
 def open_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``(host, port)``."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    fam, st, proto, _c, addr = infos[0]
+    """A listening TCP socket on ``(host, port)``.
+
+    Raises
+    ------
+    UsageError
+        If the address is not one this machine can listen on (bad host, port, address in use).
+    """
+    try:
+        if isinstance(port, bool):
+            raise TypeError("bool")
+        port = operator.index(port)
+    except TypeError:
+        raise UsageError(f"cannot listen on port {port!r}: not a port number (0..65535)") from None
+    if not 0 <= port <= 65535:
+        raise UsageError(f"cannot listen on port {port!r}: not a port number (0..65535)")
+    if not isinstance(host, str):
+        raise UsageError(f"cannot listen on host {host!r:.80}: not a string")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        fam, st, proto, _c, addr = infos[0]
+    except (OSError, UnicodeError, ValueError, TypeError, OverflowError) as exc:
+        raise UsageError(f"cannot listen on {host!r:.80} port {port!r}: {exc}") from exc
     s = socket.socket(fam, st | socket.SOCK_CLOEXEC, proto)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(addr)
         s.listen(128)
-    except OSError:
+    except OSError as exc:
         s.close()
-        raise
+        raise UsageError(f"cannot listen on {host!r:.80} port {port}: {exc}") from exc
     return s

@@ -687,3 +687,29 @@ def test_refusal_log_sums_up_each_period(caplog: Any) -> None:
         r.flush()  # nothing pending: no line
         assert len(caplog.records) == 5
     assert r.counts == {"requests": 11, "connections": 1}
+
+
+def _with_tcp_addrs(meta: bytes, addrs: list[Any]) -> bytes:
+    m = msgpack.unpackb(meta, raw=False)
+    m["backends"]["tcp"]["addrs"] = addrs
+    return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_bad_addresses_are_kvx_errors() -> None:
+    """A peer's metadata naming a host no resolver takes is a ProtocolError; a local listen address
+    that cannot be bound is a UsageError (issue 14.8)."""
+    with _agent("tgt") as tgt, _agent("ini") as ini:
+        meta = tgt.metadata()
+        port = _addr(meta)[1]
+        for host in ("a" * 300, "é" * 20, "a\0b", "", "x" * 64 + ".example", "a..b", " "):
+            with pytest.raises(kvx.ProtocolError):
+                ini.add_peer(_with_tcp_addrs(meta, [[host, port]]))
+        assert ini.peers() == []
+        assert ini.add_peer(meta) == "tgt"
+    for listen in (("256.0.0.1", 0), ("a" * 300, 0), ("127.0.0.1", 70000), ("127.0.0.1", -1), ("8.8.8.8", 0)):
+        with pytest.raises(kvx.UsageError):
+            kvx.Agent("bad", kvx.AgentConfig(backends=("tcp",), listen=listen))
+    from kvx.discovery import fetch_metadata
+
+    with pytest.raises(kvx.UsageError):
+        fetch_metadata("a" * 300, 1, timeout=1.0)

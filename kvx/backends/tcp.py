@@ -671,7 +671,7 @@ class TcpBackend(Backend):
         #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
         self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
         host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
-        self._lsock = open_listener(host, int(port))
+        self._lsock = open_listener(host, port)
         self.address: tuple[str, int] = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
         self._addrs = advertised(self._lsock)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-tcp-accept-{ctx.agent_name}",
@@ -908,7 +908,7 @@ class TcpBackend(Backend):
             return False
         addrs = sec.get("addrs") if isinstance(sec, dict) else None
         if (not isinstance(addrs, list) or not addrs or len(addrs) > 64
-                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and _hostname_ok(a[0])
                            and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
                            for a in addrs)):
             raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
@@ -946,6 +946,8 @@ class TcpBackend(Backend):
         for host, port in addrs:
             try:
                 s = socket.create_connection((host, port), timeout=hto)
+            except (UnicodeError, ValueError) as exc:  # not resolvable as a name at all
+                raise ProtocolError(f"bad tcp address {host!r:.80} in {peer.name!r} metadata: {exc}") from exc
             except OSError as exc:
                 last = exc
                 continue
@@ -1179,6 +1181,20 @@ def _why(exc: OSError) -> str:
     if exc.errno == errno.ETIMEDOUT:
         return "no progress within the peer timeout (dead or cut off)"
     return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _hostname_ok(host: str) -> bool:
+    """Whether ``host`` can be an IP address or a DNS name (at most 253 ASCII characters, labels
+    of 1..63): what a peer's metadata may ask us to dial."""
+    if not 0 < len(host) <= 253 or not host.isascii():
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(0 < len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label)
+               for label in host.rstrip(".").split("."))
 
 
 def _i64(x: Any) -> np.ndarray:
