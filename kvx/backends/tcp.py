@@ -53,11 +53,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import auth, wire
 from .. import config as _cfg
+from .. import wire
 from .._slots import MAX_SLOTS
 from ..errors import (
-    AuthError,
     KVXError,
     PeerDisconnected,
     ProtocolError,
@@ -67,10 +66,21 @@ from ..errors import (
     TransferTimeout,
 )
 from ..memory import MemoryKind, Region
+from ..net import (
+    MAX_HANDSHAKES,
+    PREAUTH_MAX,
+    RefusalLog,
+    accept_loop,
+    client_handshake,
+    open_listener,
+    recv_frame,
+    send_frame,
+    server_handshake,
+)
 from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest
 
-__all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "client_handshake", "server_handshake",
-           "send_frame", "recv_frame", "tune_socket"]
+__all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "PREAUTH_MAX", "client_handshake", "server_handshake",
+           "send_frame", "recv_frame", "tune_socket", "advertised", "open_listener"]
 
 
 log = logging.getLogger(__name__)
@@ -81,10 +91,6 @@ STREAMS = 2
 CHUNK = 16 << 20
 #: Most descriptors per chunk (bounds the request frame).
 MAX_DESCS = 1 << 16
-#: Concurrent unauthenticated connections a listener accepts.
-MAX_HANDSHAKES = 32
-#: Largest frame before authentication.
-PREAUTH_MAX = 64 << 10
 #: Transfers up to this many bytes (one chunk) take the fast path: a dedicated stream per peer,
 #: request and payload sent by the posting thread, the reply read by the thread that tests or
 #: waits (no sender/reader thread hop), target-side validation without numpy.
@@ -110,115 +116,7 @@ except ImportError:  # pragma: no cover - build problem
     _net = None  # type: ignore[assignment]
 
 
-# ---- frames and handshakes (shared with kvx.discovery) ---------------------------------------
-def send_frame(sock: socket.socket, body: bytes) -> None:
-    """Send one msgpack frame on a blocking (or timeout-mode) socket."""
-    sock.sendall(wire.frame_header(_K_MSG, len(body)) + body)
-
-
-def _recv_exact_deadline(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferTimeout("handshake deadline passed")
-        sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except TimeoutError:
-            raise TransferTimeout("handshake deadline passed") from None
-        if k == 0:
-            raise PeerDisconnected("connection closed during the handshake")
-        got += k
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket, deadline: float, max_bytes: int) -> dict[str, Any]:
-    """Read one frame before ``deadline`` (monotonic), at most ``max_bytes``; raise ProtocolError."""
-    hdr = _recv_exact_deadline(sock, wire.HEADER, deadline)
-    kind, n = wire.parse_frame_header(hdr, max_bytes)
-    if kind != _K_MSG:
-        raise ProtocolError("expected a message frame")
-    return wire.unpack(_recv_exact_deadline(sock, n, deadline), max_bytes=max_bytes)
-
-
-def accept_loop(lsock: socket.socket, closed: Callable[[], bool], hs: threading.BoundedSemaphore,
-                start: Callable[[socket.socket, Any], None], what: str) -> None:
-    """Accept connections on ``lsock`` until it is closed (or ``closed()``), handing each to
-    ``start(sock, addr)`` -- which serves it on a thread of its own and releases ``hs`` once the
-    handshake is over -- unless ``hs`` says too many are still in their handshake: then it is
-    refused (closed) at once. Shared by the tcp backend's listener and the discovery side channel."""
-    while not closed():
-        try:
-            s, addr = lsock.accept()
-        except OSError:
-            return
-        if closed():
-            s.close()
-            return
-        if not hs.acquire(blocking=False):
-            log.warning("%s: refused a connection from %s: too many connections in handshake", what, addr)
-            s.close()
-            continue
-        start(s, addr)
-
-
-def server_handshake(sock: socket.socket, token: str | None, my_id: str, my_name: str,
-                     timeout: float) -> dict[str, Any]:
-    """Run the listener's side of the HMAC handshake; return the client's hello.
-
-    Raises
-    ------
-    AuthError, ProtocolError, TransferTimeout, PeerDisconnected, OSError
-        If the client fails to prove the token, speaks garbage, or is too slow.
-    """
-    deadline = time.monotonic() + timeout
-    nonce = auth.new_nonce()
-    sock.settimeout(timeout)
-    send_frame(sock, wire.pack("challenge", nonce=nonce, id=my_id))
-    msg = recv_frame(sock, deadline, PREAUTH_MAX)
-    wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes, "svc": str})
-    try:
-        auth.verify(token, nonce, msg["id"], my_id, msg["mac"])
-    except AuthError:
-        try:
-            send_frame(sock, wire.pack("denied", msg="authentication failed"))
-        except OSError:
-            pass
-        raise
-    return msg
-
-
-def client_handshake(sock: socket.socket, token: str | None, my_id: str, my_name: str, svc: str,
-                     timeout: float, expect_id: str | None = None, **extra: Any) -> dict[str, Any]:
-    """Run the connecting side of the handshake; return the server's first reply after hello.
-
-    Raises
-    ------
-    AuthError
-        If the server refused our proof (or closed the connection during the handshake).
-    ProtocolError
-        If it answered with something else than the protocol.
-    """
-    deadline = time.monotonic() + timeout
-    try:
-        ch = recv_frame(sock, deadline, PREAUTH_MAX)
-        wire.check(ch, "challenge", {"nonce": bytes, "id": str})
-        if expect_id is not None and ch["id"] != expect_id:
-            raise ProtocolError("the listener answered with another agent id (stale metadata?)")
-        mac = auth.prove(token, ch["nonce"], my_id, ch["id"])
-        send_frame(sock, wire.pack("hello", name=my_name, id=my_id, mac=mac, svc=svc, **extra))
-        rep = recv_frame(sock, deadline, 1 << 30)
-    except PeerDisconnected as exc:
-        raise AuthError("the listener closed the handshake (wrong KVX_AUTH_TOKEN?)") from exc
-    if rep.get("t") == "denied":
-        raise AuthError(f"the listener refused us: {rep.get('msg', 'authentication failed')} "
-                        "(wrong or missing KVX_AUTH_TOKEN)")
-    return rep
-
-
+# ---- sockets (frames and handshakes: kvx.net) ------------------------------------------------
 def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
     """TCP_NODELAY, keepalive with short intervals and TCP_USER_TIMEOUT from ``peer_timeout``."""
     try:
@@ -231,20 +129,6 @@ def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(peer_timeout * 1000)))
     except (OSError, AttributeError):  # pragma: no cover - non-Linux
         log.debug("cannot tune a tcp socket", exc_info=True)
-
-
-def _open_listener(host: str, port: int) -> socket.socket:
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    fam, st, proto, _c, addr = infos[0]
-    s = socket.socket(fam, st | socket.SOCK_CLOEXEC, proto)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(addr)
-        s.listen(128)
-    except OSError:
-        s.close()
-        raise
-    return s
 
 
 def advertised(sock: socket.socket) -> list[tuple[str, int]]:
@@ -782,10 +666,12 @@ class TcpBackend(Backend):
         self._peers: dict[str, _PeerConn] = {}
         self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
         self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: refused connections and requests: logged a few at a time, counted per kind
+        self.refused = RefusalLog(log)
         #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
         self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
         host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
-        self._lsock = _open_listener(host, int(port))
+        self._lsock = open_listener(host, port)
         self.address: tuple[str, int] = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
         self._addrs = advertised(self._lsock)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-tcp-accept-{ctx.agent_name}",
@@ -871,9 +757,10 @@ class TcpBackend(Backend):
                     return (f"descriptor {i} (0x{a:x}+{n}) is outside registered memory"
                             " (or the region was released)"), total
                 slots.append(view[j][2])
-            for sl in slots:
+            used = set(slots)  # one pin per distinct region, as ``_unpin`` drops one per region
+            for sl in used:
                 self._pins[sl] += 1
-        pinned.update(slots)
+        pinned.update(used)
         return None, total
 
     def _rebuild_view(self) -> None:
@@ -895,7 +782,7 @@ class TcpBackend(Backend):
         return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
 
     def _accept_loop(self) -> None:
-        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp")
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp", self.refused)
 
     def _start_serving(self, s: socket.socket, addr: Any) -> None:
         t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
@@ -912,14 +799,15 @@ class TcpBackend(Backend):
                 hello = server_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name,
                                          float(self.cfg.handshake_timeout))
             except (KVXError, OSError) as exc:
-                log.warning("tcp: refused a connection from %s: %s", who, exc)
+                self.refused("connections", "tcp: refused a connection from %s: %s", who, exc)
                 return
             finally:
                 self._hs.release()
             if hello["svc"] != "data":
                 h = self.side_handler
                 if h is None:
-                    log.warning("tcp: refused %r request from %s: no side channel here", hello["svc"], who)
+                    self.refused("connections", "tcp: refused %r request from %s: no side channel here",
+                                 hello["svc"], who)
                     return
                 h(s, hello)
                 return
@@ -985,7 +873,7 @@ class TcpBackend(Backend):
                             self._unpin(pinned)
                         _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
                     else:
-                        log.warning("tcp: refused a write from %s: %s", peer, why)
+                        self.refused("requests", "tcp: refused a write from %s: %s", peer, why)
                         if total > self.max_msg:
                             raise ProtocolError(f"refused write of {total} bytes: {why}")
                         _net.discard(fd, total, to)
@@ -997,7 +885,7 @@ class TcpBackend(Backend):
                         finally:
                             self._unpin(pinned)
                     else:
-                        log.warning("tcp: refused a read from %s: %s", peer, why)
+                        self.refused("requests", "tcp: refused a read from %s: %s", peer, why)
                         _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
             elif t == "notif":
                 wire.check(msg, "notif", {"msg": bytes})
@@ -1020,7 +908,7 @@ class TcpBackend(Backend):
             return False
         addrs = sec.get("addrs") if isinstance(sec, dict) else None
         if (not isinstance(addrs, list) or not addrs or len(addrs) > 64
-                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and _hostname_ok(a[0])
                            and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
                            for a in addrs)):
             raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
@@ -1058,6 +946,8 @@ class TcpBackend(Backend):
         for host, port in addrs:
             try:
                 s = socket.create_connection((host, port), timeout=hto)
+            except (UnicodeError, ValueError) as exc:  # not resolvable as a name at all
+                raise ProtocolError(f"bad tcp address {host!r:.80} in {peer.name!r} metadata: {exc}") from exc
             except OSError as exc:
                 last = exc
                 continue
@@ -1265,6 +1155,7 @@ class TcpBackend(Backend):
         for _s, t, _p in served:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
+        self.refused.flush()
 
 
 _BIG_ENDIAN = struct.pack("=H", 1) != struct.pack("<H", 1)
@@ -1290,6 +1181,20 @@ def _why(exc: OSError) -> str:
     if exc.errno == errno.ETIMEDOUT:
         return "no progress within the peer timeout (dead or cut off)"
     return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _hostname_ok(host: str) -> bool:
+    """Whether ``host`` can be an IP address or a DNS name (at most 253 ASCII characters, labels
+    of 1..63): what a peer's metadata may ask us to dial."""
+    if not 0 < len(host) <= 253 or not host.isascii():
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(0 < len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label)
+               for label in host.rstrip(".").split("."))
 
 
 def _i64(x: Any) -> np.ndarray:
