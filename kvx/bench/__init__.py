@@ -24,10 +24,15 @@ from .timing import WARMUP_S as WARMUP_S  # the runners take the timing helpers 
 from .timing import timed as timed
 from .timing import warm as warm
 
-__all__ = ["BenchOptions", "Progress", "parse_size", "header", "timed", "format_table", "plot", "run"]
+__all__ = ["BenchError", "BenchOptions", "Progress", "parse_size", "header", "timed", "format_table", "plot", "run"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run to the end for a reason outside kvx's API (a helper process
+    died or did not answer, an external tool failed); the message names the cause."""
 
 
 def parse_size(s: str | int) -> int:
