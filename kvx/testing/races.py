@@ -104,10 +104,12 @@ def _agent_config(cfg: dict[str, Any]) -> kvx.AgentConfig:
 
 # ---- the target process ------------------------------------------------------------------------
 def target_main(name: str, cfg: dict[str, Any]) -> int:
-    """JSON-lines target: ``register {mem, nbytes, seed}`` -> ``{id, descs}``; ``release {id, guard}``
-    (release, then fill the memory with the guard pattern at once); ``fill {id, guard}``; ``close {guard}`` (close the
-    agent, then fill every buffer); ``reopen`` (a new agent of the same name) -> ``{meta}``;
-    ``check {id, guard}`` -> ``{bad}`` (bytes differing from the guard); ``digest {id}``; ``quit``."""
+    """JSON-lines target: ``register {mem, nbytes, seed}`` -> ``{id, descs}``;
+    ``release {id, guard}`` (release, then fill the memory with the guard pattern at once);
+    ``fill {id, guard}``; ``close {guard}`` (close the agent, then fill every buffer); ``reopen``
+    (a new agent of the same name) -> ``{meta}``; ``reregister {id}`` (that memory again, in the
+    current agent); ``check {id, guard}`` -> ``{bad}`` (bytes differing from the guard);
+    ``digest {id}``; ``quit``."""
     agent = kvx.Agent(name, _agent_config(cfg))
     bufs: dict[int, Any] = {}
     regs: dict[int, kvx.Registration] = {}
@@ -143,6 +145,10 @@ def target_main(name: str, cfg: dict[str, Any]) -> int:
                 agent.close()
                 for b in bufs.values():
                     b[:] = _pattern(b.nbytes, int(c["guard"]))
+                say({"ok": True})
+            elif cmd == "reregister":  # the same memory again, in the current agent
+                rid = int(c["id"])
+                regs[rid] = agent.register(bufs[rid])
                 say({"ok": True})
             elif cmd == "reopen":
                 agent = kvx.Agent(name, _agent_config(cfg))
@@ -464,8 +470,9 @@ def stale_readd(r: Race) -> None:
 
 
 def stale_reopen(r: Race) -> None:
-    """The target closes its agent and a new agent of the same name (same process) is added:
-    the old list must move nothing into either incarnation's memory."""
+    """The target closes its agent and a new agent of the same name (same process) is added,
+    registering new memory and the old memory again (same addresses): the old list must move
+    nothing into either."""
     a = r.initiator()
     try:
         _name, local, old, _buf, rid = r.connect(a, seed=70)
@@ -473,11 +480,12 @@ def stale_reopen(r: Race) -> None:
         r.target.call(cmd="close", guard=500)  # fills the old incarnation's memory with guard 500
         meta = base64.b64decode(r.target.call(cmd="reopen")["meta"])
         rid2, _ = r.target.register(r.spec.mem, NBYTES, seed=501)
+        r.target.call(cmd="reregister", id=rid)
         a.add_peer(meta)
         r.stale_post(a, local, old, "a peer that restarted under the same name")
         time.sleep(WATCH)
         if r.target.check(rid, 500):
-            r.violate("a write with a stale list landed in the closed incarnation's memory")
+            r.violate("a write with a stale list landed in the old memory (registered again by the new incarnation)")
         if r.target.check(rid2, 501):
             r.violate("a write with a stale list landed in the new incarnation's memory")
     finally:
@@ -510,6 +518,7 @@ SCENARIOS: dict[str, Callable[[Race], None]] = {
 
 def run_scenario(path: str, scenario: str, rounds: int = 2, seed: int = 0) -> dict[str, Any]:
     """Run one scenario here (in this process); the result as a JSON-able dict."""
+    t0 = time.monotonic()
     r = Race(path, rounds, seed)
     try:
         try:
@@ -518,7 +527,8 @@ def run_scenario(path: str, scenario: str, rounds: int = 2, seed: int = 0) -> di
             r.violate(f"the scenario raised {type(exc).__name__}: {exc}")
     finally:
         r.close()
-    return {"path": path, "scenario": scenario, "violations": r.violations, "outcomes": dict(r.outcomes)}
+    return {"path": path, "scenario": scenario, "violations": r.violations, "outcomes": dict(r.outcomes),
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def run_forked(path: str, scenario: str, rounds: int, seed: int, limit: float) -> dict[str, Any]:
