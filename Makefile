@@ -93,3 +93,13 @@ gpu-check:
 
 clean:
 	rm -rf build *.egg-info kvx/*.so $(OUT)
+
+# Soak (issue 14): mixed transfers and tier traffic under chaos (kill -9, link cuts in network
+# namespaces, a full disk, S3 stops, in-flight remove_peer) for SOAK_SECONDS (default 600), then
+# every acknowledged byte checked; the report goes to stdout and $(OUT)/soak.json. Needs root for
+# the namespaces and the small tmpfs. Not part of `make test`.
+.PHONY: soak
+SOAK_SECONDS ?= 600
+soak: $(STAMP) services
+	@mkdir -p $(OUT)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) benchmarks/soak.py --json $(OUT)/soak.json
