@@ -318,9 +318,7 @@ def test_samenode_listener_after_its_handshake(world: _World, data: Any) -> None
     if t == "xfer" and data.draw(st.booleans()):
         fields["rid"] = data.draw(_ints)
         fields["op"] = data.draw(st.sampled_from(["read", "write", "x"]))
-        # ragged arrays (lengths not multiples of 8) are left out here until the host backend checks
-        # them: test_samenode_xfer_with_ragged_arrays_is_refused (strict xfail) shows the bug
-        fields["addr"], fields["nbytes"] = data.draw(_descs(world, ragged=False))
+        fields["addr"], fields["nbytes"] = data.draw(_descs(world))
     payload = None
     if data.draw(st.booleans()):
         payload = b"\xee" * data.draw(st.integers(0, 1 << 14))
@@ -380,11 +378,9 @@ def test_side_channel_frames(world: _World, data: Any) -> None:
     world.check()
 
 
-@pytest.mark.xfail(strict=True, reason="kvx/backends/host.py _serve_xfer: np.frombuffer raises ValueError on "
-                   "arrays whose length is not a multiple of 8, and the request gets no reply (lead's file)")
 def test_samenode_xfer_with_ragged_arrays_is_refused(world: _World) -> None:
     """A uds transfer request whose descriptor arrays are not whole u64s: refused with an error
-    reply, no traceback. Remove the mark, and the ``ragged=False`` above, once host.py checks."""
+    reply, no traceback (np.frombuffer raised ValueError and the request got no reply)."""
     chan = _authed_uds(world)
     try:
         chan.send(_pack("xfer", {"rid": 5, "op": "read", "addr": b"abc", "nbytes": b"abcdefghi", "pl": False}))

@@ -349,9 +349,12 @@ class HostBackend(SameNodeLink, Backend):
     def _serve_xfer(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None) -> None:
         wire.check(msg, "xfer", {"rid": int, "op": str, "addr": bytes, "nbytes": bytes})
         rid = msg["rid"]
+        if len(msg["addr"]) % 8 or len(msg["addr"]) != len(msg["nbytes"]) or msg["op"] not in ("read", "write"):
+            chan.reply_error(rid, "malformed transfer request")
+            return
         addr = np.frombuffer(msg["addr"], dtype=np.uint64)
         nb = np.frombuffer(msg["nbytes"], dtype=np.uint64)
-        if addr.shape != nb.shape or msg["op"] not in ("read", "write"):
+        if addr.shape != nb.shape:
             chan.reply_error(rid, "malformed transfer request")
             return
         # the target checks what it serves: every descriptor inside a live registration
