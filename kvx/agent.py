@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -163,6 +164,15 @@ class Agent:
             regions=self._region_map,
         )
         self.backends: list[Backend] = []
+        for bname, opts in self.config.options.items():
+            try:
+                cls = registry.get(bname)
+            except BackendUnavailable as exc:
+                raise UsageError(f"options for {bname!r}: {exc}") from None
+            if cls.Options is None:
+                raise UsageError(f"options for {bname!r}: this backend takes no options")
+            if type(opts) is not cls.Options:
+                raise UsageError(f"options for {bname!r} must be a {cls.Options.__name__}, not {type(opts).__name__}")
         for bname, cls in registry.ordered(self.config.backends):
             reason = cls.unavailable_reason()
             if reason is not None:
@@ -171,7 +181,10 @@ class Agent:
                 log.debug("backend %s unavailable: %s", bname, reason)
                 continue
             try:
-                self.backends.append(cls(ctx))
+                opts = self.config.options.get(bname)
+                if opts is None and cls.Options is not None:
+                    opts = cls.Options()
+                self.backends.append(cls(dataclasses.replace(ctx, options=opts)))
             except BackendUnavailable:
                 if self.config.backends:
                     raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlparse
 
@@ -246,6 +246,61 @@ def _env(name: str) -> Callable[[], Any]:
     return lambda: get(name)
 
 
+def option(env: str) -> Any:
+    """A field of a backend's options dataclass whose default is the ``KVX_*`` setting ``env``.
+
+    Backends declare their knobs as frozen dataclasses of such fields (``TcpOptions``,
+    ``PosixOptions``, ...); the environment seeds each default when the options object is made,
+    and code passes its own through ``AgentConfig(options={"posix": PosixOptions(threads=4)})``.
+    """
+    if env not in SETTINGS:
+        raise UsageError(f"unknown kvx setting {env!r}")
+    return field(default_factory=_env(env), metadata={"env": env})
+
+
+def check_options(opts: Any) -> None:
+    """Check every ``option()`` field of a backend's options object against its setting's rules.
+
+    A value set in code passes the same parser as the environment variable would (ranges,
+    choices), so ``PosixOptions(threads=0)`` is refused as ``KVX_POSIX_THREADS=0`` is.
+
+    Raises
+    ------
+    UsageError
+        Naming the options class, the field and the reason.
+    """
+    for f in fields(opts):
+        env = f.metadata.get("env")
+        v = getattr(opts, f.name)
+        if env is None or v is None:
+            continue
+        if isinstance(v, bool) and SETTINGS[env].kind is not _bool:
+            raise UsageError(f"{type(opts).__name__}.{f.name}: expected a value like {env}, not {v!r}")
+        raw = ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+        try:
+            SETTINGS[env].kind(raw)
+        except ValueError as exc:
+            raise UsageError(f"{type(opts).__name__}.{f.name}={v!r}: {exc}") from None
+
+
+def aws(*names: str) -> str | None:
+    """The first set of the standard ``AWS_*`` variables ``names`` (boto's own), or None.
+
+    The s3 backend's options take their defaults from these where kvx has no setting of its own,
+    so that the one place reading the environment stays this module.
+    """
+    for n in names:
+        v = os.environ.get(n)
+        if v:
+            return v
+    return None
+
+
+def options_fields(cls: type) -> list[tuple[str, str]]:
+    """``(field, KVX_* setting)`` of every ``option()`` field of an options dataclass."""
+    return [(f.name, f.metadata["env"]) for f in fields(cls) if "env" in f.metadata]
+
+
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Typed configuration of an :class:`kvx.Agent`.
@@ -272,6 +327,10 @@ class AgentConfig:
         Shared secret for HMAC authentication of peers, or ``None``.
     listen
         ``(host, port)`` for the TCP side channel and data listener, or ``None`` for none.
+    options
+        Per backend name, that backend's options object (its ``Options`` class, e.g.
+        ``{"posix": kvx.backends.posix.PosixOptions(sync="data")}``); a backend not named here
+        takes its options' defaults, which come from the ``KVX_*`` variables.
     """
 
     backends: tuple[str, ...] = field(default_factory=_env("KVX_BACKENDS"))
@@ -283,8 +342,14 @@ class AgentConfig:
     inline_bytes: int = field(default_factory=_env("KVX_INLINE_BYTES"))
     auth_token: str | None = field(default_factory=_env("KVX_AUTH_TOKEN"))
     listen: tuple[str, int] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.options, Mapping) or not all(
+                isinstance(k, str) and is_dataclass(v) and not isinstance(v, type) for k, v in self.options.items()):
+            raise UsageError("options maps backend names to their options objects (e.g. PosixOptions(...))")
+        for v in self.options.values():
+            check_options(v)
         if self.host_path not in ("auto", "shm", "cma", "uds"):
             raise UsageError(f"host_path must be auto, shm, cma or uds, not {self.host_path!r}")
         for name in ("transfer_timeout", "peer_timeout", "handshake_timeout"):

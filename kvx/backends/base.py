@@ -58,6 +58,8 @@ class BackendContext:
     validate_local: Callable[[MemoryKind, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
     #: current local registrations table (for one-sided publication).
     regions: Callable[[], dict[int, tuple[Region, int]]]
+    #: this backend's options (an instance of its ``Options`` class), or None if it has none.
+    options: Any = None
 
 
 @dataclass(slots=True)
@@ -285,6 +287,11 @@ class Backend(ABC):
         Whether it serves loopback transfers within one agent (storage backends).
     notifications
         Whether it carries notifications to peers.
+    Options
+        Its options: a frozen dataclass whose fields default to ``KVX_*`` settings
+        (``kvx.config.option``), or None. The agent passes the user's instance (from
+        ``AgentConfig.options[name]``) or a default one as ``ctx.options``; a backend reads its
+        knobs there, not from the environment or module globals.
     """
 
     name: ClassVar[str] = ""
@@ -292,6 +299,7 @@ class Backend(ABC):
     remote: ClassVar[bool] = False
     local: ClassVar[bool] = False
     notifications: ClassVar[bool] = False
+    Options: ClassVar[type | None] = None
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

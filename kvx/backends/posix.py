@@ -324,6 +324,29 @@ def _split(faddr: np.ndarray, maddr: np.ndarray, ln: np.ndarray, fds: np.ndarray
     return faddr[rep] + off, maddr[rep] + off, nl, fds[rep]
 
 
+@dataclass(frozen=True, slots=True)
+class PosixOptions:
+    """Options of the ``posix`` backend (``AgentConfig(options={"posix": PosixOptions(...)})``).
+
+    Parameters
+    ----------
+    direct
+        O_DIRECT for FILE registrations, through aligned bounce buffers (``KVX_POSIX_DIRECT``).
+    threads
+        Threads of the I/O pool (``KVX_POSIX_THREADS``; default min(8, CPUs)).
+    sync
+        Durability of file writes: ``none`` (page cache), ``data`` (fdatasync per transfer),
+        ``full`` (fsync) (``KVX_POSIX_SYNC``).
+    mmap
+        Buffered writes through a shared mapping of the file instead of pwritev (``KVX_POSIX_MMAP``).
+    """
+
+    direct: bool = _config.option("KVX_POSIX_DIRECT")
+    threads: int = _config.option("KVX_POSIX_THREADS")
+    sync: str = _config.option("KVX_POSIX_SYNC")
+    mmap: bool = _config.option("KVX_POSIX_MMAP")
+
+
 class PosixBackend(Backend):
     """Host memory <-> files through ``preadv``/``pwritev`` on a native thread pool.
 
@@ -335,14 +358,17 @@ class PosixBackend(Backend):
     remote = False
     local = True
     notifications = False
+    Options = PosixOptions
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.cfg = ctx.config
-        self.direct = bool(_config.get("KVX_POSIX_DIRECT"))
-        self.threads = max(1, int(_config.get("KVX_POSIX_THREADS")))
-        self.sync = _sync_code(_config.get("KVX_POSIX_SYNC"))
-        self.mmap = bool(_config.get("KVX_POSIX_MMAP"))
+        opts: PosixOptions = ctx.options if ctx.options is not None else PosixOptions()
+        self.opts = opts
+        self.direct = bool(opts.direct)
+        self.threads = max(1, int(opts.threads))
+        self.sync = _sync_code(opts.sync)
+        self.mmap = bool(opts.mmap)
         self.inline = int(self.cfg.inline_bytes)
         self._map_warned = False
         self._lock = threading.Lock()

@@ -45,7 +45,6 @@ import http.client
 import importlib.util
 import io
 import logging
-import os
 import queue
 import random
 import re
@@ -53,7 +52,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -77,7 +76,7 @@ from .base import Backend, BackendContext, DoneRequest, Op, Request
 if TYPE_CHECKING:
     from .base import PreparedList
 
-__all__ = ["S3Backend", "S3Settings", "MULTIPART_THRESHOLD", "PART_BYTES", "settings_from_env"]
+__all__ = ["S3Backend", "S3Options", "S3Settings", "MULTIPART_THRESHOLD", "PART_BYTES", "settings_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,43 @@ _MSG_RE = re.compile(rb"<Message>([^<]*)</Message>")
 
 
 @dataclass(frozen=True, slots=True)
+class S3Options:
+    """Options of the ``s3`` backend (``AgentConfig(options={"s3": S3Options(...)})``).
+
+    Parameters
+    ----------
+    endpoint
+        Endpoint URL (``KVX_S3_ENDPOINT``, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``);
+        None for AWS's own endpoints.
+    region
+        Signing region (``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``).
+    threads
+        Concurrent requests (``KVX_S3_THREADS``).
+    access_key_id, secret_access_key, session_token
+        Credentials; None (the default) uses boto's own chain (``AWS_ACCESS_KEY_ID`` ...,
+        profiles, instance roles).
+    """
+
+    endpoint: str | None = field(
+        default_factory=lambda: _config.get("KVX_S3_ENDPOINT")
+        or _config.aws("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+        metadata={"env": "KVX_S3_ENDPOINT"})
+    region: str = field(default_factory=lambda: _config.aws("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1")
+    threads: int = _config.option("KVX_S3_THREADS")
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise UsageError("S3Options: give both access_key_id and secret_access_key, or neither")
+
+    def __repr__(self) -> str:  # never print a secret
+        return (f"S3Options(endpoint={self.endpoint!r}, region={self.region!r}, threads={self.threads}, "
+                f"access_key_id={self.access_key_id!r}, secret_access_key={'***' if self.secret_access_key else None})")
+
+
+@dataclass(frozen=True, slots=True)
 class S3Settings:
     """Where and how the backend talks to the object store.
 
@@ -124,6 +160,8 @@ class S3Settings:
         Seconds per connection attempt and per socket read.
     max_attempts
         Attempts per request (botocore ``standard`` retry mode).
+    credentials
+        ``(access key id, secret, session token)`` given in the options, or None for boto's chain.
     """
 
     endpoint: str | None
@@ -132,18 +170,26 @@ class S3Settings:
     connect_timeout: float
     read_timeout: float
     max_attempts: int = 3
+    credentials: tuple[str, str, str | None] | None = field(default=None, repr=False)
+
+    def session(self) -> Any:
+        """A new ``boto3.session.Session`` with these credentials (boto's chain when None)."""
+        import boto3
+
+        if self.credentials is None:
+            return boto3.session.Session()
+        key, secret, token = self.credentials
+        return boto3.session.Session(aws_access_key_id=key, aws_secret_access_key=secret, aws_session_token=token)
 
 
-def settings_from_env(peer_timeout: float = 10.0) -> S3Settings:
-    """Resolve :class:`S3Settings` from ``KVX_S3_*`` and the standard AWS variables."""
-    endpoint = (_config.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or None)
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    threads = int(_config.get("KVX_S3_THREADS"))
-    if threads < 1:
-        raise UsageError(f"KVX_S3_THREADS must be >= 1, not {threads}")
-    return S3Settings(endpoint=endpoint, region=region, threads=threads,
-                      connect_timeout=min(5.0, float(peer_timeout)), read_timeout=float(peer_timeout))
+def settings_from_env(peer_timeout: float = 10.0, options: S3Options | None = None) -> S3Settings:
+    """:class:`S3Settings` from the backend's options (by default, from ``KVX_S3_*`` and the
+    standard AWS variables) and the agent's peer timeout."""
+    o = options if options is not None else S3Options()
+    creds = (o.access_key_id, o.secret_access_key, o.session_token) if o.access_key_id is not None else None
+    return S3Settings(endpoint=o.endpoint, region=o.region, threads=int(o.threads),
+                      connect_timeout=min(5.0, float(peer_timeout)), read_timeout=float(peer_timeout),
+                      credentials=creds)  # type: ignore[arg-type]
 
 
 def make_client(s: S3Settings, pool: int, session: Any = None) -> Any:
@@ -152,7 +198,6 @@ def make_client(s: S3Settings, pool: int, session: Any = None) -> Any:
     ``session`` (a ``boto3.session.Session``) lets several clients share one loaded service
     model and credential chain; sessions are not thread-safe, so callers serialize creation.
     """
-    import boto3
     from botocore.config import Config
 
     cfg = Config(
@@ -168,7 +213,7 @@ def make_client(s: S3Settings, pool: int, session: Any = None) -> Any:
         response_checksum_validation="when_required",
         s3={"addressing_style": "path" if s.endpoint else "auto", "payload_signing_enabled": False},
     )
-    return (session or boto3.session.Session()).client("s3", endpoint_url=s.endpoint, config=cfg)
+    return (session or s.session()).client("s3", endpoint_url=s.endpoint, config=cfg)
 
 
 class _StatusError(Exception):
@@ -383,6 +428,7 @@ class S3Backend(Backend):
     remote = False
     local = True
     notifications = False
+    Options = S3Options
 
     #: one boto3 client per worker thread (True) or one shared client with a pool (False).
     #: Measured on SeaweedFS (docs/storage-objects.md): per-thread clients were as fast or
@@ -396,7 +442,7 @@ class S3Backend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.settings = settings_from_env(float(ctx.config.peer_timeout))
+        self.settings = settings_from_env(float(ctx.config.peer_timeout), ctx.options)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._live: dict[int, int] = {}  # slot -> gen of every region registered with us
@@ -431,9 +477,7 @@ class S3Backend(Backend):
             if c is None:
                 with self._mk_lock:  # boto3 session/client creation is not thread-safe
                     if self._session is None:
-                        import boto3
-
-                        self._session = boto3.session.Session()
+                        self._session = self.settings.session()
                     c = make_client(self.settings, 2, self._session)
                 self._tls.client = c
             return c
@@ -691,9 +735,7 @@ class S3Backend(Backend):
         if c is None:
             with self._mk_lock:
                 if self._session is None:
-                    import boto3
-
-                    self._session = boto3.session.Session()
+                    self._session = self.settings.session()
                 c = self._session.get_credentials()
             if c is None:
                 raise RemoteError("no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
