@@ -141,8 +141,6 @@ def test_mutated_metadata_over_tcp_raises_only_kvx_errors(data: Any) -> None:
     _add_peer_property(_initiator(("tcp",)), meta)
 
 
-@pytest.mark.xfail(raises=OverflowError, strict=False,
-                   reason="issue 14.8: the host section's pid is not range-checked (kvx/backends/host.py)")
 @SETTINGS
 @given(st.data())
 def test_mutated_metadata_over_host_raises_only_kvx_errors(data: Any) -> None:
@@ -150,10 +148,9 @@ def test_mutated_metadata_over_host_raises_only_kvx_errors(data: Any) -> None:
     _add_peer_property(_initiator(("host",)), meta)
 
 
-@pytest.mark.xfail(raises=OverflowError, strict=True,
-                   reason="issue 14.8: the host section's pid is not range-checked (kvx/backends/host.py)")
 def test_host_pid_out_of_range_is_a_protocol_error() -> None:
-    """What the host property above finds now and then, every time: remove the marks once fixed."""
+    """Issue 14.8: a host section's pid of 2**64-1 raised OverflowError (what the host property
+    above found now and then); the same-node dialler now checks it against the listener's pid."""
     m = msgpack.unpackb(_target().metadata(), raw=False)
     m["backends"]["host"]["pid"] = (1 << 64) - 1
     with pytest.raises(kvx.ProtocolError):
