@@ -226,8 +226,11 @@ class Channel:
                 except ProtocolError as exc:
                     log.warning("dropping connection from %s: %s", self.peer_name, exc)
                     raise
-                except Exception:
+                except Exception:  # a handler's bug: keep serving, and fail the request at once
                     log.exception("handling %r from %s", msg.get("t"), self.peer_name)
+                    rid = msg.get("rid")
+                    if isinstance(rid, int) and not isinstance(rid, bool):
+                        self.reply_error(rid, f"internal error handling {str(msg.get('t'))[:40]!r}")
         except (PeerDisconnected, ProtocolError, OSError) as exc:
             self._fail(exc if isinstance(exc, PeerDisconnected) else PeerDisconnected(str(exc)))
 

@@ -380,7 +380,8 @@ def test_side_channel_frames(world: _World, data: Any) -> None:
 
 def test_samenode_xfer_with_ragged_arrays_is_refused(world: _World) -> None:
     """A uds transfer request whose descriptor arrays are not whole u64s: refused with an error
-    reply, no traceback (np.frombuffer raised ValueError and the request got no reply)."""
+    reply at once (np.frombuffer raised ValueError and the request went unanswered until the
+    requester's timeout)."""
     chan = _authed_uds(world)
     try:
         chan.send(_pack("xfer", {"rid": 5, "op": "read", "addr": b"abc", "nbytes": b"abcdefghi", "pl": False}))
@@ -389,3 +390,18 @@ def test_samenode_xfer_with_ragged_arrays_is_refused(world: _World) -> None:
     finally:
         chan.sock.close()
         world.trap.bad.clear()
+
+
+@pytest.mark.xfail(strict=True, reason="kvx/backends/host.py _serve_xfer: np.frombuffer raises ValueError on "
+                   "arrays whose length is not a multiple of 8 (lead's file)")
+def test_samenode_xfer_with_ragged_arrays_is_refused(world: _World) -> None:
+    """A uds transfer request whose descriptor arrays are not whole u64s: refused as malformed,
+    without a traceback. Remove the mark, and the ``ragged=False`` above, once host.py checks."""
+    chan = _authed_uds(world)
+    try:
+        chan.send(_pack("xfer", {"rid": 6, "op": "read", "addr": b"abc", "nbytes": b"abcdefghi", "pl": False}))
+        chan.recv_one(deadline=time.monotonic() + 3.0)
+    finally:
+        chan.sock.close()
+    bad, world.trap.bad = world.trap.bad, []
+    assert not bad, bad[:1]

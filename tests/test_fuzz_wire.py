@@ -149,7 +149,8 @@ def test_mutated_metadata_over_host_raises_only_kvx_errors(data: Any) -> None:
 
 
 def test_host_pid_out_of_range_is_a_protocol_error() -> None:
-    """What the host property above found now and then (an OverflowError), every time."""
+    """Issue 14.8: a host section's pid of 2**64-1 raised OverflowError (what the host property
+    above found now and then); the same-node dialler now checks it against the listener's pid."""
     m = msgpack.unpackb(_target().metadata(), raw=False)
     m["backends"]["host"]["pid"] = (1 << 64) - 1
     with pytest.raises(kvx.ProtocolError):

@@ -245,3 +245,81 @@ def test_concurrent_handshakes_are_capped_and_a_peer_is_told_why() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+# ---- the dialling side checks who is behind the listener ------------------------------------
+def _with_host_section(meta: bytes, **changes: Any) -> bytes:
+    import msgpack
+
+    m = msgpack.unpackb(meta, raw=False)
+    m["backends"]["host"].update(changes)
+    return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+@needs_root
+def test_dialler_refuses_a_listener_of_another_user() -> None:
+    """Abstract socket names are open to every user: a process of another user that bound the
+    name a peer's metadata gives is refused before we answer its challenge (it gets no MAC, no
+    hello, nothing of ours)."""
+    import signal
+    import time
+
+    with _host("real", auth_token="t0ken") as real, _host("dialler", auth_token="t0ken") as dialler:
+        fake = f"kvx-fake-{os.getpid()}-{time.monotonic_ns()}"
+        agent_id = real.id
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the impostor, as uid 65534
+            code = 2
+            try:
+                os.close(r)
+                _as_nobody()
+                ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                ls.bind("\0" + fake)
+                ls.listen(1)
+                os.write(w, b"1")
+                ls.settimeout(10)
+                c, _ = ls.accept()
+                body = wire.pack("challenge", nonce=b"n" * 32, id=agent_id)
+                c.settimeout(3)
+                try:
+                    c.sendall(wire.frame_header(1, len(body)) + body)
+                    code = 1 if c.recv(4096) else 0  # 0: the dialler sent nothing and closed
+                except OSError:  # the dialler closed first (reset, broken pipe) or stayed silent
+                    code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        try:
+            assert os.read(r, 1) == b"1"
+            with pytest.raises(kvx.AuthError, match="another user"):
+                dialler.add_peer(_with_host_section(real.metadata(), uds=fake))
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the impostor received our hello"
+        finally:
+            os.close(r)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
+def test_dialler_refuses_metadata_naming_another_pid() -> None:
+    """Metadata naming the genuine listener but another process's pid (of our user: CMA would
+    copy into that process at the addresses the real peer publishes) is a ProtocolError."""
+    import signal
+    import time
+
+    with _host("real") as real, _host("dialler", host_path="cma") as dialler:
+        pid = os.fork()
+        if pid == 0:  # a copy of this process: the target's addresses are mapped here too
+            time.sleep(30)
+            os._exit(0)
+        try:
+            with pytest.raises(kvx.ProtocolError, match="pid"):
+                dialler.add_peer(_with_host_section(real.metadata(), pid=pid))
+            assert dialler.peers() == []
+            assert dialler.add_peer(real.metadata()) == "real"
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

@@ -134,6 +134,11 @@ class SameNodeLink:
         except OSError as exc:
             s.close()
             raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
+        try:
+            self._check_listener(s, peer)
+        except KVXError:
+            s.close()
+            raise
         chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
         fds: list[int] = []
         try:
@@ -172,6 +177,18 @@ class SameNodeLink:
                 os.close(fd)
         s.settimeout(None)
         return chan, ctrl, infl
+
+    def _check_listener(self, s: socket.socket, peer: PeerInfo) -> None:
+        """The process behind the listener we reached must be the peer's: our own user (abstract
+        socket names are open to every user: another one may have bound the name), and the pid
+        its metadata names for this backend (one-sided copies go to that pid)."""
+        pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            raise AuthError(f"the same-node listener of {peer.name!r} runs as another user (uid {uid}): refused")
+        sec = peer.sections.get(str(getattr(self, "name", "")))  # the backend's name: its metadata section
+        want = sec.get("pid") if isinstance(sec, dict) else None
+        if pid != want or pid != peer.sections.get("_pid"):
+            raise ProtocolError(f"{peer.name!r} metadata names pid {want!r}, but its listener is pid {pid}")
 
     def _adopt(self, name: str, p: Any, chan: Channel) -> None:
         """Make ``p`` (on ``chan``) the peer called ``name``, dropping one it replaces; start reading."""
