@@ -173,6 +173,25 @@ class Agent:
                 raise UsageError(f"options for {bname!r}: this backend takes no options")
             if type(opts) is not cls.Options:
                 raise UsageError(f"options for {bname!r} must be a {cls.Options.__name__}, not {type(opts).__name__}")
+        try:
+            self._start_backends(ctx)
+        except BaseException:
+            Agent._shutdown(self.backends)  # the ones already started: their threads and sockets
+            raise
+        if not self.backends:
+            raise BackendUnavailable("no kvx backend is available here")
+        self._side: Any = None
+        if self.config.listen is not None:
+            from .discovery import SideChannel
+
+            try:
+                self._side = SideChannel(self, *self.config.listen)
+            except BaseException:
+                Agent._shutdown(self.backends)
+                raise
+        self._finalizer = weakref.finalize(self, Agent._shutdown, list(self.backends))
+
+    def _start_backends(self, ctx: BackendContext) -> None:
         for bname, cls in registry.ordered(self.config.backends):
             reason = cls.unavailable_reason()
             if reason is not None:
@@ -189,18 +208,6 @@ class Agent:
                 if self.config.backends:
                     raise
                 log.debug("backend %s failed to start", bname, exc_info=True)
-        if not self.backends:
-            raise BackendUnavailable("no kvx backend is available here")
-        self._side: Any = None
-        if self.config.listen is not None:
-            from .discovery import SideChannel
-
-            try:
-                self._side = SideChannel(self, *self.config.listen)
-            except BaseException:
-                Agent._shutdown(self.backends)
-                raise
-        self._finalizer = weakref.finalize(self, Agent._shutdown, list(self.backends))
 
     # ------------------------------------------------------------------------------------------
     def _check(self) -> None:
