@@ -14,6 +14,7 @@ from kvx import config
 from kvx.backends import registry
 from kvx.backends.posix import PosixOptions
 from kvx.backends.s3 import S3Options
+from kvx.backends.tcp import TcpOptions
 from kvx.testing import seaweed as _seaweed
 
 seaweedfs = _seaweed.seaweedfs
@@ -42,6 +43,27 @@ def test_options_reach_the_backend(tmp_path: pathlib.Path) -> None:
         sto = a.prepare(kvx.DescList.blocks(reg, 4096))
         a.write(mem, np.arange(16), sto, np.arange(16)).wait(30)
         assert (tmp_path / "f").read_bytes() == src.tobytes()
+
+
+@pytest.mark.parametrize("fast_max", [0, 65536])
+def test_tcp_options_reach_the_wire(fast_max: int) -> None:
+    """Three streams are advertised to the peer; with the low-latency path off, small transfers
+    take the regular streams and still land."""
+    opts = {"tcp": TcpOptions(streams=3, fast_max=fast_max, spin_us=0.0)}
+    with kvx.Agent("t", kvx.AgentConfig(backends=("tcp",), options=opts)) as t, \
+            kvx.Agent("i", kvx.AgentConfig(backends=("tcp",), options=opts)) as i:
+        be: Any = i.backend("tcp")
+        assert (be.streams, be.fast_max, be.spin) == (3, fast_max, 0.0)
+        dst = np.zeros(1 << 16, np.uint8)
+        remote_descs = kvx.DescList.blocks(t.register(dst), 4096)
+        src = np.arange(1 << 16, dtype=np.uint8)
+        local = i.prepare(kvx.DescList.blocks(i.register(src), 4096))
+        remote = i.prepare(remote_descs, peer=i.add_peer(t.metadata()))
+        assert i.backend("tcp").metadata()["streams"] == 3
+        i.write(local, [0, 1], remote, [3, 2]).wait(10)
+        assert np.array_equal(dst[2 * 4096:3 * 4096], src[4096:8192])  # block 1 -> 2
+        assert np.array_equal(dst[3 * 4096:4 * 4096], src[:4096])  # block 0 -> 3
+        assert not dst[:2 * 4096].any() and not dst[4 * 4096:].any()
 
 
 @pytest.mark.parametrize("kw, match", [

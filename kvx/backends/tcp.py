@@ -79,8 +79,8 @@ from ..net import (
 )
 from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest
 
-__all__ = ["TcpBackend", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "PREAUTH_MAX", "client_handshake", "server_handshake",
-           "send_frame", "recv_frame", "tune_socket", "advertised", "open_listener"]
+__all__ = ["TcpBackend", "TcpOptions", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "PREAUTH_MAX", "client_handshake",
+           "server_handshake", "send_frame", "recv_frame", "tune_socket", "advertised", "open_listener"]
 
 
 log = logging.getLogger(__name__)
@@ -97,15 +97,6 @@ MAX_DESCS = 1 << 16
 FAST_MAX = 64 << 10
 #: Most descriptors a request may carry to be validated on the target's scalar (numpy-free) path.
 SMALL_DESCS = 16
-#: Seconds the thread waiting for a fast-path reply retries the socket before sleeping in poll
-#: (``KVX_TCP_SPIN_US``): a reply arriving within it costs no wakeup.
-SPIN = float(_cfg.get("KVX_TCP_SPIN_US")) * 1e-6
-#: Seconds a serving thread keeps retrying its socket after a small request before sleeping:
-#: the next small request of a burst is picked up without a wakeup.
-SERVE_SPIN = float(_cfg.get("KVX_TCP_SERVE_SPIN_US")) * 1e-6
-#: Bulk receive batching (``SO_RCVLOWAT``): a receiver expecting a large payload sleeps until
-#: this many bytes are queued instead of waking per segment (``KVX_TCP_RCVLOWAT``, 0 = off).
-RCV_LOWAT = int(_cfg.get("KVX_TCP_RCVLOWAT"))
 
 _K_MSG = 1
 _U64 = np.uint64
@@ -352,7 +343,7 @@ class _Stream:
             take = isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed
             try:
                 if take:
-                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, RCV_LOWAT)
+                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat)
                 else:
                     _net.discard(self.fd, msg["n"], self.conn.timeout)
             except (KVXError, OSError) as exc:
@@ -473,7 +464,7 @@ class _FastStream:
             else:
                 try:
                     body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, max(0.0, wait),
-                                           min(SPIN, wait) if wait > 0 else 0.0)
+                                           min(self.conn.backend.spin, wait) if wait > 0 else 0.0)
                     if body == -1:
                         return
                     if body == 0:
@@ -635,6 +626,36 @@ class _Prep:
 
 
 # ---- the backend -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TcpOptions:
+    """Options of the ``tcp`` backend (``AgentConfig(options={"tcp": TcpOptions(...)})``).
+
+    Parameters
+    ----------
+    streams
+        TCP connections per peer; a large transfer is striped over them (``KVX_TCP_STREAMS``).
+    chunk
+        Bytes per data frame, the pipelining unit of large transfers (``KVX_TCP_CHUNK``).
+    fast_max
+        Largest transfer (at most 16 descriptors) on the low-latency path; 0 turns it off
+        (``KVX_TCP_FAST_MAX``).
+    spin_us
+        Microseconds a waiter retries its socket before sleeping (``KVX_TCP_SPIN_US``).
+    serve_spin_us
+        Microseconds a serving thread waits for the next small request before sleeping
+        (``KVX_TCP_SERVE_SPIN_US``).
+    rcvlowat
+        ``SO_RCVLOWAT`` of large receives, bytes; 0 = off (``KVX_TCP_RCVLOWAT``).
+    """
+
+    streams: int = _cfg.option("KVX_TCP_STREAMS")
+    chunk: int = _cfg.option("KVX_TCP_CHUNK")
+    fast_max: int = _cfg.option("KVX_TCP_FAST_MAX")
+    spin_us: float = _cfg.option("KVX_TCP_SPIN_US")
+    serve_spin_us: float = _cfg.option("KVX_TCP_SERVE_SPIN_US")
+    rcvlowat: int = _cfg.option("KVX_TCP_RCVLOWAT")
+
+
 class TcpBackend(Backend):
     """Host memory to and from agents on any node over TCP; see the module docstring."""
 
@@ -643,6 +664,7 @@ class TcpBackend(Backend):
     remote = True
     local = False
     notifications = True
+    Options = TcpOptions
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -650,9 +672,19 @@ class TcpBackend(Backend):
         self.max_msg = int(_cfg.get("KVX_MAX_MESSAGE"))
         self.timeout = float(self.cfg.peer_timeout)
         self.inline = int(self.cfg.inline_bytes)
-        self.fast_max = max(0, int(_cfg.get("KVX_TCP_FAST_MAX")))
-        self.streams = max(1, int(_cfg.get("KVX_TCP_STREAMS")))
-        self.chunk = max(4096, int(_cfg.get("KVX_TCP_CHUNK")))
+        opts: TcpOptions = ctx.options if ctx.options is not None else TcpOptions()
+        self.opts = opts
+        self.fast_max = max(0, int(opts.fast_max))
+        self.streams = max(1, int(opts.streams))
+        self.chunk = max(4096, int(opts.chunk))
+        #: seconds the thread waiting for a fast-path reply retries the socket before sleeping in
+        #: poll: a reply arriving within it costs no wakeup
+        self.spin = float(opts.spin_us) * 1e-6
+        #: seconds a serving thread keeps retrying its socket after a small request before
+        #: sleeping: the next small request of a burst is picked up without a wakeup
+        self.serve_spin = float(opts.serve_spin_us) * 1e-6
+        #: SO_RCVLOWAT for large receives: wake once this many bytes are queued, not per segment
+        self.rcv_lowat = int(opts.rcvlowat)
         self._lock = threading.RLock()
         self._closed = False
         # registrations as the target sees them, and pins held by serving threads
@@ -864,11 +896,11 @@ class TcpBackend(Backend):
                     why = self._pin(addr, nb, pinned)
                     if why is None:
                         a2, n2 = _coalesce(addr, nb)
-                spin = SERVE_SPIN if total <= FAST_MAX else 0.0
+                spin = self.serve_spin if total <= FAST_MAX else 0.0
                 if t == "w":
                     if why is None:
                         try:
-                            _net.recvv(fd, a2, n2, to, 0.0, RCV_LOWAT)
+                            _net.recvv(fd, a2, n2, to, 0.0, self.rcv_lowat)
                         finally:
                             self._unpin(pinned)
                         _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
