@@ -18,7 +18,7 @@ How:
   NVRTC (``native/cuda/kvx_copy.cu``; the prepared lists' address arrays stay on the device,
   each transfer uploads only its index arrays), and ``ce``, ``cuMemcpyBatchAsync`` on the copy
   engines (CUDA >= 12.8). ``auto`` (the default) picks per transfer by mean block size; see
-  ``docs/gpu.md`` for the measurements behind the threshold.
+  ``docs/history.md`` for the measurements behind the threshold.
 - **Completion.** A CUDA event recorded after the copy; ``Request.test`` queries it, and a
   reaper thread retires finished transfers (counters, notifications) even if nobody polls.
 - **Safety.** Remote descriptors are validated by the agent's ``prepare``. Release is final:
@@ -75,11 +75,11 @@ log = logging.getLogger(__name__)
 #: Environment variable choosing the copy path (kernel | ce | auto). To move into kvx.config.
 COPY_ENV = "KVX_CUDA_COPY"
 #: ``auto`` uses the copy engines when the mean block of a transfer is at least this large
-#: (bytes); below it, the kernel. Chosen from the measurements in docs/gpu.md.
+#: (bytes); below it, the kernel. Chosen from the measurements in docs/history.md.
 CE_MIN_BLOCK = 2 << 20
 #: What ``auto`` does per mean block of a GPU<->GPU transfer: sorted (minimum mean block, path,
 #: fraction of the bytes given to the copy engines when the path is ``split``). From the
-#: measurements in docs/gpu.md: with waiters spinning natively the kernel wins up to 2 MiB (337-351
+#: measurements in docs/history.md: with waiters spinning natively the kernel wins up to 2 MiB (337-351
 #: vs 308-336 GB/s), the copy engines from 8 MiB (351-371 vs 324-349). Transfers touching host memory
 #: use :data:`CE_MIN_BLOCK` alone.
 CE_MIN_BLOCK_PEER = 8 << 20
@@ -96,7 +96,7 @@ PIPE_PAIRS = 0
 STAGING_SLOTS = 8
 #: Kernel path: the kernel reads the indices straight from the pinned staging slot (mapped host
 #: memory, over PCIe; written before the launch, so stream order makes them visible) instead of one
-#: upload before it. Default since measured +3-7% at 4 KiB, a tie at 32 KiB (docs/gpu.md; ``xtune2``
+#: upload before it. Default since measured +3-7% at 4 KiB, a tie at 32 KiB (docs/history.md; ``xtune2``
 #: ``zc`` vs ``upload``).
 INDEX_ZEROCOPY = True
 #: Kernel path: the index upload, the launch and the completion event in one call of the native
@@ -113,7 +113,7 @@ REAPER_POLL = 0.0
 #: the reaper while it is active; the reaper looks at such transfers every ``REAPER_LAZY`` seconds (and
 #: sleeps on the event of the oldest one carrying a notification, so notifications leave as soon as the
 #: data landed). After ``REAPER_DEEP_AFTER`` seconds with nothing pending it sleeps until a post wakes
-#: it. Measured: waking it on every post cost 15-30 us of post time (GIL hand-offs, docs/gpu.md).
+#: it. Measured: waking it on every post cost 15-30 us of post time (GIL hand-offs, docs/history.md).
 #: 0 = wake it on every post (the earlier behaviour).
 REAPER_LAZY = 0.002
 REAPER_DEEP_AFTER = 0.05
@@ -137,7 +137,7 @@ CHUNK_SHIFT = 14
 #: Small transfers: while halving the chunks still leaves no more work items than the kernel has
 #: warps, they are halved, down to 2**CHUNK_SHIFT_MIN bytes (equal-length blocks), so more warps
 #: share the transfer: a warp moves 4 KiB per round of loads, one NVLink round trip on reads.
-#: Transfers of 256 MiB keep 2**CHUNK_SHIFT from 4 KiB blocks up (docs/gpu.md).
+#: Transfers of 256 MiB keep 2**CHUNK_SHIFT from 4 KiB blocks up (docs/history.md).
 CHUNK_SHIFT_MIN = 12
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
 THREADS = 256
@@ -146,7 +146,7 @@ BLOCKS_PER_SM = 4
 BLOCKS_PER_SM_HOST = 8
 #: Copy kernel variant: ``warpx`` (8 loads in flight per lane; with equal-length blocks of several
 #: work items, chunk-major items: warps side by side copy one chunk each of different blocks; measured
-#: +1-4% at 256 KiB-2 MiB, even at 32 KiB and 64 MiB, docs/gpu.md), ``warp`` (the same, block-major:
+#: +1-4% at 256 KiB-2 MiB, even at 32 KiB and 64 MiB, docs/history.md), ``warp`` (the same, block-major:
 #: a block's chunks go to neighbouring warps), ``warp16`` (16 in flight) or ``bulk`` (Hopper TMA bulk
 #: copies through shared memory, one warp per CTA; warp copy on older GPUs).
 KERNEL = "warpx"
@@ -155,10 +155,10 @@ BLOCKS_PER_SM_BULK = 6
 #: Which GPU runs GPU<->GPU copies with another process's memory when both GPUs are visible here:
 #: ``initiator`` (default: the GPU of the initiator's own memory; a write pushes, a read pulls) or
 #: ``owner`` (the GPU holding the peer's memory, where it is then imported: a write pulls, a read
-#: pushes; measured +3-9% on writes and -0-10% on reads, docs/gpu.md). Read when a peer's region is
+#: pushes; measured +3-9% on writes and -0-10% on reads, docs/history.md). Read when a peer's region is
 #: imported (prepare). A memory imported on one GPU cannot be touched from the other one (measured:
 #: illegal address), hence ``pull`` imports it on a second GPU when needed (no gain measured either:
-#: docs/gpu.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
+#: docs/history.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
 #: ``pull``: every GPU<->GPU copy runs on the GPU of its destination (a write on the owner's GPU,
 #: a read on the initiator's); the peer's memory is then imported on both GPUs, once each.
 EXEC_ON = str(_config_get("KVX_CUDA_EXEC") or "initiator").strip().lower()
