@@ -12,6 +12,7 @@ Life of a transfer::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -19,18 +20,19 @@ import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from .._slots import MAX_SLOTS
+from ..errors import KVXError
 from ..memory import DescList, MemoryKind, Region
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
 
-__all__ = ["Backend", "BackendContext", "DoneRequest", "JobRequest", "Op", "PeerInfo", "PreparedList", "Request",
-           "ThreadRequest", "validate"]
+__all__ = ["Backend", "BackendContext", "DoneRequest", "ErrorMap", "JobRequest", "Op", "PeerInfo", "PreparedList",
+           "Request", "ThreadRequest", "validate"]
 
 _U64 = np.uint64
 
@@ -150,6 +152,52 @@ def validate(
             ok[sel] = good
             slots[sel] = np.where(good, rslot[ic], -1)
     return slots, ok
+
+
+class ErrorMap:
+    """A backend's one table from native, OS and library errors to the kvx tree, applied at its
+    boundary (as httpx maps its transports' errors): ``errors(exc, where)`` gives the kvx error,
+    ``with errors.mapped(where):`` raises it from ``exc`` (the cause is kept).
+
+    Parameters
+    ----------
+    rules
+        ``(exception types, errno codes or None, factory(exc, where) -> KVXError)``, tried in order:
+        the first whose types match (and, for an OSError, whose errno is in the codes; None: any)
+        makes the error. A KVXError passes through unchanged.
+    default
+        ``factory(exc, where)`` for an error no rule matches.
+    keep
+        kvx errors that pass through unchanged (default: every KVXError); others go through the rules.
+    """
+
+    __slots__ = ("default", "keep", "rules")
+
+    def __init__(self, *rules: tuple[Any, frozenset[int] | None, Callable[[Any, Any], BaseException]],
+                 default: Callable[[Any, Any], BaseException], keep: Any = KVXError) -> None:
+        self.rules = rules
+        self.default = default
+        self.keep = keep
+
+    def __call__(self, exc: BaseException, where: Any = None) -> Any:
+        if isinstance(exc, self.keep):
+            return exc
+        code = getattr(exc, "errno", None)
+        for types, codes, make in self.rules:
+            if isinstance(exc, types) and (codes is None or code in codes):
+                return make(exc, where)
+        return self.default(exc, where)
+
+    @contextlib.contextmanager
+    def mapped(self, where: Any = None) -> Iterator[None]:
+        """Raise what the table makes of any non-kvx exception inside the block."""
+        try:
+            yield
+        except Exception as exc:
+            err = self(exc, where)
+            if err is exc:
+                raise
+            raise err from exc
 
 
 class Request(ABC):

@@ -45,7 +45,18 @@ from ..errors import (
 )
 from ..memory import MemoryKind, Region
 from ._samenode import SameNodeLink
-from .base import Backend, BackendContext, JobRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest, validate
+from .base import (
+    Backend,
+    BackendContext,
+    ErrorMap,
+    JobRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    ThreadRequest,
+    validate,
+)
 
 __all__ = ["HostBackend"]
 
@@ -63,19 +74,23 @@ def _u64view(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
 
 
-def translate_oserror(exc: OSError, peer: str | None) -> TransferError:
-    """Map a native copy error to the kvx error tree."""
-    e = exc.errno
-    who = f"peer {peer!r}" if peer else "local memory"
-    if e == errno.ESTALE:
-        return RemoteError(f"{who}: the target released (or re-registered) the memory")
-    if e == errno.ESRCH:
-        return PeerDisconnected(f"{who}: the process is gone")
-    if e in (errno.EFAULT, errno.EPERM):
-        return RemoteError(f"{who}: memory not accessible ({os.strerror(e)})")
-    if e == errno.ECANCELED:
-        return TransferError("transfer cancelled")
-    return TransferError(f"{who}: copy failed: {os.strerror(e or errno.EIO)}")
+def _who(peer: str | None) -> str:
+    return f"peer {peer!r}" if peer else "local memory"
+
+
+#: The host backend's error map: a native copy's errno (``where`` is the peer's name, or None).
+ERRORS = ErrorMap(
+    (OSError, frozenset({errno.ESTALE}),
+     lambda e, p: RemoteError(f"{_who(p)}: the target released (or re-registered) the memory")),
+    (OSError, frozenset({errno.ESRCH}), lambda e, p: PeerDisconnected(f"{_who(p)}: the process is gone")),
+    (OSError, frozenset({errno.EFAULT, errno.EPERM}),
+     lambda e, p: RemoteError(f"{_who(p)}: memory not accessible ({os.strerror(e.errno)})")),
+    (OSError, frozenset({errno.ECANCELED}), lambda e, p: TransferError("transfer cancelled")),
+    default=lambda e, p: TransferError(f"{_who(p)}: copy failed: "
+                                       f"{os.strerror(getattr(e, 'errno', None) or errno.EIO)}"),
+)
+#: The name the other modules knew it by.
+translate_oserror = ERRORS
 
 
 @dataclass(slots=True)

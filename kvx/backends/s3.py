@@ -41,6 +41,7 @@ Endpoint and credentials: ``KVX_S3_ENDPOINT`` (overrides), else ``AWS_ENDPOINT_U
 from __future__ import annotations
 
 import ctypes
+import functools
 import http.client
 import importlib.util
 import io
@@ -71,7 +72,7 @@ from ..errors import (
 )
 from ..memory import MemoryKind, Region
 from ._sigv4 import Signer, canonical_path
-from .base import Backend, BackendContext, DoneRequest, Op, Request
+from .base import Backend, BackendContext, DoneRequest, ErrorMap, Op, Request
 
 if TYPE_CHECKING:
     from .base import PreparedList
@@ -247,33 +248,40 @@ def _from_code(code: str, status: int | None, msg: str, what: str, where: str) -
     return RemoteError(f"{what}: {where} refused the request: {code or status}: {msg}")
 
 
+def _client_error(exc: Any, w: tuple[str, str]) -> KVXError:
+    err = exc.response.get("Error", {}) or {}
+    status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+    return _from_code(str(err.get("Code", "")), status, err.get("Message", "") or "", *w)
+
+
+def _unreachable(exc: BaseException, w: tuple[str, str]) -> KVXError:
+    return PeerDisconnected(f"{w[0]}: object store at {w[1]} unreachable or dropped the connection: "
+                            f"{exc.__cause__ or exc if isinstance(exc, _ConnectFailed) else exc}")
+
+
+@functools.lru_cache(maxsize=1)
+def errors() -> ErrorMap:
+    """The s3 backend's error map (``where``: (what, endpoint)): S3 error codes and HTTP statuses of
+    both request paths, botocore's and the socket's errors. Built on first use (botocore's types)."""
+    from botocore import exceptions as bx
+
+    return ErrorMap(
+        (_StatusError, None, lambda e, w: _from_code(e.code or str(e.status), e.status, e.message, *w)),
+        (_ConnectFailed, None, _unreachable),
+        (bx.ClientError, None, _client_error),
+        ((bx.ReadTimeoutError, socket.timeout, TimeoutError), None,
+         lambda e, w: TransferTimeout(f"{w[0]}: no answer from {w[1]} in time ({e})")),
+        (bx.NoCredentialsError, None, lambda e, w: RemoteError(
+            f"{w[0]}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")),
+        ((bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectTimeoutError, bx.ResponseStreamingError,
+          bx.HTTPClientError, http.client.HTTPException, ConnectionError, OSError), None, _unreachable),
+        default=lambda e, w: TransferError(f"{w[0]}: {type(e).__name__}: {e}"),
+    )
+
+
 def translate(exc: BaseException, what: str, endpoint: str | None) -> KVXError:
     """Map a botocore / lean-path / socket error of an operation on ``what`` to the kvx error tree."""
-    if isinstance(exc, KVXError):
-        return exc
-    where = endpoint or "AWS S3"
-    if isinstance(exc, _StatusError):
-        return _from_code(exc.code or str(exc.status), exc.status, exc.message, what, where)
-    if isinstance(exc, _ConnectFailed):
-        return PeerDisconnected(f"{what}: object store at {where} unreachable or dropped the connection: "
-                                f"{exc.__cause__ or exc}")
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover - boto3 is there if we got this far
-        return TransferError(f"{what}: {exc}")
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {}) or {}
-        status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
-        return _from_code(str(err.get("Code", "")), status, err.get("Message", "") or "", what, where)
-    if isinstance(exc, (bx.ReadTimeoutError, socket.timeout, TimeoutError)):
-        return TransferTimeout(f"{what}: no answer from {where} in time ({exc})")
-    if isinstance(exc, bx.NoCredentialsError):
-        return RemoteError(f"{what}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectTimeoutError,
-                        bx.ResponseStreamingError, bx.HTTPClientError, http.client.HTTPException,
-                        ConnectionError, OSError)):
-        return PeerDisconnected(f"{what}: object store at {where} unreachable or dropped the connection: {exc}")
-    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
+    return errors()(exc, (what, endpoint or "AWS S3"))  # type: ignore[no-any-return]
 
 
 def _view(addr: int, n: int) -> memoryview:

@@ -77,7 +77,7 @@ from ..net import (
     send_frame,
     server_handshake,
 )
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, ThreadRequest
+from .base import Backend, BackendContext, DoneRequest, ErrorMap, Op, PeerInfo, PreparedList, Request, ThreadRequest
 
 __all__ = ["TcpBackend", "TcpOptions", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "PREAUTH_MAX", "client_handshake",
            "server_handshake", "send_frame", "recv_frame", "tune_socket", "advertised", "open_listener"]
@@ -320,7 +320,7 @@ class _Stream:
                 self._handle(msg)
         except (KVXError, OSError) as exc:
             if not conn.dead:
-                err = _link_error(conn.name, exc)
+                err = ERRORS(exc, conn.name)
                 if isinstance(exc, ProtocolError):
                     log.warning("dropping the connection to %s: %s", conn.name, exc)
                 conn.fail(err)
@@ -349,7 +349,7 @@ class _Stream:
             except (KVXError, OSError) as exc:
                 # the chunk left ``pending`` with this reply: the connection's failure cannot reach it
                 if isinstance(item, _Chunk):
-                    item.req.chunk_done(_link_error(self.conn.name, exc))
+                    item.req.chunk_done(ERRORS(exc, self.conn.name))
                 raise
             if isinstance(item, _Chunk):
                 item.req.chunk_done(None if take else ProtocolError("read reply of the wrong size"))
@@ -485,7 +485,7 @@ class _FastStream:
                 except (KVXError, OSError, ValueError) as exc:
                     if isinstance(exc, ProtocolError):
                         log.warning("dropping the connection to %s: %s", conn.name, exc)
-                    err = _link_error(conn.name, exc)
+                    err = ERRORS(exc, conn.name)
                     self.closed = True  # the stream is out of sync: never reuse it
             self.cur = None
         finally:
@@ -1202,11 +1202,13 @@ def _frame(body: bytes) -> bytes:
     return wire.frame_header(_K_MSG, len(body)) + body
 
 
-def _link_error(name: str, exc: BaseException) -> TransferError:
-    """What a failure on the connection to peer ``name`` means for the transfers on it."""
-    if isinstance(exc, TransferError):
-        return exc
-    return PeerDisconnected(f"peer {name!r}: {_why(exc) if isinstance(exc, OSError) else exc}")
+#: The tcp backend's error map: what a failure on the connection to a peer (``where``: its name)
+#: means for the transfers on it. A transfer error passes; anything else cut the link.
+ERRORS = ErrorMap(
+    (OSError, None, lambda e, name: PeerDisconnected(f"peer {name!r}: {_why(e)}")),
+    default=lambda e, name: PeerDisconnected(f"peer {name!r}: {e}"),
+    keep=TransferError,
+)
 
 
 def _why(exc: OSError) -> str:
