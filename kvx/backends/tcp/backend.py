@@ -1,628 +1,66 @@
-"""``tcp``: host memory between agents on any nodes, over TCP.
-
-Design (see ``docs/networking.md``):
-
-- **Listener.** Each agent listens on ``AgentConfig.listen`` (default ``127.0.0.1`` port 0,
-  reachable from this machine only); its metadata section lists the addresses peers should
-  dial. A wildcard bind (``0.0.0.0``/``::``) advertises the host's resolved addresses first
-  and loopback last.
-- **Connections.** A peer is reached through a small pool of streams (``STREAMS``, default
-  2); a transfer is cut into chunks of about ``CHUNK`` bytes (many descriptors each) that the
-  streams' sender threads take from one per-peer queue, pipelined without waiting for replies,
-  so one large transfer keeps every stream busy.
-- **Data path.** One frame per chunk: an 8-byte header, a msgpack body carrying the target's
-  descriptors as raw uint64 bytes, then the payload. ``kvx._net`` sends it with ``sendmsg``
-  over one iovec per (coalesced) registered descriptor and the target receives it with
-  ``recvmsg`` straight into its registered memory: the kernel gathers and scatters, so a
-  transfer costs the copies of a raw TCP stream. Reads are the mirror image.
-- **Fast path.** Transfers of at most ``FAST_MAX`` bytes (16 descriptors) use one more,
-  thread-less connection per peer: the posting thread sends request and payload, the thread
-  that tests or waits reads the reply itself (short spin, then poll); the target validates such
-  requests without numpy and spins briefly for the next one.
-- **Target-side validation.** The target checks every descriptor of every request against its
-  live registrations (``ctx.validate_local``) and re-checks and *pins* the regions under its
-  own lock before it touches memory; ``deregister`` unpins-waits (bounded, then cuts the
-  connections still holding the region), so a release racing a transfer fails cleanly with
-  :class:`~kvx.errors.RemoteError` and nothing is written after release returns. A refused
-  write's payload is drained into a scratch buffer, never into registered memory.
-- **Authentication.** Every connection starts with the HMAC challenge of :mod:`kvx.auth`;
-  before it completes, frames are limited to 64 KiB and the whole handshake must finish within
-  ``handshake_timeout`` (slow-loris bound); at most ``MAX_HANDSHAKES`` run at once.
-- **Failure bounds.** All socket I/O is nonblocking with ``poll``: no progress for
-  ``peer_timeout`` seconds fails the peer; TCP keepalive and ``TCP_USER_TIMEOUT`` detect a dead
-  or cut-off peer on idle connections; pending transfers turn FAILED with
-  :class:`~kvx.errors.PeerDisconnected`.
-- **Notifications** travel on the same streams, sent after every chunk of their transfer was
-  acknowledged by the target, i.e. after the data landed.
-"""
+"""The tcp backend: its options, registration and pins, the listener and the target's serving
+threads, peers, and posting transfers."""
 
 from __future__ import annotations
 
 import bisect
-import collections
-import errno
-import ipaddress
 import logging
-import os
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import config as _cfg
-from .. import wire
-from .._slots import MAX_SLOTS
-from ..errors import (
+from ... import config as _cfg
+from ... import wire
+from ..._slots import MAX_SLOTS
+from ...errors import (
     KVXError,
     PeerDisconnected,
     ProtocolError,
     RegistrationError,
-    RemoteError,
-    TransferError,
-    TransferTimeout,
 )
-from ..memory import MemoryKind, Region
-from ..net import (
+from ...memory import MemoryKind, Region
+from ...net import (
     MAX_HANDSHAKES,
-    PREAUTH_MAX,
     RefusalLog,
     accept_loop,
     client_handshake,
     open_listener,
-    recv_frame,
     send_frame,
     server_handshake,
 )
-from .base import Backend, BackendContext, DoneRequest, ErrorMap, Op, PeerInfo, PreparedList, Request, ThreadRequest
-
-__all__ = ["TcpBackend", "TcpOptions", "STREAMS", "CHUNK", "MAX_HANDSHAKES", "PREAUTH_MAX", "client_handshake",
-           "server_handshake", "send_frame", "recv_frame", "tune_socket", "advertised", "open_listener"]
-
+from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
+from .common import (
+    _BIG_ENDIAN,
+    _K_MSG,
+    _U64,
+    FAST_MAX,
+    MAX_DESCS,
+    SMALL_DESCS,
+    _coalesce,
+    _frame,
+    _hostname_ok,
+    _i64,
+    _native_u64,
+    _net,
+    _split_large,
+    _why,
+    advertised,
+    tune_socket,
+)
+from .initiator import _Chunk, _FastRequest, _FastStream, _PeerConn, _Stream, _TcpRequest
 
 log = logging.getLogger(__name__)
-
-#: Default streams (TCP connections) per peer (``KVX_TCP_STREAMS``).
-STREAMS = 2
-#: Default target bytes per chunk, one request frame (``KVX_TCP_CHUNK``); larger descriptors are split.
-CHUNK = 16 << 20
-#: Most descriptors per chunk (bounds the request frame).
-MAX_DESCS = 1 << 16
-#: Transfers up to this many bytes (one chunk) take the fast path: a dedicated stream per peer,
-#: request and payload sent by the posting thread, the reply read by the thread that tests or
-#: waits (no sender/reader thread hop), target-side validation without numpy.
-FAST_MAX = 64 << 10
-#: Most descriptors a request may carry to be validated on the target's scalar (numpy-free) path.
-SMALL_DESCS = 16
-
-_K_MSG = 1
-_U64 = np.uint64
-
-try:
-    from .. import _net  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - build problem
-    _net = None  # type: ignore[assignment]
-
-
-# ---- sockets (frames and handshakes: kvx.net) ------------------------------------------------
-def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
-    """TCP_NODELAY, keepalive with short intervals and TCP_USER_TIMEOUT from ``peer_timeout``."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        idle = max(1, int(peer_timeout / 3))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(peer_timeout) - idle))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(peer_timeout * 1000)))
-    except (OSError, AttributeError):  # pragma: no cover - non-Linux
-        log.debug("cannot tune a tcp socket", exc_info=True)
-
-
-def advertised(sock: socket.socket) -> list[tuple[str, int]]:
-    """Addresses peers should dial to reach the listening ``sock`` (best first)."""
-    host, port = sock.getsockname()[:2]
-    ip = ipaddress.ip_address(host)
-    if not ip.is_unspecified:
-        return [(host, port)]
-    out: list[tuple[str, int]] = []
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
-            a = str(info[4][0])
-            if not ipaddress.ip_address(a).is_loopback and (a, port) not in out:
-                out.append((a, port))
-    except OSError:
-        pass
-    out.append(("::1" if ip.version == 6 else "127.0.0.1", port))
-    return out
-
-
-def _coalesce(addr: np.ndarray, nb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge runs of contiguous descriptors (fewer iovecs); vectorized."""
-    n = addr.shape[0]
-    if n <= 1:
-        return addr, nb
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    np.not_equal(addr[1:], addr[:-1] + nb[:-1], out=brk[1:])
-    if brk.all():
-        return addr, nb
-    starts = np.flatnonzero(brk)
-    return addr[starts], np.add.reduceat(nb, starts).astype(_U64)
-
-
-def _split_large(laddr: np.ndarray, raddr: np.ndarray, nb: np.ndarray, piece: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut descriptors longer than ``piece`` into pieces (same positions on both sides)."""
-    big = nb > piece
-    if not big.any():
-        return laddr, raddr, nb
-    cnt = ((nb + _U64(piece - 1)) // _U64(piece)).astype(np.int64)
-    rep = np.repeat(np.arange(nb.shape[0]), cnt)
-    first = np.cumsum(cnt) - cnt
-    k = (np.arange(rep.shape[0]) - np.repeat(first, cnt)).astype(_U64)
-    off = k * _U64(piece)
-    ln = np.minimum(_U64(piece), nb[rep] - off)
-    return laddr[rep] + off, raddr[rep] + off, ln
-
-
-# ---- initiator side --------------------------------------------------------------------------
-class _TcpRequest(ThreadRequest):
-    """A transfer in flight: done when every chunk is acknowledged."""
-
-    def __init__(self, nbytes: int, nchunks: int, conn: "_PeerConn", notify: bytes | None) -> None:
-        super().__init__(nbytes)
-        self._left = nchunks
-        self._lock = threading.Lock()
-        self._conn = conn
-        self._notify = notify
-
-    @property
-    def failed(self) -> bool:
-        return self._err is not None
-
-    def chunk_done(self, err: BaseException | None = None) -> None:
-        with self._lock:
-            if self._ev.is_set():
-                return
-            if err is not None:
-                self._err = err
-                self._ev.set()
-                return
-            self._left -= 1
-            if self._left > 0:
-                return
-        if self._notify is not None:
-            self._conn.enqueue_notif(self._notify)
-        self._ev.set()
-
-    def cancel(self) -> bool:
-        """Chunks not yet sent are dropped; chunks on the wire still land."""
-        self.cancelled = True
-        self.chunk_done(TransferError("transfer cancelled"))
-        return True
-
-
-@dataclass(slots=True)
-class _Chunk:
-    op: Op
-    req: _TcpRequest
-    laddr: np.ndarray  # local addresses (coalesced where contiguous)
-    lnb: np.ndarray
-    raddr: bytes  # target descriptors, raw uint64
-    rnb: bytes
-    nbytes: int
-    rid: int = 0
-
-
-class _Stream:
-    """One TCP connection to a peer, with a sender and a reader thread."""
-
-    def __init__(self, conn: "_PeerConn", sock: socket.socket, idx: int) -> None:
-        self.conn = conn
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.idx = idx
-        self.send_lock = threading.Lock()
-        self.pending: dict[int, Any] = {}  # rid -> _Chunk | control slot
-        self.plock = threading.Lock()
-        self.last = time.monotonic()
-        self._exits = 0
-        self._xlock = threading.Lock()
-        self.threads = [
-            threading.Thread(target=self._sender, name=f"kvx-tcp-send-{conn.name}-{idx}", daemon=True),
-            threading.Thread(target=self._reader, name=f"kvx-tcp-recv-{conn.name}-{idx}", daemon=True),
-        ]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def _exit(self) -> None:
-        with self._xlock:
-            self._exits += 1
-            last = self._exits == len(self.threads)
-        if last:  # both threads left native I/O: the fd can go
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def add_pending(self, rid: int, item: Any) -> None:
-        with self.plock:
-            if not self.pending:
-                self.last = time.monotonic()
-            self.pending[rid] = item
-
-    def send_chunk(self, ch: _Chunk) -> None:
-        """Send one chunk (caller holds ``send_lock``); raises OSError."""
-        conn = self.conn
-        ch.rid = conn.next_rid()
-        t = "w" if ch.op is Op.WRITE else "r"
-        body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb)
-        head = wire.frame_header(_K_MSG, len(body)) + body
-        self.add_pending(ch.rid, ch)
-        if ch.op is Op.WRITE:
-            _net.sendv(self.fd, head, ch.laddr, ch.lnb, conn.timeout)
-        else:
-            _net.sendv(self.fd, head, None, None, conn.timeout)
-        self.last = time.monotonic()
-
-    def _sender(self) -> None:
-        conn = self.conn
-        try:
-            while True:
-                item = conn.take()
-                if item is None:
-                    return
-                try:
-                    with self.send_lock:
-                        if isinstance(item, _Chunk):
-                            if item.req.failed:
-                                continue
-                            self.send_chunk(item)
-                        else:  # a control frame: (body, rid, slot) or notification bytes
-                            body, rid, slot = item
-                            if rid:
-                                self.add_pending(rid, slot)
-                            _net.sendv(self.fd, wire.frame_header(_K_MSG, len(body)) + body, None, None,
-                                       conn.timeout)
-                except OSError as exc:
-                    if isinstance(item, _Chunk):
-                        item.req.chunk_done(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
-                    conn.fail(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
-                    return
-        finally:
-            self._exit()
-
-    def _reader(self) -> None:
-        conn = self.conn
-        idle = min(0.5, conn.timeout / 4)
-        try:
-            while not conn.dead:
-                try:
-                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, idle, 0.0)
-                except ValueError as exc:
-                    raise ProtocolError(str(exc)) from None
-                if body == -1:
-                    with self.plock:
-                        stalled = bool(self.pending) and time.monotonic() - self.last > conn.timeout
-                    if stalled:
-                        raise TransferTimeout(f"peer {conn.name!r} made no progress for {conn.timeout:.1f} s")
-                    continue
-                if body == 0:
-                    raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
-                msg = wire.unpack(body, max_bytes=conn.max_msg)
-                self.last = time.monotonic()
-                self._handle(msg)
-        except (KVXError, OSError) as exc:
-            if not conn.dead:
-                err = ERRORS(exc, conn.name)
-                if isinstance(exc, ProtocolError):
-                    log.warning("dropping the connection to %s: %s", conn.name, exc)
-                conn.fail(err)
-        finally:
-            self._exit()
-
-    def _handle(self, msg: dict[str, Any]) -> None:
-        t = msg["t"]
-        if t == "notif":
-            wire.check(msg, "notif", {"msg": bytes})
-            self.conn.backend.ctx.deliver(self.conn.name, msg["msg"])
-            return
-        rid = msg.get("re")
-        if not isinstance(rid, int) or isinstance(rid, bool):
-            raise ProtocolError(f"unexpected {t!r} frame from the target")
-        with self.plock:
-            item = self.pending.pop(rid, None)
-        if t == "rd":
-            wire.check(msg, "rd", {"n": int})
-            take = isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed
-            try:
-                if take:
-                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat)
-                else:
-                    _net.discard(self.fd, msg["n"], self.conn.timeout)
-            except (KVXError, OSError) as exc:
-                # the chunk left ``pending`` with this reply: the connection's failure cannot reach it
-                if isinstance(item, _Chunk):
-                    item.req.chunk_done(ERRORS(exc, self.conn.name))
-                raise
-            if isinstance(item, _Chunk):
-                item.req.chunk_done(None if take else ProtocolError("read reply of the wrong size"))
-            return
-        if item is None:
-            return  # a cancelled request's reply
-        if isinstance(item, _Chunk):
-            if t == "ok":
-                item.req.chunk_done()
-            elif t == "err":
-                item.req.chunk_done(RemoteError(f"{self.conn.name}: {msg.get('msg', 'refused')}"))
-            else:
-                raise ProtocolError(f"unexpected reply {t!r}")
-        else:  # control request slot: [event, result]
-            item[1] = msg
-            item[0].set()
-
-
-class _FastRequest(Request):
-    """A small transfer on the fast stream: done when its reply was read (by whoever tests)."""
-
-    __slots__ = ("done", "err", "fs", "laddr", "lnb", "nbytes", "notify", "rid")
-
-    def __init__(self, fs: "_FastStream", nbytes: int, laddr: Any, lnb: Any, notify: bytes | None) -> None:
-        self.fs = fs
-        self.nbytes = nbytes
-        self.rid = 0
-        self.laddr = laddr
-        self.lnb = lnb
-        self.notify = notify
-        self.done = False
-        self.err: BaseException | None = None
-
-    def finish(self, err: BaseException | None) -> None:
-        if self.done:
-            return
-        self.err = err
-        self.done = True
-        if err is None and self.notify is not None:
-            self.fs.conn.enqueue_notif(self.notify)
-
-    def test(self) -> bool:
-        if not self.done:
-            self.fs.reap(0.0)
-            if not self.done:
-                return False
-        if self.err is not None:
-            raise self.err
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.fs.reap(left)
-        return self.test()
-
-    def cancel(self) -> bool:
-        """The reply is still consumed later (the bytes may still land)."""
-        self.finish(TransferError("transfer cancelled"))
-        return True
-
-
-class _FastStream:
-    """A peer's dedicated connection for small transfers, without threads.
-
-    One request at a time: the posting thread sends request and payload (``owner`` stays held
-    until the reply was read); the thread that tests or waits reads the reply itself, first
-    retrying the socket for ``SPIN`` seconds so a quick reply costs no wakeup. ``io`` serializes
-    native I/O on the fd with closing it.
-    """
-
-    def __init__(self, conn: "_PeerConn", sock: socket.socket) -> None:
-        self.conn = conn
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.owner = threading.Lock()
-        self.io = threading.Lock()
-        self.cur: _FastRequest | None = None
-        self.closed = False
-
-    def send(self, req: _FastRequest, head: bytes, laddr: Any, lnb: Any) -> None:
-        """Send a request (caller holds ``owner``); raises PeerDisconnected."""
-        conn = self.conn
-        try:
-            with self.io:
-                if self.closed or conn.dead:
-                    raise OSError(errno.ECONNRESET, "the fast stream is closed")
-                self.cur = req
-                _net.sendv(self.fd, head, laddr, lnb, conn.timeout)
-        except OSError as exc:
-            err = PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}")
-            conn.fail(err)
-            raise err from exc
-
-    def reap(self, wait: float) -> None:
-        """Read the outstanding reply if it comes within ``wait`` seconds (0: only if there)."""
-        req = self.cur
-        if req is None:
-            return
-        if not (self.io.acquire(blocking=False) if wait <= 0 else self.io.acquire(timeout=wait)):
-            return
-        err: BaseException | None = None
-        conn = self.conn
-        try:
-            if self.cur is not req:
-                return
-            if self.closed:
-                err = conn.error or PeerDisconnected(f"peer {conn.name!r} is disconnected")
-            else:
-                try:
-                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, max(0.0, wait),
-                                           min(self.conn.backend.spin, wait) if wait > 0 else 0.0)
-                    if body == -1:
-                        return
-                    if body == 0:
-                        raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
-                    msg = wire.unpack(body, max_bytes=conn.max_msg)
-                    t = msg["t"]
-                    if msg.get("re") != req.rid:
-                        raise ProtocolError(f"unexpected {t!r} frame on the fast stream")
-                    if t == "rd":
-                        wire.check(msg, "rd", {"n": int})
-                        if msg["n"] != req.nbytes:
-                            raise ProtocolError("read reply of the wrong size")
-                        _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0)
-                    elif t == "err":
-                        err = RemoteError(f"{conn.name}: {msg.get('msg', 'refused')}")
-                    elif t != "ok":
-                        raise ProtocolError(f"unexpected reply {t!r}")
-                except (KVXError, OSError, ValueError) as exc:
-                    if isinstance(exc, ProtocolError):
-                        log.warning("dropping the connection to %s: %s", conn.name, exc)
-                    err = ERRORS(exc, conn.name)
-                    self.closed = True  # the stream is out of sync: never reuse it
-            self.cur = None
-        finally:
-            self.io.release()
-        req.finish(err)
-        if self.closed:
-            conn.fail(err or PeerDisconnected(f"peer {conn.name!r} is disconnected"))
-        else:
-            self.owner.release()
-
-    def fail(self, err: BaseException) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        req = self.cur
-        if req is not None:
-            req.finish(err)
-
-    def close(self) -> None:
-        got = self.io.acquire(timeout=5.0)  # shutdown() woke any call blocked in I/O
-        try:
-            self.closed = True
-            self.sock.close()
-        finally:
-            if got:
-                self.io.release()
-
-
-class _PeerConn:
-    """The streams to one peer and their shared chunk queue."""
-
-    def __init__(self, backend: "TcpBackend", name: str) -> None:
-        self.backend = backend
-        self.name = name
-        self.timeout = float(backend.cfg.peer_timeout)
-        self.max_msg = backend.max_msg
-        self.streams: list[_Stream] = []
-        self.fast: _FastStream | None = None
-        self.dead = False
-        self.error: BaseException | None = None
-        self._q: collections.deque[Any] = collections.deque()
-        self._cv = threading.Condition()
-        self._rid = 0
-        self._rlock = threading.Lock()
-
-    def next_rid(self) -> int:
-        with self._rlock:
-            self._rid += 1
-            return self._rid
-
-    def put(self, items: list[Any], front: bool = False) -> None:
-        with self._cv:
-            if self.dead:
-                raise PeerDisconnected(f"peer {self.name!r} is disconnected: {self.error}")
-            if front:
-                self._q.extendleft(reversed(items))
-            else:
-                self._q.extend(items)
-            self._cv.notify(len(items))
-
-    def enqueue_notif(self, message: bytes) -> None:
-        try:
-            self.put([(wire.pack("notif", msg=message), 0, None)], front=True)
-        except PeerDisconnected:
-            log.warning("notification to %s lost: the peer is disconnected", self.name)
-
-    def take(self) -> Any:
-        with self._cv:
-            while not self._q and not self.dead:
-                self._cv.wait()
-            if self.dead:
-                return None
-            return self._q.popleft()
-
-    def control(self, t: str, timeout: float, **fields: Any) -> dict[str, Any]:
-        """A request/reply on the streams (e.g. the region table)."""
-        rid = self.next_rid()
-        slot: list[Any] = [threading.Event(), None]
-        self.put([(wire.pack(t, rid=rid, **fields), rid, slot)], front=True)
-        if not slot[0].wait(timeout):
-            raise TransferTimeout(f"no reply from {self.name!r} to {t!r} within {timeout:.1f} s")
-        if isinstance(slot[1], BaseException):
-            raise slot[1]
-        if slot[1].get("t") == "err":
-            raise RemoteError(f"{self.name}: {slot[1].get('msg')}")
-        return slot[1]  # type: ignore[no-any-return]
-
-    def fail(self, err: BaseException) -> None:
-        with self._cv:
-            if self.dead:
-                return
-            self.dead = True
-            self.error = err
-            queued = list(self._q)
-            self._q.clear()
-            self._cv.notify_all()
-        log.info("tcp peer %s failed: %s", self.name, err)
-        for s in self.streams:
-            try:
-                s.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        e0 = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
-        if self.fast is not None:
-            self.fast.fail(e0)
-        items = queued
-        for s in self.streams:
-            with s.plock:
-                items += list(s.pending.values())
-                s.pending.clear()
-        e = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
-        for it in items:
-            if isinstance(it, _Chunk):
-                it.req.chunk_done(e)
-            elif isinstance(it, list):
-                it[1] = e
-                it[0].set()
-            elif isinstance(it, tuple) and it[2] is not None:
-                it[2][1] = e
-                it[2][0].set()
-
-    def close(self) -> None:
-        self.fail(PeerDisconnected(f"peer {self.name!r} was disconnected locally"))
-        me = threading.current_thread()
-        for s in self.streams:
-            for t in s.threads:
-                if t is not me and t.ident is not None:
-                    t.join(timeout=5.0)
-        if self.fast is not None:
-            self.fast.close()
 
 
 @dataclass(slots=True)
 class _Prep:
     addr: np.ndarray
     nbytes: np.ndarray
+
 
 
 # ---- the backend -----------------------------------------------------------------------------
@@ -1190,49 +628,3 @@ class TcpBackend(Backend):
         self.refused.flush()
 
 
-_BIG_ENDIAN = struct.pack("=H", 1) != struct.pack("<H", 1)
-
-
-def _native_u64(b: bytes) -> bytes:  # pragma: no cover - big-endian hosts only
-    k = len(b) // 8
-    return struct.pack(f"={k}Q", *struct.unpack(f"<{k}Q", b))
-
-
-def _frame(body: bytes) -> bytes:
-    return wire.frame_header(_K_MSG, len(body)) + body
-
-
-#: The tcp backend's error map: what a failure on the connection to a peer (``where``: its name)
-#: means for the transfers on it. A transfer error passes; anything else cut the link.
-ERRORS = ErrorMap(
-    (OSError, None, lambda e, name: PeerDisconnected(f"peer {name!r}: {_why(e)}")),
-    default=lambda e, name: PeerDisconnected(f"peer {name!r}: {e}"),
-    keep=TransferError,
-)
-
-
-def _why(exc: OSError) -> str:
-    if exc.errno == errno.ETIMEDOUT:
-        return "no progress within the peer timeout (dead or cut off)"
-    return os.strerror(exc.errno) if exc.errno else str(exc)
-
-
-def _hostname_ok(host: str) -> bool:
-    """Whether ``host`` can be an IP address or a DNS name (at most 253 ASCII characters, labels
-    of 1..63): what a peer's metadata may ask us to dial."""
-    if not 0 < len(host) <= 253 or not host.isascii():
-        return False
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    return all(0 < len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label)
-               for label in host.rstrip(".").split("."))
-
-
-def _i64(x: Any) -> np.ndarray:
-    a = np.atleast_1d(np.asarray(x))
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    return a.astype(np.int64).reshape(-1)
