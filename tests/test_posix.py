@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvx
+from kvx.backends.posix import PosixOptions
 from kvx.testing.conformance import StorageConformance, pattern, race_release
 
 
@@ -41,11 +42,9 @@ class TestPosixDirect(TestPosix):
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-def _agent(mmap: bool | None = None, **opts: Any) -> kvx.Agent:
-    a = kvx.Agent("posix-test", kvx.AgentConfig(backends=("host", "posix"), **opts))
-    if mmap is not None:
-        a.backend("posix").configure(mmap=mmap)
-    return a
+def _agent(posix: PosixOptions | None = None, **opts: Any) -> kvx.Agent:
+    options = {"posix": posix} if posix is not None else {}
+    return kvx.Agent("posix-test", kvx.AgentConfig(backends=("host", "posix"), options=options, **opts))
 
 
 def _lists(agent: kvx.Agent, buf: Any, region: Any, bs: int) -> tuple[Any, Any, Any, Any]:
@@ -214,7 +213,7 @@ def test_full_disk_mid_write_fails_clearly(tiny_fs: Path, mmap: bool) -> None:
     """Preallocation reserves the space; here the file is shrunk and the disk filled behind our back."""
     bs, n = 4096, 64
     p = tiny_fs / "kv.bin"
-    with _agent(mmap=mmap) as a:
+    with _agent(PosixOptions(mmap=mmap)) as a:
         buf = pattern(n * bs, 4)
         mem, sto, _, _ = _lists(a, buf, kvx.FileRegion(p, n * bs), bs)
         a.write(mem, [0], sto, [0]).wait(10)
@@ -233,7 +232,7 @@ def test_full_disk_mid_write_fails_clearly(tiny_fs: Path, mmap: bool) -> None:
 def test_full_disk_fails_on_the_pool_too(tiny_fs: Path, mmap: bool) -> None:
     bs, n = 65536, 8
     p = tiny_fs / "kv.bin"
-    with _agent(mmap=mmap, inline_bytes=0) as a:
+    with _agent(PosixOptions(mmap=mmap), inline_bytes=0) as a:
         mem, sto, _, _ = _lists(a, pattern(n * bs, 4), kvx.FileRegion(p, n * bs), bs)
         os.truncate(p, 0)
         _fill(tiny_fs)
@@ -383,9 +382,7 @@ def test_mmap_one_large_block_split_over_threads_keeps_its_file(tmp_path: Path) 
     """A few large blocks are cut into pieces for the pool; each piece still syncs its file."""
     bs = 8 << 20
     p = tmp_path / "kv.bin"
-    with _agent(inline_bytes=0) as a:
-        b = a.backend("posix")
-        b.configure(sync="data", threads=2)
+    with _agent(PosixOptions(sync="data", threads=2), inline_bytes=0) as a:
         buf = pattern(bs, 3)
         mem, sto, _, _ = _lists(a, buf, kvx.FileRegion(p, 2 * bs), bs)
         x = a.write(mem, [0], sto, [1])
@@ -395,7 +392,7 @@ def test_mmap_one_large_block_split_over_threads_keeps_its_file(tmp_path: Path) 
 
 
 def test_mmap_setting_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVX_POSIX_MMAP=0 / configure(mmap=False): no mapping, pwritev (which re-extends a shrunk file)."""
+    """KVX_POSIX_MMAP=0 / PosixOptions(mmap=False): no mapping, pwritev (which re-extends a shrunk file)."""
     bs, n = 4096, 16
     buf = pattern(n * bs, 5)
     monkeypatch.setenv("KVX_POSIX_MMAP", "0")
@@ -416,12 +413,14 @@ def test_mmap_setting_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         os.truncate(p, 0)
         with pytest.raises(kvx.TransferError, match="truncated"):
             a.write(mem, np.arange(n), sto, np.arange(n)).wait(10)
-        b.configure(mmap=False)  # writes posted from now on use pwritev, even to a mapped file
-        a.write(mem, np.arange(n), sto, np.arange(n)).wait(10)
-        assert p.read_bytes() == buf.tobytes()
+    with _agent(PosixOptions(mmap=False)) as a:  # set in code: not mapped, pwritev
+        assert a.backend("posix").mmap is False
         q = tmp_path / "cfg2.bin"
-        a.register(kvx.FileRegion(q, n * bs))
-        assert not _maps(q)  # and files registered from now on are not mapped
+        mem, sto, _, _ = _lists(a, buf, kvx.FileRegion(q, n * bs), bs)
+        assert not _maps(q)
+        os.truncate(q, 0)
+        a.write(mem, np.arange(n), sto, np.arange(n)).wait(10)
+        assert q.read_bytes() == buf.tobytes()
 
 
 @pytest.mark.parametrize("flags", list(_FLAGS))
@@ -646,10 +645,11 @@ def test_mmap_write_sync_writes_back_the_mapped_pages(tmp_path: Path, mode: str)
                 break
         else:
             pytest.fail("mmap writes never left a dirty page: the check below would prove nothing")
-        b.configure(sync=mode)
-        a.write(mem, np.arange(n), sto, np.arange(n)[::-1].copy()).wait(10)
-        st = _cachestat(fd, n * bs)
-        assert st is not None and st[0] > 0 and st[1] == 0 and st[2] == 0, st
+        with _agent(PosixOptions(sync=mode), inline_bytes=0) as synced:  # the same file, written with sync
+            mem2, sto2, _, _ = _lists(synced, buf, kvx.FileRegion(tmp_path / "kv.bin", n * bs), bs)
+            synced.write(mem2, np.arange(n), sto2, np.arange(n)[::-1].copy()).wait(10)
+            st = _cachestat(fd, n * bs)
+            assert st is not None and st[0] > 0 and st[1] == 0 and st[2] == 0, st
         assert (tmp_path / "kv.bin").read_bytes() == buf.reshape(n, bs)[::-1].tobytes()
 
 
@@ -815,15 +815,16 @@ def test_bad_sync_mode_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None
         kvx.Agent("x", kvx.AgentConfig(backends=("posix",)))
 
 
-def test_configure_overrides_environment(tmp_path: Path) -> None:
-    with _agent() as a:
+def test_options_override_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVX_POSIX_SYNC", "full")
+    monkeypatch.setenv("KVX_POSIX_THREADS", "5")
+    with _agent(PosixOptions(direct=True, sync="data", threads=3)) as a:
         b = a.backend("posix")
-        b.configure(direct=True, sync="data", threads=3)
         assert (b.direct, b.sync, b.threads) == (True, 1, 3)
         s = a.register(kvx.FileRegion(tmp_path / "kv.bin", 8192))
         assert int(b._dfd[s.slots[0]]) >= 0
-        with pytest.raises(kvx.UsageError):
-            b.configure(sync="maybe")
+    with pytest.raises(kvx.UsageError, match="sync"):
+        _agent(PosixOptions(sync="maybe"))
 
 
 def test_repeated_and_sparse_blocks(tmp_path: Path) -> None:

@@ -320,8 +320,3 @@ class GdsBackend(Backend):
                 f.handle.close()
             finally:
                 os.close(f.fd)
-
-    def configure(self, *, sync: str | None = None) -> None:
-        """Override ``KVX_POSIX_SYNC`` for this backend."""
-        if sync is not None:
-            self.sync = _sync_code(sync)

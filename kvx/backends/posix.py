@@ -12,7 +12,7 @@ byte-balanced range per thread of a pthread pool that runs with the GIL released
 at most ``KVX_INLINE_BYTES`` run inline in the posting thread (lowest latency).
 
 Buffered writes (memory -> file) go through a shared mapping of the file (``KVX_POSIX_MMAP``,
-default on; ``configure(mmap=...)``): each file is mapped ``MAP_SHARED`` read-write at
+default on; ``PosixOptions(mmap=...)``): each file is mapped ``MAP_SHARED`` read-write at
 registration and a write is the native copy into ``map + offset`` (``OP_MMWRITE``), each run of
 adjacent blocks first faulted in writable with ``madvise(MADV_POPULATE_WRITE)``. ``pwritev``
 into one file serializes on the inode lock (about 5-6 GB/s here whatever the thread count);
@@ -26,7 +26,7 @@ backs (truncated or punched under the registration, disk full) fails the populat
 or raises SIGBUS in the copy, which the native guard catches: the transfer turns FAILED with a
 TransferError that says which (see :meth:`PosixBackend._translate`).
 
-``O_DIRECT`` (``KVX_POSIX_DIRECT=1`` or ``backend.configure(direct=True)`` before registering):
+``O_DIRECT`` (``KVX_POSIX_DIRECT=1`` or ``PosixOptions(direct=True)``):
 each file is opened a second time with ``O_DIRECT``. Per descriptor:
 
 - file offset, length and memory address all 4096-aligned: straight ``pwritev``/``preadv`` on
@@ -39,7 +39,7 @@ each file is opened a second time with ``O_DIRECT``. Per descriptor:
   coherent (direct I/O writes back and invalidates the page cache over its range), but those
   blocks do go through the page cache.
 
-Durability (``KVX_POSIX_SYNC`` or ``configure(sync=...)``) -- what a DONE write guarantees:
+Durability (``KVX_POSIX_SYNC`` or ``PosixOptions(sync=...)``) -- what a DONE write guarantees:
 
 - ``none``: the bytes are in the kernel (page cache, or handed to the device under O_DIRECT):
   every reader of the file on this machine sees them and they survive the process dying, but
@@ -386,39 +386,6 @@ class PosixBackend(Backend):
         self._base = np.zeros(MAX_SLOTS, dtype=_U64)  # mapping address per slot (0: not mapped)
         self._files: dict[int, _File] = {}
         self._bounce: list[mmap.mmap] = []
-
-    # ---- options -----------------------------------------------------------------------------
-    def configure(self, *, direct: bool | None = None, sync: str | None = None, threads: int | None = None,
-                  inline_bytes: int | None = None, mmap: bool | None = None) -> None:
-        """Change this backend's options (overriding ``KVX_POSIX_*``).
-
-        Parameters
-        ----------
-        direct
-            Open files registered from now on with ``O_DIRECT`` too.
-        mmap
-            Buffered writes through a shared mapping of the file (``KVX_POSIX_MMAP``). ``True``
-            maps files registered from now on; ``False`` also sends writes posted from now on to
-            files mapped before through ``pwritev``.
-        sync
-            ``none``, ``data`` or ``full``; applies to writes posted from now on.
-        threads
-            Native I/O threads per transfer.
-        inline_bytes
-            Transfers of at most this many bytes run in the posting thread.
-        """
-        if direct is not None:
-            self.direct = bool(direct)
-        if sync is not None:
-            self.sync = _sync_code(sync)
-        if threads is not None:
-            if threads < 1:
-                raise UsageError("threads must be >= 1")
-            self.threads = int(threads)
-        if inline_bytes is not None:
-            self.inline = max(0, int(inline_bytes))
-        if mmap is not None:
-            self.mmap = bool(mmap)
 
     def serves(self, local: MemoryKind, remote: MemoryKind, loopback: bool) -> bool:
         """Only host memory <-> file, within one agent."""

@@ -45,7 +45,7 @@ import numpy as np
 
 import kvx
 
-from ..backends.posix import PosixBackend
+from ..backends.posix import PosixBackend, PosixOptions
 from . import BenchError, BenchOptions, Progress, iter_sizes, permutation, row, timed
 
 __all__ = ["run", "drop_caches"]
@@ -242,12 +242,12 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
     mm, buf = _aligned(opts.total)
     paths = [os.path.join(base, f"kvx-bench-{k}.bin") for k in ("kvx", "py", "direct")]
     try:
-        with kvx.Agent("bench-posix", kvx.AgentConfig(backends=("host", "posix"))) as agent:
-            _posix(agent).configure(direct=False)
+        with kvx.Agent("bench-posix", kvx.AgentConfig(backends=("host", "posix"),
+                                                    options={"posix": PosixOptions(direct=False)})) as agent:
             rows += _sweep(agent, "kvx", buf, paths[0], opts, prog, can_drop, "warm")
         rows += _python_loop(buf, paths[1], opts, prog)
-        with kvx.Agent("bench-posix-direct", kvx.AgentConfig(backends=("host", "posix"))) as agent:
-            _posix(agent).configure(direct=True)
+        with kvx.Agent("bench-posix-direct", kvx.AgentConfig(backends=("host", "posix"),
+                                                           options={"posix": PosixOptions(direct=True)})) as agent:
             rows += _sweep(agent, "kvx-direct", buf, paths[2], opts, prog, can_drop, "direct")
         rows += _dd(paths[2], opts, prog)
     finally:
