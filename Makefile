@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 NATIVE := $(wildcard native/*.c native/*.h)
 
 .PHONY: all venv test test-vllm bench bench-all bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare \
-        services lint gpu-check clean asan-build test-asan test-asan-ci
+        services lint gpu-check clean
 
 all: test
 
@@ -98,9 +98,10 @@ gpu-check:
 # PYTHONMALLOC=malloc: Python objects come from malloc, so ASan sees reads past them or after their free.
 # handle_sigbus=0: SIGBUS belongs to kvx's own handler (faults in mapped-file copies), which chains to the
 # default action for any other SIGBUS, as tests/test_posix.py checks; ASan's handler would intercept that.
-# test-asan: the whole CPU suite (about 15 min on 2 cores without the slow tests); test-asan-ci: the
+# test-asan: the whole CPU suite (about 15 min on 2 cores); test-asan-ci: the
 # tests that drive the native code hardest (copies, CMA, files, sockets, staging, fuzzed wire input),
 # without the slow ones: a few minutes.
+.PHONY: asan-build test-asan test-asan-ci
 ASAN_DIR   ?= build/asan
 ASAN_TESTS ?= tests -m "not gpu"
 ASAN_CI_TESTS ?= tests/test_native_inputs.py tests/test_memory.py tests/test_host.py tests/test_posix.py \
