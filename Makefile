@@ -98,6 +98,48 @@ bench-all: bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# The native extensions (kvx._native, kvx._net) built with AddressSanitizer and UBSan into a copy of
+# the working tree under $(ASAN_DIR) (the in-place build of `make test` is left alone), then the CPU
+# tests run there with the sanitizer runtimes preloaded. Any sanitizer report (from pytest or from
+# any process a test starts: each writes $(ASAN_DIR)/logs/*.PID) fails the target.
+# PYTHONMALLOC=malloc: Python objects come from malloc, so ASan sees reads past them or after their free.
+# handle_sigbus=0: SIGBUS belongs to kvx's own handler (faults in mapped-file copies), which chains to the
+# default action for any other SIGBUS, as tests/test_posix.py checks; ASan's handler would intercept that.
+# test-asan: the whole CPU suite (about 15 min on 2 cores); test-asan-ci: the
+# tests that drive the native code hardest (copies, CMA, files, sockets, staging, fuzzed wire input),
+# without the slow ones: a few minutes.
+.PHONY: asan-build test-asan test-asan-ci
+ASAN_DIR   ?= build/asan
+ASAN_TESTS ?= tests -m "not gpu"
+ASAN_CI_TESTS ?= tests/test_native_inputs.py tests/test_memory.py tests/test_host.py tests/test_posix.py \
+	tests/test_wire.py tests/test_agent.py tests/test_tcp.py -m "not gpu and not slow"
+ASAN_LIBS   = $$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)
+ASAN_ENV    = LD_PRELOAD=$(ASAN_LIBS) PYTHONPATH=$(abspath $(ASAN_DIR))/tree PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99:allow_user_segv_handler=1:handle_sigbus=0:log_path=$(abspath $(ASAN_DIR))/logs/asan \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=99:log_path=$(abspath $(ASAN_DIR))/logs/ubsan
+
+asan-build: $(STAMP)
+	rm -rf $(ASAN_DIR)/tree $(ASAN_DIR)/logs && mkdir -p $(ASAN_DIR)/tree $(ASAN_DIR)/logs
+	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null \
+	  | tar -xf - -C $(ASAN_DIR)/tree
+	cd $(ASAN_DIR)/tree && CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g" \
+	  LDFLAGS="-fsanitize=address,undefined" $(abspath $(PY)) setup.py -q build_ext --inplace >../build.log 2>&1 \
+	  || { cat $(ASAN_DIR)/build.log; exit 1; }
+	cd /tmp && $(ASAN_ENV) $(abspath $(PY)) -c "import kvx._native as n, kvx._net; assert '$(abspath $(ASAN_DIR))' in n.__file__, n.__file__"
+
+# $(call asan_pytest,ARGS): pytest ARGS in the sanitized tree; fails on a test failure or on any report
+define asan_pytest
+	cd $(ASAN_DIR)/tree && $(ASAN_ENV) $(abspath $(PY)) -m pytest -q $(1) $(PYTEST_ARGS); rc=$$?; \
+	  if ls $(ASAN_DIR)/logs/* >/dev/null 2>&1; then cat $(ASAN_DIR)/logs/*; echo "sanitizer reports above"; exit 1; fi; \
+	  exit $$rc
+endef
+
+test-asan: asan-build services
+	$(call asan_pytest,$(ASAN_TESTS))
+
+test-asan-ci: asan-build services
+	$(call asan_pytest,$(ASAN_CI_TESTS))
+
 clean:
 	rm -rf build *.egg-info kvx/*.so $(OUT)
 

@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .bench import BenchOptions
 
 __all__ = ["main"]
 
@@ -42,7 +45,7 @@ def _one_line(x: object) -> str:
     return " ".join(str(x).split())
 
 
-def bench_options(a: argparse.Namespace) -> Any:
+def bench_options(a: argparse.Namespace) -> BenchOptions:
     """The :class:`kvx.bench.BenchOptions` of parsed ``kvx bench`` arguments, checked
     (:func:`kvx.bench.checks.check`): raises UsageError if the run cannot start."""
     from . import bench

@@ -869,11 +869,25 @@ static int idx_open(PyObject *o, idx_t *ix) {
     return 0;
 }
 
+/* The list item i, a new reference, or NULL with an exception set if the list has shrunk below i + 1:
+ * an item's __index__ runs Python code, which may change the list being read. */
+static PyObject *seq_item(PyObject *seq, Py_ssize_t i) {
+    if (i >= PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_ValueError, "index list changed size while it was read");
+        return NULL;
+    }
+    PyObject *it = PySequence_Fast_ITEMS(seq)[i];
+    Py_INCREF(it);
+    return it;
+}
+
 static int idx_get(idx_t *ix, Py_ssize_t i, long long *out) {
     if (ix->is_scalar) { *out = ix->scalar; return 0; }
     if (ix->has_buf) { *out = ((long long *)ix->buf.buf)[i]; return 0; }
-    PyObject *it = PySequence_Fast_ITEMS(ix->seq)[i];
+    PyObject *it = seq_item(ix->seq, i);
+    if (!it) return -1;
     long long v = PyLong_AsLongLong(it);
+    Py_DECREF(it);
     if (v == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "index %zd is not an int", i);
@@ -939,6 +953,15 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         goto e8;
     }
     Py_ssize_t nd = bda.len / 8, ns = bsa.len / 8;
+    if (bdl.len != bda.len || bsl.len != bsa.len) {
+        PyErr_SetString(PyExc_ValueError, bdl.len != bda.len ? "dst_len must be as long as dst_addr"
+                                                              : "src_len must be as long as src_addr");
+        goto e8;
+    }
+    if (have_fd && bfd.len != ((op == OP_PWRITE || op == OP_MMWRITE) ? bda.len : bsa.len)) {
+        PyErr_SetString(PyExc_ValueError, "fds must be as long as the file side's descriptor list");
+        goto e8;
+    }
     if (off_o != Py_None) {
         if (op != OP_MMWRITE) { PyErr_SetString(PyExc_ValueError, "dst_off is for OP_MMWRITE only"); goto e8; }
         if (get_u64(off_o, &boff, "dst_off") < 0) goto e8;
@@ -1391,11 +1414,12 @@ static int stage_seq(sidx_t *ix, void *dst, int wide, Py_ssize_t limit) {
         mx = (uint64_t)ix->scalar;
         if (wide) *(uint64_t *)dst = mx; else *(uint32_t *)dst = (uint32_t)mx;
     } else {
-        PyObject **items = PySequence_Fast_ITEMS(ix->seq);
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *it = items[i];
+            PyObject *it = seq_item(ix->seq, i);
+            if (!it) return -1;
             if (PyBool_Check(it) || !PyIndex_Check(it)) {
                 PyErr_Format(PyExc_TypeError, "indices must be integers (index %zd is %s)", i, Py_TYPE(it)->tp_name);
+                Py_DECREF(it);
                 return -1;
             }
             int ovf = 0;
@@ -1404,10 +1428,11 @@ static int stage_seq(sidx_t *ix, void *dst, int wide, Py_ssize_t limit) {
                 v = PyLong_AsLongLongAndOverflow(it, &ovf);
             } else {
                 PyObject *l = PyNumber_Index(it);
-                if (!l) return -1;
+                if (!l) { Py_DECREF(it); return -1; }
                 v = PyLong_AsLongLongAndOverflow(l, &ovf);
                 Py_DECREF(l);
             }
+            Py_DECREF(it);
             if (v == -1 && PyErr_Occurred()) return -1;
             uint64_t u = ovf ? UINT64_MAX : (uint64_t)v;
             mx = u > mx ? u : mx;

@@ -36,6 +36,9 @@ _FILES = {"posix": 3, "gds": 2}
 #: Largest ``--total`` taken at all (the arithmetic of block ids and offsets stays far from 2**63).
 MAX_TOTAL = 1 << 50
 
+#: Most timed runs per point (``--iters``) and latency samples taken.
+MAX_ITERS = 1_000_000
+
 _SEGS = ("dram", "pinned", "vram")
 
 
@@ -62,10 +65,10 @@ def check(opts: BenchOptions, json_path: str | None = None, plot_path: str | Non
 def _check_numbers(opts: BenchOptions) -> None:
     if not 0 < opts.total <= MAX_TOTAL:
         raise UsageError(f"--total must be > 0 and at most {fmt_size(MAX_TOTAL)}, not {opts.total}")
-    if opts.iters < 1:
-        raise UsageError(f"--iters must be >= 1, not {opts.iters}")
-    if opts.latency_samples < 0:
-        raise UsageError(f"--latency-samples must be >= 0, not {opts.latency_samples}")
+    if not 1 <= opts.iters <= MAX_ITERS:
+        raise UsageError(f"--iters must be in 1..{MAX_ITERS}, not {opts.iters}")
+    if not 0 <= opts.latency_samples <= MAX_ITERS:
+        raise UsageError(f"--latency-samples must be in 0..{MAX_ITERS}, not {opts.latency_samples}")
     if opts.seed < 0:
         raise UsageError(f"--seed must be >= 0, not {opts.seed}")
     if not opts.block_sizes:
@@ -142,6 +145,8 @@ def _check_dir(opts: BenchOptions) -> None:
 
 def check_output_file(flag: str, path: str) -> None:
     """Make sure ``path`` can be written (created and removed again if it did not exist)."""
+    if "\x00" in path:
+        raise UsageError(f"{flag} {path!r}: a file name cannot hold a NUL byte")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a directory")
     try:
