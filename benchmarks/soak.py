@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -119,7 +120,8 @@ class Worker:
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.examples: dict[str, str] = {}  # the first message of each kind of error
-        self.foreign: list[str] = []  # exceptions that are not kvx errors
+        self.foreign: Counter[str] = Counter()  # exceptions that are not kvx errors, by message
+        self.unverified: list[str] = []  # acknowledged data the final check could not read back
         self.corrupt: list[str] = []
         self.verified = 0
         self.lost = 0  # acknowledged bytes that died with a killed target incarnation
@@ -138,7 +140,7 @@ class Worker:
             self.errors[key] += 1
             self.examples.setdefault(key, str(exc)[:200])
         else:
-            self.foreign.append(f"{what}: {type(exc).__name__}: {exc}"[:300])
+            self.foreign[f"{what}: {type(exc).__name__}: {exc}"[:300]] += 1
 
     def check(self, what: str, got: np.ndarray, want: str) -> None:
         if _digest(got) == want:
@@ -159,17 +161,17 @@ class Worker:
             try:
                 self.step()
             except Exception as exc:  # a bug of the worker or a non-kvx error out of kvx
-                self.foreign.append(f"step: {type(exc).__name__}: {exc}"[:300])
+                self.foreign[f"step: {type(exc).__name__}: {exc}"[:300]] += 1
                 time.sleep(0.5)
             time.sleep(self.a.pause)
         end = _sample()
         try:
             self.final()
         except Exception as exc:
-            self.foreign.append(f"final check: {type(exc).__name__}: {exc}"[:300])
+            self.foreign[f"final check: {type(exc).__name__}: {exc}"[:300]] += 1
         return {"ops": dict(self.ops), "errors": dict(self.errors), "examples": self.examples,
-                "foreign": self.foreign[:20],
-                "n_foreign": len(self.foreign), "corrupt": self.corrupt[:20], "n_corrupt": len(self.corrupt),
+                "foreign": dict(self.foreign.most_common(20)), "unverified": self.unverified[:20],
+                "n_unverified": len(self.unverified), "corrupt": self.corrupt[:20], "n_corrupt": len(self.corrupt),
                 "verified": self.verified, "lost": self.lost, "faults": dict(self.faults),
                 "warm": self.warm, "end": end}
 
@@ -308,7 +310,7 @@ class XferWorker(Worker):
     def final(self) -> None:
         for name, link in self.links.items():
             if link.remote is None and not link.connect(self):
-                self.foreign.append(f"final check: cannot reach the {name} target")
+                self.unverified.append(f"{name}: {len(link.ledger)} blocks (cannot reach the target)")
                 continue
             assert link.remote is not None
             _src, back, _ls, lb = self.bufs[name]
@@ -317,7 +319,7 @@ class XferWorker(Worker):
                 link.agent.read(lb, idx, link.remote, idx).wait(30)
             except kvx.KVXError as exc:
                 self.err(f"{name} final read", exc)
-                self.foreign.append(f"final check: {name} read failed: {exc}")
+                self.unverified.append(f"{name}: {len(link.ledger)} blocks (read failed: {exc})")
                 continue
             for r, want in link.ledger.items():
                 self.check(f"{name} final block {r}", self._blocks(back, r), want)
@@ -447,7 +449,7 @@ class FilesWorker(Worker):
             try:
                 reg = self.agent.register(kvx.FileRegion(path, self.NB * self.BS))
             except Exception as exc:
-                self.foreign.append(f"final check: cannot open {path}: {exc}")
+                self.unverified.append(f"{path}: {len(led)} blocks (cannot open: {exc})")
                 continue
             with reg:
                 self._read_file(self.agent.prepare(kvx.DescList.blocks(reg, self.BS)), led,
@@ -458,7 +460,7 @@ class FilesWorker(Worker):
                     break
                 time.sleep(1)
             else:
-                self.foreign.append(f"final check: acknowledged object {key} unreadable")
+                self.unverified.append(f"acknowledged object {key} unreadable")
         self.agent.close()
 
 
@@ -583,7 +585,7 @@ class Proc:
             self.proc.kill()
             self.proc.wait(10)
 
-    def log_tail(self, n: int = 1500) -> str:
+    def log_tail(self, n: int = 6000) -> str:
         try:
             with open(self.log, errors="replace") as f:
                 return f.read()[-n:]
@@ -718,7 +720,7 @@ class Soak:
         os.unlink(path)
 
     def stop_s3(self) -> None:
-        self.s3.stop(timeout=15.0, remove=False)
+        self.s3.stop(timeout=5.0, remove=False)
         self.fault("S3 server stopped")
         self.stop.wait(self.rng.uniform(2.0, 6.0))
         self.s3.start()
@@ -727,23 +729,37 @@ class Soak:
         p = self.procs[name]
         if p.proc is not None and p.proc.poll() is None:
             os.kill(p.proc.pid, signal.SIGUSR1)
+            self.fault(f"remove_peer in flight asked of {name}")
 
     def chaos(self, until: float) -> None:
-        kinds: list[tuple[str, Any]] = [("kill", lambda: self.kill_target("target-host")),
-                                        ("remove", lambda: self.poke_remove("worker-host"))]
+        """One thread per fault kind, each injecting its fault at random intervals (so faults
+        overlap, as they do in real life) until ``until``."""
+        kinds: list[tuple[str, float, Any]] = [
+            ("kill target-host", 12.0, lambda: self.kill_target("target-host")),
+            ("remove_peer in flight (host)", 10.0, lambda: self.poke_remove("worker-host"))]
         if self.hosts is not None:
-            kinds += [("kill", lambda: self.kill_target("target-tcp")), ("cut", self.cut_link),
-                      ("remove", lambda: self.poke_remove("worker-tcp"))]
+            kinds += [("kill target-tcp", 20.0, lambda: self.kill_target("target-tcp")),
+                      ("link cut", 15.0, self.cut_link),
+                      ("remove_peer in flight (tcp)", 20.0, lambda: self.poke_remove("worker-tcp"))]
         if self.mounted:
-            kinds.append(("disk", self.fill_disk))
+            kinds.append(("disk full", 15.0, self.fill_disk))
         if self.s3 is not None:
-            kinds.append(("s3", self.stop_s3))
-        while not self.stop.wait(self.rng.uniform(4.0, 9.0)) and time.time() < until:
-            _kind, fn = self.rng.choice(kinds)
-            try:
-                fn()
-            except Exception as exc:  # a harness failure, reported
-                self.crashes.append(f"chaos {_kind} failed: {type(exc).__name__}: {exc}")
+            kinds.append(("S3 stop", 30.0, self.stop_s3))
+
+        def loop(kind: str, every: float, fn: Any) -> None:
+            while not self.stop.wait(self.rng.uniform(0.5 * every, 1.5 * every)) and time.time() < until:
+                try:
+                    fn()
+                except Exception as exc:  # a harness failure, reported
+                    self.crashes.append(f"chaos {kind} failed: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=loop, args=k, daemon=True) for k in kinds]
+        for t in threads:
+            t.start()
+        while time.time() < until and not self.stop.is_set():
+            time.sleep(0.5)
+        for t in threads:
+            t.join(60)
 
     def watch(self) -> None:
         """Restart a target that chaos killed late; record and restart a process that died on its own."""
@@ -813,7 +829,8 @@ class Soak:
         faults = Counter(self.faults)
         verified = lost = 0
         corrupt: list[str] = []
-        foreign: list[str] = []
+        foreign: Counter[str] = Counter()
+        unverified: list[str] = []
         leaks: dict[str, dict[str, int]] = {}
         leaky: list[str] = []
         for name, r in results.items():
@@ -825,7 +842,8 @@ class Soak:
             verified += r["verified"]
             lost += r["lost"]
             corrupt += [f"{name}: {c}" for c in r["corrupt"]]
-            foreign += [f"{name}: {c}" for c in r["foreign"]]
+            foreign.update({f"{name}: {k}": v for k, v in r["foreign"].items()})
+            unverified += [f"{name}: {u}" for u in r["unverified"]]
             if r["warm"] is not None:
                 d = {k: r["end"][k] - r["warm"][k] for k in r["end"]}
                 leaks[name] = d
@@ -836,9 +854,19 @@ class Soak:
                 "errors": dict(sorted(errors.items())), "error_examples": examples,
                 "faults": dict(sorted(faults.items())),
                 "bytes_verified": verified, "bytes_lost_with_killed_targets": lost, "crashes": self.crashes,
-                "corruptions": corrupt, "non_kvx_errors": foreign, "growth": leaks, "leaks": leaky,
+                "corruptions": corrupt, "non_kvx_errors": dict(foreign.most_common()), "unverified": unverified,
+                "growth": leaks, "leaks": leaky,
                 "restarts": restarts, "skipped": self.skipped,
                 "workers_reported": sorted(results)}
+
+
+def _crash_summary(text: str) -> str:
+    """One line for a crash: how it died and the innermost frame of this program on the main
+    thread's stack (faulthandler prints it last) or of kvx."""
+    first = text.strip().splitlines()[0] if text.strip() else "?"
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\w+)', text)
+    mine = [f"{os.path.basename(f)}:{ln} {fn}" for f, ln, fn in frames if "/kvx/" in f or f.endswith("soak.py")]
+    return first + (f" (stack: {' <- '.join(mine[-6:])})" if mine else "")
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -850,9 +878,11 @@ def print_report(r: dict[str, Any]) -> None:
           f"lost with killed targets (not checkable): {r['bytes_lost_with_killed_targets']}")
     print(f"crashes: {len(r['crashes'])}")
     for c in r["crashes"]:
-        print("  -", c.replace("\n", "\n    "))
+        print("  -", _crash_summary(c))
     print(f"corruptions: {len(r['corruptions'])}", *r["corruptions"][:10], sep="\n  ")
-    print(f"errors that are not kvx errors: {len(r['non_kvx_errors'])}", *r["non_kvx_errors"][:10], sep="\n  ")
+    print(f"acknowledged data not verifiable at the end: {len(r['unverified'])}", *r["unverified"][:10], sep="\n  ")
+    print(f"errors that are not kvx errors: {sum(r['non_kvx_errors'].values())}",
+          *[f"{v} x {k}" for k, v in list(r["non_kvx_errors"].items())[:10]], sep="\n  ")
     print("growth after warm-up (fds, threads, RSS KiB):",
           "; ".join(f"{k} {v['fds']:+d}, {v['threads']:+d}, {v['rss_kb']:+d}" for k, v in r["growth"].items()))
     print(f"leaks (beyond +{LEAK_FDS} fds, +{LEAK_THREADS} threads, +{LEAK_RSS_MB} MiB): {len(r['leaks'])}",
