@@ -105,6 +105,7 @@ class Soak:
         self.lock = threading.Lock()
         self.work = tempfile.mkdtemp(prefix="kvx-soak-")
         self.disk = os.path.join(self.work, "disk")
+        self.restored = os.path.join(self.work, "restored")
         os.makedirs(self.disk)
         self.mounted = False
         self.hosts: Any = None
@@ -162,7 +163,8 @@ class Soak:
         until = time.time() + self.seconds
         meta = {k: os.path.join(self.work, f"{k}.meta") for k in ("host", "tcp")}
         warm = str(min(60.0, 0.2 * self.seconds))
-        common = ["--until", str(until), "--warmup", warm, "--pause", str(self.pause), "--disk", self.disk]
+        common = ["--until", str(until), "--warmup", warm, "--pause", str(self.pause), "--disk", self.disk,
+                  "--restored", self.restored]
         env = self.s3.env() if self.s3 is not None else {}
         self.add("target-host", self._py("target", "--name", "soak-target", "--mem", "alloc", "--nbytes",
                                          str(24 << 20), "--meta-out", meta["host"], "--config",
@@ -261,6 +263,20 @@ class Soak:
         for t in threads:
             t.join(60)
 
+    def restore(self) -> None:
+        """Every fault undone (the chaos threads restore what they break; make sure), then tell
+        the workers that their final check may start."""
+        if self.hosts is not None:
+            self.hosts.restore()
+        try:
+            os.unlink(os.path.join(self.disk, "filler"))
+        except FileNotFoundError:
+            pass
+        if self.s3 is not None and not self.s3.alive:
+            self.s3.start()
+        with open(self.restored, "w"):
+            pass
+
     def watch(self) -> None:
         """Restart a target that chaos killed late; record and restart a process that died on its own."""
         while not self.stop.wait(0.5):
@@ -285,6 +301,7 @@ class Soak:
             watcher = threading.Thread(target=self.watch, daemon=True)
             watcher.start()
             self.chaos(until - quiet)
+            self.restore()
             for name, p in self.procs.items():
                 if not name.startswith("worker"):
                     continue
@@ -361,12 +378,16 @@ class Soak:
 
 
 def _crash_summary(text: str) -> str:
-    """One line for a crash: how it died and the innermost frame of this program on the main
-    thread's stack (faulthandler prints it last) or of kvx."""
+    """One line for a crash: how it died and the innermost frames (of kvx or the soak) of the
+    crashing Python thread as faulthandler printed it, else of the main thread."""
     first = text.strip().splitlines()[0] if text.strip() else "?"
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\w+)', text)
-    mine = [f"{os.path.basename(f)}:{ln} {fn}" for f, ln, fn in frames if "/kvx/" in f or f.endswith("soak.py")]
-    return first + (f" (stack: {' <- '.join(mine[-6:])})" if mine else "")
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    pick = next((b for b in blocks if b.startswith("Current thread")), None)
+    if pick is None:
+        pick = next((b for b in blocks if "worker_main" in b), blocks[-1])
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\w+)', pick)
+    mine = [f"{os.path.basename(f)}:{ln} {fn}" for f, ln, fn in frames if "/kvx/" in f or "soak" in f]
+    return first + (f" (stack: {' <- '.join(mine[:5])})" if mine else "")
 
 
 def print_report(r: dict[str, Any]) -> None:

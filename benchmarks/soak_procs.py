@@ -137,6 +137,9 @@ class Worker:
                 time.sleep(0.5)
             time.sleep(self.a.pause)
         end = _sample()
+        deadline = time.time() + 180
+        while self.a.restored and not os.path.exists(self.a.restored) and time.time() < deadline:
+            time.sleep(0.5)  # the orchestrator says when every fault is undone (S3 up, link up, disk free)
         try:
             self.final()
         except Exception as exc:
@@ -545,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--meta-file")
     w.add_argument("--s3", action="store_true")
+    w.add_argument("--restored", help="file whose existence says every fault is undone (final check then)")
     a = ap.parse_args(argv)
     if a.role == "target":
         return target_main(a)
