@@ -63,7 +63,7 @@ BOUND = 10.0
 WATCH = 0.25
 ALLOWED = (kvx.TransferError, kvx.UsageError)
 #: seconds a target process may take to quit (close its agent) when asked
-QUIT = 15.0
+QUIT = 10.0
 
 
 @dataclass(frozen=True)
