@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 NATIVE := $(wildcard native/*.c native/*.h)
 
-.PHONY: all venv test test-vllm bench bench-all bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare \
+.PHONY: all venv test test-vllm bench bench-all bench-micro bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare \
         services lint gpu-check clean
 
 all: test
@@ -81,6 +81,13 @@ bench-s3: $(NIXL)
 bench-policy: $(STAMP)
 	@mkdir -p $(OUT)
 	$(PY) benchmarks/policy_sweep.py --plot $(OUT)/policy.png
+
+# Hot-path micro-operations (pytest-benchmark), each median beside benchmarks/micro/baseline.json
+# (BASELINE=save makes this run the baseline).
+bench-micro: $(STAMP)
+	@mkdir -p $(OUT)
+	$(PY) -m pytest -q benchmarks/micro --benchmark-json $(OUT)/micro.json --benchmark-columns=median,min,rounds
+	$(PY) benchmarks/micro/compare.py $(OUT)/micro.json $(if $(filter save,$(BASELINE)),--save,)
 
 bench-prepare: $(STAMP)
 	$(PY) benchmarks/bench_prepare.py

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import socket
 import threading
 import uuid
 import weakref
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import wire
+from ._slots import BOOT_ID, MAX_SLOTS
 from .backends import registry
-from .backends.base import Backend, BackendContext, Op, PeerInfo
+from .backends.base import Backend, BackendContext, Op, PeerInfo, validate
 from .config import AgentConfig
 from .errors import (
     BackendUnavailable,
@@ -32,20 +33,7 @@ __all__ = ["Agent", "Registration", "PreparedList", "MAX_SLOTS"]
 
 log = logging.getLogger(__name__)
 
-#: Most live regions one agent can hold (one slot each; published to same-node peers).
-MAX_SLOTS = 1 << 16
 _U64 = np.uint64
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-BOOT_ID = _boot_id()
 
 
 class Registration:
@@ -127,63 +115,6 @@ class PreparedList:
         return f"<PreparedList {self.descs.kind.name} n={len(self.descs)} {where}>"
 
 
-def validate(
-    kind: MemoryKind,
-    addr: np.ndarray,
-    nbytes: np.ndarray,
-    dev: np.ndarray,
-    table: Sequence[tuple[int, int, int, int, int, int]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Find, for each descriptor, the live region that contains it.
-
-    ``table`` rows are ``(kind, addr, nbytes, dev, slot, gen)``. Returns ``(slots, ok)``:
-    the containing region's slot per descriptor (-1 where none) and a boolean mask.
-    Vectorized: per device one ``searchsorted`` over the region starts.
-    """
-    n = addr.shape[0]
-    slots = np.full(n, -1, dtype=np.int64)
-    if n == 0:
-        return slots, np.ones(0, dtype=bool)
-    rows = [r for r in table if r[0] == int(kind)]
-    if not rows:
-        return slots, np.zeros(n, dtype=bool)
-    end = addr + nbytes
-    wrap = end < addr
-    if kind in (MemoryKind.FILE, MemoryKind.OBJECT):
-        # dev is the slot; regions start at offset 0
-        size = np.zeros(MAX_SLOTS, dtype=_U64)
-        for r in rows:
-            size[r[4]] = r[2]
-        inrange = dev < MAX_SLOTS
-        d = np.where(inrange, dev, 0).astype(np.int64)
-        ok = inrange & (size[d] > 0) & (end <= size[d]) & ~wrap
-        slots[ok] = d[ok]
-        return slots, ok
-    ok = np.zeros(n, dtype=bool)
-    bydev: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
-    for r in rows:
-        bydev[r[3]].append(r)
-    devs = list(bydev)
-    for dv in devs:
-        rs = sorted(bydev[dv], key=lambda r: r[1])
-        starts = np.array([r[1] for r in rs], dtype=_U64)
-        ends = np.array([r[1] + r[2] for r in rs], dtype=_U64)
-        rslot = np.array([r[4] for r in rs], dtype=np.int64)
-        sel = dev == dv if len(devs) > 1 or dv != 0 else slice(None)
-        a = addr[sel]
-        i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
-        good = (i >= 0)
-        ic = np.where(good, i, 0)
-        good &= (a >= starts[ic]) & (end[sel] <= ends[ic]) & ~wrap[sel]
-        if isinstance(sel, slice):
-            ok = good & (dev == dv)
-            slots = np.where(ok, rslot[ic], -1)
-        else:
-            ok[sel] = good
-            slots[sel] = np.where(good, rslot[ic], -1)
-    return slots, ok
-
-
 class Agent:
     """One endpoint of kvx: registers memory, connects to peers, posts transfers.
 
@@ -233,19 +164,20 @@ class Agent:
             regions=self._region_map,
         )
         self.backends: list[Backend] = []
-        for bname, cls in registry.ordered(self.config.backends):
-            reason = cls.unavailable_reason()
-            if reason is not None:
-                if self.config.backends:
-                    raise BackendUnavailable(f"backend {bname!r} is unavailable: {reason}")
-                log.debug("backend %s unavailable: %s", bname, reason)
-                continue
+        for bname, opts in self.config.options.items():
             try:
-                self.backends.append(cls(ctx))
-            except BackendUnavailable:
-                if self.config.backends:
-                    raise
-                log.debug("backend %s failed to start", bname, exc_info=True)
+                cls = registry.get(bname)
+            except BackendUnavailable as exc:
+                raise UsageError(f"options for {bname!r}: {exc}") from None
+            if cls.Options is None:
+                raise UsageError(f"options for {bname!r}: this backend takes no options")
+            if type(opts) is not cls.Options:
+                raise UsageError(f"options for {bname!r} must be a {cls.Options.__name__}, not {type(opts).__name__}")
+        try:
+            self._start_backends(ctx)
+        except BaseException:
+            Agent._shutdown(self.backends)  # the ones already started: their threads and sockets
+            raise
         if not self.backends:
             raise BackendUnavailable("no kvx backend is available here")
         self._side: Any = None
@@ -258,6 +190,24 @@ class Agent:
                 Agent._shutdown(self.backends)
                 raise
         self._finalizer = weakref.finalize(self, Agent._shutdown, list(self.backends))
+
+    def _start_backends(self, ctx: BackendContext) -> None:
+        for bname, cls in registry.ordered(self.config.backends):
+            reason = cls.unavailable_reason()
+            if reason is not None:
+                if self.config.backends:
+                    raise BackendUnavailable(f"backend {bname!r} is unavailable: {reason}")
+                log.debug("backend %s unavailable: %s", bname, reason)
+                continue
+            try:
+                opts = self.config.options.get(bname)
+                if opts is None and cls.Options is not None:
+                    opts = cls.Options()
+                self.backends.append(cls(dataclasses.replace(ctx, options=opts)))
+            except BackendUnavailable:
+                if self.config.backends:
+                    raise
+                log.debug("backend %s failed to start", bname, exc_info=True)
 
     # ------------------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -585,6 +535,8 @@ class Agent:
             if descs.kind in b.kinds and (peer is None or b.name in pinfo.sections.get("_reached", ())):  # type: ignore[union-attr]
                 try:
                     pl.bdata[b.name] = b.prepare(pl)
+                except RegistrationError:
+                    raise  # the target itself refuses a descriptor that its metadata claimed
                 except KVXError:
                     log.debug("backend %s cannot prepare %r", b.name, pl, exc_info=True)
         return pl
@@ -609,8 +561,13 @@ class Agent:
         if remote.peer is None:
             if remote.epoch != self._epoch:
                 self._check_live(remote)
-        elif remote.peer not in self._peers:
-            raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+        elif self._peers.get(remote.peer) is not remote.pinfo:
+            if remote.peer not in self._peers:
+                raise PeerDisconnected(f"peer {remote.peer!r} was removed")
+            # a list is bound to one incarnation of its peer: after remove_peer/add_peer, or a new
+            # agent under the same name, its descriptors and mappings describe memory that is gone
+            raise UsageError(f"peer {remote.peer!r} was removed and added again since this list was prepared; "
+                             "prepare again")
 
     def _select(self, local: PreparedList, remote: PreparedList, backend: str | None) -> Backend:
         key = (id(local), id(remote))

@@ -12,7 +12,10 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable
+
+import numpy as np
 
 from . import wire
 from .errors import PeerDisconnected, ProtocolError, RemoteError, TransferTimeout
@@ -26,31 +29,62 @@ MessageHandler = Callable[["Channel", dict[str, Any], "memoryview | None", list[
 K_MSG = 1
 K_DATA = 2
 _MAX_FDS = 8
+#: Buffers up to this size are plain (zeroed) bytearrays; larger ones are committed as bytes arrive.
+_SMALL = 64 << 10
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> tuple[memoryview, list[int]]:
-    """Read exactly ``n`` bytes (and any fds sent with them); raise PeerDisconnected on EOF."""
-    buf = into if into is not None else memoryview(bytearray(n))
+def _buffer(n: int) -> memoryview:
+    """A writable buffer of ``n`` bytes whose memory is committed only as bytes are written
+    (a large uninitialized allocation), so a claimed length costs nothing until the bytes come."""
+    if n <= _SMALL:
+        return memoryview(bytearray(n))
+    return np.empty(n, dtype=np.uint8).data
+
+
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
+               deadline: float | None = None) -> tuple[memoryview, list[int]]:
+    """Read exactly ``n`` bytes (and any fds sent with them); raise PeerDisconnected on EOF and,
+    when a ``deadline`` (monotonic) is given, TransferTimeout once it passed."""
+    buf = into if into is not None else _buffer(n)
     got = 0
     fds: list[int] = []
     is_unix = sock.family == socket.AF_UNIX
     while got < n:
-        if is_unix and got == 0:
-            fdsize = array.array("i").itemsize * _MAX_FDS
-            nbytes, anc, _flags, _addr = sock.recvmsg_into([buf[got:n]], socket.CMSG_SPACE(fdsize))
-            for level, typ, data in anc:
-                if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
-                    fds.extend(a)
-        else:
-            nbytes = sock.recv_into(buf[got:n], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for fd in fds:
+                    _close_fd(fd)
+                raise TransferTimeout("handshake deadline passed")
+            sock.settimeout(left)
+        try:
+            nbytes = _recv_some(sock, buf, got, n, is_unix, fds)
+        except OSError as exc:
+            for fd in fds:
+                _close_fd(fd)
+            if deadline is not None and isinstance(exc, TimeoutError):
+                raise TransferTimeout("handshake deadline passed") from None
+            raise
         if nbytes == 0:
             for fd in fds:
                 _close_fd(fd)
             raise PeerDisconnected("connection closed by peer")
         got += nbytes
     return buf, fds
+
+
+def _recv_some(sock: socket.socket, buf: memoryview, got: int, n: int, is_unix: bool, fds: list[int]) -> int:
+    """One receive into ``buf[got:n]``; on AF_UNIX the first one also collects passed fds."""
+    if is_unix and got == 0:
+        fdsize = array.array("i").itemsize * _MAX_FDS
+        nbytes, anc, _flags, _addr = sock.recvmsg_into([buf[got:n]], socket.CMSG_SPACE(fdsize))
+        for level, typ, data in anc:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+                fds.extend(a)
+        return int(nbytes)
+    return sock.recv_into(buf[got:n], n - got)
 
 
 def _close_fd(fd: int) -> None:
@@ -141,22 +175,31 @@ class Channel:
             pass
 
     # -- receiving ----------------------------------------------------------------------------
-    def recv_one(self) -> tuple[dict[str, Any], memoryview | None, list[int]]:
-        """Read one message with its payload (used directly during handshakes)."""
-        hdr, fds = recv_exact(self.sock, wire.HEADER)
-        kind, n = wire.parse_frame_header(bytes(hdr), self.max_bytes)
-        if kind != K_MSG:
-            raise ProtocolError("expected a message frame")
-        body, more = recv_exact(self.sock, n)
-        fds += more
-        msg = wire.unpack(body, max_bytes=self.max_bytes)
-        payload = None
-        if msg.get("pl"):
-            h2, _ = recv_exact(self.sock, wire.HEADER)
-            k2, n2 = wire.parse_frame_header(bytes(h2), self.max_bytes)
-            if k2 != K_DATA:
-                raise ProtocolError("expected a data frame")
-            payload, _ = recv_exact(self.sock, n2)
+    def recv_one(self, limit: int | None = None, deadline: float | None = None, max_items: int | None = None
+                 ) -> tuple[dict[str, Any], memoryview | None, list[int]]:
+        """Read one message with its payload (used directly during handshakes, there with a
+        smaller size ``limit``, at most ``max_items`` per msgpack container, and one ``deadline``
+        for the whole handshake)."""
+        lim = self.max_bytes if limit is None else min(limit, self.max_bytes)
+        hdr, fds = recv_exact(self.sock, wire.HEADER, deadline=deadline)
+        try:
+            kind, n = wire.parse_frame_header(bytes(hdr), lim)
+            if kind != K_MSG:
+                raise ProtocolError("expected a message frame")
+            body, more = recv_exact(self.sock, n, deadline=deadline)
+            fds += more
+            msg = wire.unpack(body, max_bytes=lim, max_items=max_items)
+            payload = None
+            if msg.get("pl"):
+                h2, _ = recv_exact(self.sock, wire.HEADER, deadline=deadline)
+                k2, n2 = wire.parse_frame_header(bytes(h2), lim)
+                if k2 != K_DATA:
+                    raise ProtocolError("expected a data frame")
+                payload, _ = recv_exact(self.sock, n2, deadline=deadline)
+        except BaseException:
+            for fd in fds:
+                _close_fd(fd)
+            raise
         return msg, payload, fds
 
     def start(self) -> None:
@@ -183,8 +226,11 @@ class Channel:
                 except ProtocolError as exc:
                     log.warning("dropping connection from %s: %s", self.peer_name, exc)
                     raise
-                except Exception:
+                except Exception:  # a handler's bug: keep serving, and fail the request at once
                     log.exception("handling %r from %s", msg.get("t"), self.peer_name)
+                    rid = msg.get("rid")
+                    if isinstance(rid, int) and not isinstance(rid, bool):
+                        self.reply_error(rid, f"internal error handling {str(msg.get('t'))[:40]!r}")
         except (PeerDisconnected, ProtocolError, OSError) as exc:
             self._fail(exc if isinstance(exc, PeerDisconnected) else PeerDisconnected(str(exc)))
 

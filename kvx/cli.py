@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
+
+from .errors import UsageError
 
 __all__ = ["main"]
 
@@ -29,31 +31,26 @@ def _size(s: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-BENCH_BACKENDS = ("host", "cuda", "tcp", "posix", "gds", "s3")
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``kvx bench: error: ...``) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
 
 
-def _bench_unavailable(name: str) -> str | None:
-    """Why ``kvx bench --backend name`` cannot run here, or None."""
-    import kvx
-
-    from .backends import registry
-
-    if name not in BENCH_BACKENDS:
-        return f"unknown backend {name!r} (choose from {', '.join(BENCH_BACKENDS)})"
-    try:
-        reason = registry.get(name).unavailable_reason()
-    except kvx.KVXError as exc:
-        reason = str(exc)
-    if reason is not None:
-        return f"the {name} backend is not available here: {reason}"
-    return None
+def _one_line(x: object) -> str:
+    return " ".join(str(x).split())
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    import kvx
-
+def bench_options(a: argparse.Namespace) -> Any:
+    """The :class:`kvx.bench.BenchOptions` of parsed ``kvx bench`` arguments, checked
+    (:func:`kvx.bench.checks.check`): raises UsageError if the run cannot start."""
     from . import bench
+    from .bench import checks
 
+    seg = [x.strip() for x in a.seg.split(",")]
+    if len(seg) > 2:
+        raise UsageError(f"--seg takes LOCAL or LOCAL,REMOTE, not {a.seg!r}")
     opts = bench.BenchOptions(
         backend=a.backend,
         ops=["write", "read"] if a.op == "both" else [a.op],
@@ -62,43 +59,32 @@ def cmd_bench(a: argparse.Namespace) -> int:
         iters=a.iters,
         permute=not a.no_permute,
         seed=a.seed,
-        compare=[c for c in (a.compare or "").split(",") if c],
+        compare=[c.strip() for c in (a.compare or "").split(",") if c.strip()],
         mem=a.mem,
-        seg=tuple(a.seg.split(",")) if "," in a.seg else (a.seg, a.seg),  # type: ignore[arg-type]
+        seg=(seg[0], seg[-1]),
         peer=a.peer,
         latency_samples=a.latency_samples,
         path=a.path,
     )
-    if opts.latency_samples < 0 or opts.iters < 1 or opts.total <= 0:
-        print("kvx bench: --latency-samples must be >= 0, --iters >= 1 and --total > 0", file=sys.stderr)
-        return 2
-    if opts.path is not None and not os.path.isdir(opts.path):
-        print(f"kvx bench: --path {opts.path}: not an existing directory", file=sys.stderr)
-        return 2
-    for bs in opts.block_sizes:
-        if bs <= 0 or bs > opts.total:
-            print(f"kvx bench: block size {bs} must be in 1..--total ({opts.total})", file=sys.stderr)
-            return 2
-    why = _bench_unavailable(opts.backend)
-    if why is not None:
-        print(f"kvx bench: {why}", file=sys.stderr)
-        return 2
-    try:
-        hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")
-    except kvx.BackendUnavailable as exc:
-        print(f"kvx bench: {exc}", file=sys.stderr)
-        return 2
+    checks.check(opts, json_path=a.json, plot_path=a.plot)
+    return opts
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from . import bench
+
+    opts = bench_options(a)
+    hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")
     title = (f"kvx bench --backend {opts.backend} ({', '.join(opts.ops)}), {bench.fmt_size(opts.total)}, "
              f"{'permuted' if opts.permute else 'contiguous'} blocks; {hdr['cpu']}, {hdr['date']}")
-    if a.json:
-        if a.json == "-":
-            print(json.dumps({"header": hdr, "rows": rows}))
-        else:
-            bench.dump_json(a.json, hdr, rows, opts)
-    if a.json != "-":
+    if a.json == "-":
+        print(json.dumps({"header": hdr, "rows": rows}))
+    else:  # the table first: a file that cannot be written after all loses no figures
         print("# " + title)
         print("# " + ", ".join(f"{k}={v}" for k, v in hdr.items() if k not in ("date",)))
-        print(bench.format_table(rows))
+        print(bench.format_table(rows), flush=True)
+        if a.json:
+            bench.dump_json(a.json, hdr, rows, opts)
     if a.plot:
         bench.plot(rows, a.plot, title)
     return 0
@@ -169,7 +155,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvx", description="Move KV cache blocks between GPUs, host memory, "
+    from .bench.checks import BACKENDS as BENCH_BACKENDS
+
+    ap = _Parser(prog="kvx", description="Move KV cache blocks between GPUs, host memory, "
                                  "files and object storage.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -213,8 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``kvx`` command line; returns the exit status.
+
+    A usage error, a kvx error or an OS error (a full disk, a file that cannot be written) ends
+    the command with one line on stderr naming the cause and exit status 2.
+    """
+    from .bench import BenchError
+    from .errors import KVXError
+
     a = build_parser().parse_args(argv)
-    return int(a.fn(a))
+    try:
+        return int(a.fn(a))
+    except (KVXError, BenchError, OSError) as exc:
+        print(f"kvx {a.cmd}: {_one_line(exc) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvx {a.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -25,15 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import config, wire
-from .backends.tcp import (
-    MAX_HANDSHAKES,
-    _open_listener,
-    accept_loop,
-    advertised,
-    client_handshake,
-    send_frame,
-    server_handshake,
-)
+from .backends.tcp import advertised
 from .errors import (
     BackendUnavailable,
     KVXError,
@@ -42,6 +34,16 @@ from .errors import (
     UsageError,
 )
 from .memory import DescList
+from .net import (
+    MAX_HANDSHAKES,
+    REPLY_MAX,
+    RefusalLog,
+    accept_loop,
+    client_handshake,
+    open_listener,
+    send_frame,
+    server_handshake,
+)
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -85,6 +87,8 @@ class SideChannel:
         self._thread: threading.Thread | None = None
         self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: refused connections: logged a few at a time, counted per kind
+        self.refused = RefusalLog(log)
         self._tcp: Any = None
         tcp: Any = next((b for b in agent.backends if b.name == "tcp"), None)
         if tcp is not None and agent.config.listen is not None and (host, port) == tuple(agent.config.listen):
@@ -93,7 +97,7 @@ class SideChannel:
             self.address: tuple[str, int] = tcp.address
             self._addrs = tcp._addrs
         else:
-            self._lsock = _open_listener(host, port)
+            self._lsock = open_listener(host, port)
             self.address = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
             self._addrs = advertised(self._lsock)
             self._thread = threading.Thread(target=self._accept_loop, name=f"kvx-side-{agent.name}", daemon=True)
@@ -119,7 +123,8 @@ class SideChannel:
 
     def _accept_loop(self) -> None:
         assert self._lsock is not None
-        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "side channel")
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "side channel",
+                    self.refused)
 
     def _start_serving(self, s: socket.socket, addr: Any) -> None:
         t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-side-serve", daemon=True)
@@ -135,7 +140,7 @@ class SideChannel:
                 self._hs.release()
             self._handle(s, hello)
         except (KVXError, OSError) as exc:
-            log.warning("side channel: refused a connection from %s:%s: %s", addr[0], addr[1], exc)
+            self.refused("connections", "side channel: refused a connection from %s:%s: %s", addr[0], addr[1], exc)
         finally:
             with self._lock:
                 self._conns.pop(id(s), None)
@@ -190,6 +195,7 @@ class SideChannel:
                 pass
         for _s, t in conns:
             t.join(timeout=5.0)
+        self.refused.flush()
 
     def __enter__(self) -> "SideChannel":
         return self
@@ -201,10 +207,13 @@ class SideChannel:
 def _ask(host: str, port: int, svc: str, token: str | None, timeout: float, **extra: Any) -> dict[str, Any]:
     try:
         s = socket.create_connection((host, port), timeout=timeout)
+    except (UnicodeError, ValueError, TypeError, OverflowError) as exc:  # not an address at all
+        raise UsageError(f"bad side channel address {host!r:.80}:{port!r}: {exc}") from exc
     except OSError as exc:
-        raise PeerDisconnected(f"cannot reach the side channel at {host}:{port}: {exc}") from exc
+        raise PeerDisconnected(f"cannot reach the side channel at {host!r:.80}:{port}: {exc}") from exc
     try:
-        return client_handshake(s, _token(token), uuid.uuid4().hex, "kvx-discovery", svc, timeout, **extra)
+        return client_handshake(s, _token(token), uuid.uuid4().hex, "kvx-discovery", svc, timeout,
+                                max_reply=REPLY_MAX, **extra)
     except OSError as exc:
         raise PeerDisconnected(f"side channel at {host}:{port} failed: {exc}") from exc
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
         raise UsageError(f"alloc_host needs a positive size, not {nbytes!r}")
     nbytes = int(nbytes)
     if pinned:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
         _cuda.require_runtime("alloc_host(pinned=True)")
     fd = os.memfd_create("kvx-host", os.MFD_CLOEXEC)
@@ -174,7 +175,7 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
     # the finalizer must not hold ``mm`` itself, or the memory would live until exit
     weakref.finalize(mm, _forget_alloc, addr, fd)
     if pinned:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
         _cuda.pin_host(addr, nbytes)
         weakref.finalize(mm, _cuda.unpin_host, addr)
@@ -206,6 +207,28 @@ def _host_region(addr: int, nbytes: int, owner: Any) -> Region:
     return Region(MemoryKind.HOST, addr, nbytes, 0, owner=owner, shm=shm_of(addr, nbytes))
 
 
+def _refuse_objects(dtype: np.dtype[Any]) -> None:
+    # an object array holds PyObject pointers and reference counts: a peer writing into it (or a
+    # read out of it) would leave the interpreter following forged pointers
+    if dtype.hasobject:
+        raise RegistrationError(f"cannot register memory holding Python objects (dtype {dtype}); "
+                                "register plain data (e.g. uint8, float16) only")
+
+
+_FIELD_NAMES = re.compile(r":[^:]*:")
+
+
+def _refuse_object_buffer(mv: memoryview) -> None:
+    """Refuse a buffer whose format (PEP 3118) has Python-object items, whoever exports it."""
+    try:
+        dtype = np.asarray(mv).dtype
+    except (TypeError, ValueError, RuntimeError):  # a format numpy cannot read: look for 'O' items
+        if "O" in _FIELD_NAMES.sub("", mv.format):
+            raise RegistrationError(f"cannot register memory holding Python objects (format {mv.format!r})") from None
+        return
+    _refuse_objects(dtype)
+
+
 def _one_region(obj: Any) -> Region:
     if isinstance(obj, (FileRegion, ObjectRegion)):
         raise AssertionError("handled by the agent")
@@ -227,11 +250,13 @@ def _one_region(obj: Any) -> Region:
         raise RegistrationError(f"cannot register a tensor on device {obj.device}")
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        from .backends import cuda as _cuda
+        from . import _cuda
 
-        return _cuda.region_from_cai(obj, cai)
+        ptr, nbytes, dev = _cuda.region_from_cai(cai)
+        return Region(MemoryKind.CUDA, ptr, nbytes, dev, owner=obj)
     if isinstance(obj, np.ndarray):
         arr = obj
+        _refuse_objects(arr.dtype)
     else:
         try:
             mv = memoryview(obj)
@@ -240,6 +265,7 @@ def _one_region(obj: Any) -> Region:
                 f"cannot register {type(obj).__name__}: expected an array, buffer, tensor, "
                 "FileRegion, ObjectRegion, RawRegion or a list of these"
             ) from None
+        _refuse_object_buffer(mv)
         if not mv.contiguous:
             raise RegistrationError("cannot register a non-contiguous buffer")
         if mv.readonly:
@@ -275,7 +301,10 @@ def regions_of(obj: Registrable) -> list[Any]:
 
 
 def _as_u64(a: Any, name: str) -> np.ndarray:
-    arr = np.asarray(a)
+    try:
+        arr = np.asarray(a)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"{name} is not an array of integers: {exc}") from None
     if arr.ndim != 1:
         raise UsageError(f"{name} must be one-dimensional")
     if arr.dtype != _U64:
@@ -287,33 +316,75 @@ def _as_u64(a: Any, name: str) -> np.ndarray:
     return arr
 
 
+def _check_descs(a: np.ndarray, n: np.ndarray, d: np.ndarray) -> None:
+    if n.shape != a.shape or d.shape != a.shape:
+        raise UsageError(f"addr, nbytes and dev must have one length each ({a.shape}, {n.shape}, {d.shape})")
+    if n.size and int(n.min()) == 0:
+        raise UsageError("descriptors must have nbytes > 0")
+    if a.size and (int(a.max()) > (1 << 63) or int(n.max()) > (1 << 62)):
+        raise UsageError("descriptor address or length out of range")
+
+
 class DescList:
     """Descriptors of one memory kind: three parallel ``uint64`` arrays.
 
     ``addr`` is the address (HOST, CUDA) or byte offset (FILE, OBJECT), ``nbytes`` the length,
     ``dev`` the CUDA device or the file/object id. Indexing by slices gives views; by integer
-    arrays, gathered copies.
+    arrays, gathered copies. The constructor checks its arrays as :meth:`from_arrays` does
+    (non-negative integers, lengths > 0, in range; ``UsageError`` otherwise); the attributes are
+    read-only.
     """
 
-    __slots__ = ("addr", "dev", "kind", "nbytes")
+    __slots__ = ("_addr", "_dev", "_kind", "_nbytes")
 
     def __init__(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> None:
-        self.kind = MemoryKind(kind)
-        self.addr = addr
-        self.nbytes = nbytes
-        self.dev = dev
+        try:
+            k = MemoryKind(kind)
+        except ValueError:
+            raise UsageError(f"unknown memory kind {kind!r}") from None
+        a, n, d = _as_u64(addr, "addr"), _as_u64(nbytes, "nbytes"), _as_u64(dev, "dev")
+        _check_descs(a, n, d)
+        self._kind, self._addr, self._nbytes, self._dev = k, a, n, d
+
+    @classmethod
+    def _wrap(cls, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> "DescList":
+        # arrays already checked (or derived from checked ones): no second pass over them
+        self = cls.__new__(cls)
+        self._kind, self._addr, self._nbytes, self._dev = kind, addr, nbytes, dev
+        return self
+
+    @property
+    def kind(self) -> MemoryKind:
+        """The memory kind of every descriptor."""
+        return self._kind
+
+    @property
+    def addr(self) -> np.ndarray:
+        """Addresses (HOST, CUDA) or byte offsets (FILE, OBJECT), ``uint64``."""
+        return self._addr
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        """Lengths in bytes, ``uint64``."""
+        return self._nbytes
+
+    @property
+    def dev(self) -> np.ndarray:
+        """CUDA device or file/object id, ``uint64``."""
+        return self._dev
 
     @classmethod
     def from_arrays(cls, *, kind: MemoryKind, addr: Any, nbytes: Any, dev: Any = 0) -> "DescList":
         """Build a DescList from array-likes; ``nbytes`` and ``dev`` may be scalars."""
+        try:
+            k = MemoryKind(kind)
+        except ValueError:
+            raise UsageError(f"unknown memory kind {kind!r}") from None
         a = _as_u64(addr, "addr")
         n = np.broadcast_to(_as_u64(np.atleast_1d(nbytes), "nbytes"), a.shape)
         d = np.broadcast_to(_as_u64(np.atleast_1d(dev), "dev"), a.shape)
-        if n.size and int(n.min()) == 0:
-            raise UsageError("descriptors must have nbytes > 0")
-        if a.size and (int(a.max()) > (1 << 63) or int(n.max()) > (1 << 62)):
-            raise UsageError("descriptor address or length out of range")
-        return cls(kind, a, np.ascontiguousarray(n), np.ascontiguousarray(d))
+        _check_descs(a, n, d)
+        return cls._wrap(k, a, np.ascontiguousarray(n), np.ascontiguousarray(d))
 
     @classmethod
     def blocks(cls, reg: "Registration | DescList", block_bytes: int) -> "DescList":
@@ -332,7 +403,7 @@ class DescList:
         starts = np.repeat(base.addr, counts)
         first = np.repeat(np.cumsum(counts) - counts, counts)
         offs = (np.arange(total, dtype=np.int64) - first).astype(_U64) * np.uint64(block_bytes)
-        return cls(base.kind, starts + offs, np.full(total, block_bytes, dtype=_U64), np.repeat(base.dev, counts))
+        return cls._wrap(base.kind, starts + offs, np.full(total, block_bytes, dtype=_U64), np.repeat(base.dev, counts))
 
     def __len__(self) -> int:
         return int(self.addr.shape[0])
@@ -349,7 +420,7 @@ class DescList:
             n = len(self)
             if idx.size and (int(idx.max()) >= n or int(idx.min()) < -n):
                 raise IndexError(f"descriptor index out of range for a list of {n}")
-        return DescList(self.kind, self.addr[idx], self.nbytes[idx], self.dev[idx])
+        return DescList._wrap(self._kind, self._addr[idx], self._nbytes[idx], self._dev[idx])
 
     def __iter__(self) -> Iterable[tuple[int, int, int]]:  # type: ignore[override]
         return iter(zip(self.addr.tolist(), self.nbytes.tolist(), self.dev.tolist()))
@@ -407,7 +478,7 @@ class DescList:
         arrs = [np.frombuffer(msg[k], dtype=_U64).copy() for k in ("addr", "nbytes", "dev")]
         if n and (int(arrs[1].min()) == 0 or int(arrs[0].max()) > (1 << 63) or int(arrs[1].max()) > (1 << 62)):
             raise ProtocolError("descriptor with zero length or out-of-range address")
-        return cls(kind, *arrs)
+        return cls._wrap(kind, *arrs)
 
 
 def require_torch(feature: str) -> Any:

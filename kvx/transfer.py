@@ -83,8 +83,10 @@ class Transfer:
         except TransferError as exc:
             self._end(Status.FAILED, exc)
             return
-        except KVXError as exc:
-            self._end(Status.FAILED, TransferError(str(exc)).with_traceback(exc.__traceback__))
+        except KVXError as exc:  # a backend's non-transfer error: say which, keep it as the cause
+            err = TransferError(f"{type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            self._end(Status.FAILED, err)
             return
         if finished:
             self._end(Status.DONE, None)

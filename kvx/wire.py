@@ -30,8 +30,12 @@ def pack(t: str, **fields: Any) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def unpack(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None) -> dict[str, Any]:
+def unpack(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None,
+           max_items: int | None = None) -> dict[str, Any]:
     """Decode one message, enforcing the size limit and the envelope.
+
+    ``max_items`` (optional) bounds the items of every msgpack array and map in it: a small frame
+    then cannot unpack into a large object graph (frames before authentication).
 
     Raises
     ------
@@ -46,11 +50,13 @@ def unpack(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
     if len(data) == 0:
         raise ProtocolError("empty message")
     try:
+        lim: dict[str, int] = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
         msg = msgpack.unpackb(
             bytes(data),
             raw=False,
             strict_map_key=True,
             use_list=True,
+            **lim,
         )
     except (msgpack.ExtraData, ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
         raise ProtocolError(f"malformed message: {exc}") from exc

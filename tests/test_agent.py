@@ -227,3 +227,24 @@ def test_only_config_reads_kvx_variables() -> None:
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if p.name != "config.py" and pat.search(p.read_text())]
     assert offenders == [], f"read KVX_* through kvx.config.get, not os.environ: {offenders}"
+
+
+def test_a_backend_failing_to_start_closes_those_started_before_it() -> None:
+    """A bad listen address makes the tcp backend refuse to start, after the host backend started
+    its listener thread and socket: the agent's constructor closes that one before it raises."""
+    import os
+    import threading
+    import time
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    kvx.Agent("warm", kvx.AgentConfig(backends=("host",))).close()  # native pools, imports
+    t0, f0 = threading.active_count(), fds()
+    for _ in range(5):
+        with pytest.raises(kvx.UsageError):
+            kvx.Agent("x", kvx.AgentConfig(backends=("host", "tcp"), listen=("256.0.0.1", 0)))
+    deadline = time.monotonic() + 5
+    while (threading.active_count() > t0 or fds() > f0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= t0 and fds() <= f0

@@ -3,15 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kvx(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvx.cli", *args], capture_output=True, text=True, timeout=timeout)
+def kvx(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvx.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def refused(r: subprocess.CompletedProcess[str], cause: str) -> None:
+    """Exit status 2 and one line on stderr that names the cause; nothing ran (no table printed)."""
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and cause in lines[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "| op |" not in r.stdout
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+SMALL = ("--total", "1M", "--block-sizes", "256K", "--iters", "1", "--latency-samples", "0", "--quiet")
 
 
 def test_info() -> None:
@@ -98,3 +120,96 @@ def test_quickstart_example() -> None:
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("DONE: 2097152 bytes via host")
+
+
+@pytest.mark.parametrize(("args", "env", "cause"), [
+    (("--backend", "posix", "--path", "/proc", *SMALL), {}, "--path /proc: cannot create files there"),
+    (("--compare", "bogus", *SMALL), {}, "unknown comparison 'bogus'"),
+    (("--json", "/nonexistent/x.json", *SMALL), {}, "--json /nonexistent/x.json: cannot write it"),
+    (("--json", "/proc/x.json", *SMALL), {}, "--json /proc/x.json: cannot write it"),
+    (("--json", "/tmp", *SMALL), {}, "--json /tmp: is a directory"),
+    (("--plot", "/nonexistent/x.png", *SMALL), {}, "--plot /nonexistent/x.png: cannot write it"),
+    (("--total", "99999999G", "--quiet"), {}, "--total must be"),
+    (("--total", "100000G", "--quiet"), {}, "of host memory at once"),
+    (("--block-sizes", "", "--total", "1M"), {}, "--block-sizes: no block size given"),
+    (("--block-sizes", ",", "--total", "1M"), {}, "--block-sizes: no block size given"),
+    (("--seed", "-1", *SMALL), {}, "--seed must be >= 0"),
+    (("--seg", "dram,vram,pinned", *SMALL), {}, "--seg takes"),
+    (("--seg", "hbm", *SMALL), {}, "--seg takes"),
+    (("--backend", "tcp", "--peer", "h:1", *SMALL), {}, "--peer"),
+    (("--path", "/tmp", *SMALL), {}, "--path applies to"),
+    (SMALL, {"KVX_PEER_TIMEOUT": "soon"}, "KVX_PEER_TIMEOUT='soon'"),
+    (SMALL, {"KVX_PEER_TIMEOUT": "inf"}, "KVX_PEER_TIMEOUT='inf'"),
+    (SMALL, {"KVX_BACKENDS": "bogus"}, "KVX_BACKENDS='bogus': unknown backend"),
+    (SMALL, {"KVX_HOST_PATH": "bogus"}, "KVX_HOST_PATH='bogus'"),
+    (("--backend", "s3", *SMALL), {"KVX_S3_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}, "does not answer"),
+    (("--backend", "s3", *SMALL), {"KVX_S3_ENDPOINT": "127.0.0.1:9000"}, "KVX_S3_ENDPOINT='127.0.0.1:9000'"),
+])
+def test_bench_refuses_with_one_line_before_running(args: tuple[str, ...], env: dict[str, str], cause: str) -> None:
+    """Issue 14.9: each of these was a traceback ("bench target exited with 1"), or exit 0 for an empty
+    --block-sizes; now one line naming the cause, exit 2, checked before anything runs."""
+    refused(kvx("bench", *args, env=env, timeout=60), cause)
+
+
+def test_bench_plot_without_matplotlib(tmp_path: Path) -> None:
+    """``--plot`` where matplotlib cannot be imported is refused up front (a None entry in
+    sys.modules is how Python marks a module as absent)."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from kvx.cli import main; "
+            f"sys.exit(main(['bench', '--plot', {str(tmp_path / 'p.png')!r}, *{list(SMALL)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    refused(r, "--plot needs matplotlib")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_info_with_a_bad_setting_is_one_line() -> None:
+    refused(kvx("info", env={"KVX_HOST_PATH": "teleport"}), "KVX_HOST_PATH='teleport'")
+
+
+def test_argument_errors_are_one_line() -> None:
+    for args in (("bench", "--total", "lots"), ("bench", "--iters", "x"), ("bench", "--bogus"), ("nope",), ()):
+        r = kvx(*args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> object:
+    """A tmpfs mount of our own (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts: list[Path] = []
+
+    def mount(opts: str) -> Path:
+        d = tmp_path / f"mnt{len(mounts)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(d)
+        return d
+
+    yield mount
+    for d in mounts:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_bench_on_a_full_filesystem(small_tmpfs: object) -> None:
+    """A filesystem without room for the bench's files is refused up front; one that runs out of
+    space during the run (a tmpfs with inodes for two of the three files: ENOSPC on the third)
+    ends the run with one line naming the error, exit 2, and leaves no file behind."""
+    small = small_tmpfs("size=2M")  # type: ignore[operator]
+    refused(kvx("bench", "--backend", "posix", "--path", str(small), *SMALL), "2.0 MiB is free")
+    tight = small_tmpfs("size=16M,nr_inodes=3")  # type: ignore[operator]  # the root + two files
+    r = kvx("bench", "--backend", "posix", "--path", str(tight), *SMALL)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "No space left on device" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert os.listdir(tight) == []
+
+
+def test_a_dying_bench_target_names_its_cause() -> None:
+    """A target process that fails reports why (its last stderr line), not only its exit status."""
+    from kvx.bench import BenchError, BenchOptions
+    from kvx.bench.host import Target
+
+    with pytest.raises(BenchError, match=r"exited with 2: bench target: KVX_HOST_PATH='bogus'"):
+        Target(BenchOptions(total=1 << 20), env={"KVX_HOST_PATH": "bogus"})

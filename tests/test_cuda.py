@@ -3,10 +3,11 @@
 Everything that needs a GPU is marked ``gpu`` (``make gpu-check`` runs it on a GPU machine);
 the first two tests run everywhere and check that the backend stays optional.
 
-The shared ``TransferConformance`` suite drives host buffers against ``kvx.testing.peer``, which
-has no GPU memory, so the key conformance cases are written here in a GPU variant against the
-helper process of ``kvx.bench.cuda`` (permuted ids, odd sizes and alignments, forged
-descriptors, a release racing transfers, a killed peer, notifications after the data).
+The shared ``TransferConformance`` suite runs here on GPU memory (``kvx.testing.memory`` specs:
+across two GPUs, on one, to and from pinned host memory, into a PyTorch tensor): permuted ids,
+index forms, forged descriptors, notifications after the data, a release racing transfers, a
+killed peer, misuse after close. The tests below it cover what is the cuda backend's own: the
+copy paths (kernel, copy engines, both at once), which GPU executes, the route, staging, waits.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 
 import kvx
 from kvx.bench.cuda import Helper, digest, pattern
-from kvx.testing.conformance import race_release
+from kvx.testing.conformance import TransferConformance
 
 
 def _reason() -> str | None:
@@ -404,6 +405,41 @@ def _set_path(agent: kvx.Agent, path: str) -> None:
     be.mode = path  # type: ignore[attr-defined]
 
 
+@pytest.mark.gpu
+class TestConformanceAcrossGpus(TransferConformance):
+    backend = "cuda"
+    mem, local_mem = "vram:1", "vram:0"
+    env = TORCH_ENV
+
+
+@pytest.mark.gpu
+class TestConformanceOneGpu(TransferConformance):
+    backend = "cuda"
+    mem, local_mem = "vram:0", "vram:0"
+    env = TORCH_ENV
+
+
+@pytest.mark.gpu
+class TestConformanceToPinnedHost(TransferConformance):
+    backend = "cuda"
+    mem, local_mem = "pinned", "vram:0"
+    env = TORCH_ENV
+
+
+@pytest.mark.gpu
+class TestConformanceFromPinnedHost(TransferConformance):
+    backend = "cuda"
+    mem, local_mem = "vram:1", "pinned"
+    env = TORCH_ENV
+
+
+@pytest.mark.gpu
+class TestConformanceIntoTorch(TransferConformance):
+    backend = "cuda"
+    mem, local_mem = "torch:1", "vram:0"
+    env = TORCH_ENV
+
+
 SEGS = [("vram", "vram", 0), ("vram", "vram", 1), ("vram", "pinned", 0), ("pinned", "vram", 1),
         ("vram", "torch", 1), ("torch", "vram", 0)]
 
@@ -602,26 +638,6 @@ def test_raw_region_and_unpinned_host(agent: kvx.Agent) -> None:
         agent.register(kvx.RawRegion(0x1000, 4096, kvx.MemoryKind.CUDA, 0))
 
 
-@pytest.mark.gpu
-def test_forged_descriptors_are_refused(agent: kvx.Agent, helper: Helper) -> None:
-    rid, rdescs = helper.register("vram", 1 << 16, 0)
-    try:
-        name = agent.add_peer(helper.meta)
-        before = helper.digest(rid)
-        a, n, dv = int(rdescs.addr[0]), int(rdescs.nbytes[0]), int(rdescs.dev[0])
-        for addr, nb, dev in [(a - 4096, 64, dv), (a + n, 64, dv), (a + n - 32, 64, dv), (a, n + 1, dv),
-                              ((1 << 63) - 64, 64, dv), (a + 64, 1 << 62, dv), (a, 64, dv + 7)]:
-            d = kvx.DescList.from_arrays(kind=kvx.MemoryKind.CUDA, addr=[addr], nbytes=[nb], dev=[dev])
-            with pytest.raises(kvx.RegistrationError):
-                agent.prepare(d, peer=name)
-        with pytest.raises(kvx.RegistrationError):  # right address, wrong kind
-            agent.prepare(kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[a], nbytes=[64], dev=[0]),
-                          peer=name)
-        assert helper.digest(rid) == before
-    finally:
-        helper.call(cmd="free", id=rid)
-
-
 @contextlib.contextmanager
 def _gpu_pair(agent: kvx.Agent, helper: Helper, bs: int, n: int, seed: int) -> Iterator[tuple[int, Any, Any, Any]]:
     """The target's GPU memory (on GPU 1 when there are two) and this process's, ``n`` blocks of ``bs``
@@ -646,65 +662,6 @@ def _scattered(perm: Any, bs: int, seed: int) -> str:
     exp = np.zeros((n, bs), np.uint8)
     exp[perm] = pattern(np, n * bs, seed).reshape(n, bs)
     return digest(np, exp.reshape(-1))
-
-
-@pytest.mark.gpu
-def test_notification_arrives_after_data(agent: kvx.Agent, helper: Helper) -> None:
-    bs, n = 4096, 256
-    with _gpu_pair(agent, helper, bs, n, 11) as (rid, reg, local, remote):
-        rev = np.arange(n)[::-1].copy()
-        agent.write(local, np.arange(n), remote, rev, notify=b"req-17")  # nobody polls it
-        got = helper.notifs(timeout=10.0)
-        assert got == {"initiator": [b"req-17"]}
-        exp = np.ascontiguousarray(pattern(np, n * bs, 11).reshape(n, bs)[::-1]).reshape(-1)
-        assert helper.digest(rid) == digest(np, exp)
-        reg.release()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rseg", ["vram", "pinned"])
-def test_release_racing_transfers(agent: kvx.Agent, helper: Helper, rseg: str) -> None:
-    bs, n = 1 << 16, 256
-    rid, rdescs = helper.register(rseg, bs * n, min(1, _ndev() - 1))
-    peer = agent.add_peer(helper.meta)
-    obj, _view = _local("vram", bs * n)
-    reg = agent.register(obj)
-    local = agent.prepare(kvx.DescList.blocks(reg, bs))
-    remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=peer)
-    outcomes, after = race_release(agent, local, remote, n, lambda: helper.call(cmd="release", id=rid), lead=0.3)
-    assert after > 0 and "done" in outcomes[:after]
-    tail = outcomes[after + 1:]
-    assert tail and all(o == "failed" for o in tail)
-    with pytest.raises(kvx.TransferError):
-        agent.write(local, [0], remote, [0]).wait(10)
-    helper.call(cmd="free", id=rid)
-    reg.release()
-
-
-@pytest.mark.gpu
-def test_killed_peer_fails_within_bound() -> None:
-    if _reason() is not None:
-        pytest.skip(_reason() or "")
-    h = Helper("victim", CFG)
-    try:
-        with kvx.Agent("initiator", _config()) as a:
-            rid, rdescs = h.register("vram", 1 << 22, min(1, _ndev() - 1))
-            peer = a.add_peer(h.meta)
-            obj, _v = _local("vram", 1 << 22)
-            reg = a.register(obj)
-            local = a.prepare(kvx.DescList.blocks(reg, 4096))
-            remote = a.prepare(kvx.DescList.blocks(rdescs, 4096), peer=peer)
-            a.write(local, [0], remote, [0]).wait(10)
-            h.kill()
-            t0 = time.monotonic()
-            with pytest.raises((kvx.PeerDisconnected, kvx.TransferError)):
-                while time.monotonic() - t0 < 10:
-                    a.write(local, np.arange(1024), remote, np.arange(1024)).wait(10)
-                    time.sleep(0.02)
-            assert time.monotonic() - t0 < 3.0 + 5
-            del rid
-    finally:
-        h.close()
 
 
 @pytest.mark.gpu

@@ -97,3 +97,48 @@ def test_file_and_object_region_validation() -> None:
     with pytest.raises(kvx.RegistrationError):
         kvx.RawRegion(0, 10)
     assert kvx.FileRegion(__import__("pathlib").Path("/tmp/y"), 5).path == "/tmp/y"
+
+
+def test_desclist_constructor_refuses_what_from_arrays_refuses() -> None:
+    """NaN, float, negative and out-of-range descriptors are a UsageError when the DescList is built
+    (the public constructor too), not a ValueError later at prepare."""
+    H = kvx.MemoryKind.HOST
+    bad = [
+        (np.array([np.nan]), np.array([16.0]), np.array([0])),
+        (np.array([4096.0]), np.array([16], np.uint64), np.array([0], np.uint64)),
+        (np.array([-1]), np.array([16]), np.array([0])),
+        (np.array([(1 << 64) - 1], np.uint64), np.array([16], np.uint64), np.array([0], np.uint64)),
+        (np.array([4096], np.uint64), np.array([0], np.uint64), np.array([0], np.uint64)),
+        (np.array([4096, 8192], np.uint64), np.array([16], np.uint64), np.array([0, 0], np.uint64)),
+        (np.array([[4096]], np.uint64), np.array([16], np.uint64), np.array([0], np.uint64)),
+        (np.array([object()]), np.array([16], np.uint64), np.array([0], np.uint64)),
+    ]
+    for addr, nbytes, dev in bad:
+        with pytest.raises(kvx.UsageError):
+            kvx.DescList(H, addr, nbytes, dev)
+    for addr in ([float("nan")], [np.inf], ["4096"], [None]):
+        with pytest.raises(kvx.UsageError):
+            kvx.DescList.from_arrays(kind=H, addr=addr, nbytes=16)
+    with pytest.raises(kvx.UsageError):
+        kvx.DescList.from_arrays(kind=H, addr=[4096], nbytes=[float("nan")])
+    d = kvx.DescList(H, np.array([4096]), np.array([16]), np.array([0]))  # plain ints are converted
+    assert d.addr.dtype == np.uint64 and d.addr.tolist() == [4096]
+    with kvx.Agent("m", kvx.AgentConfig(backends=("host",))) as a:
+        x = np.zeros(4096, np.uint8)
+        a.register(x)
+        ok = kvx.DescList(H, np.array([x.ctypes.data], np.uint64), np.array([4096], np.uint64),
+                          np.array([0], np.uint64))
+        assert len(a.prepare(ok)) == 1
+        with pytest.raises(AttributeError):
+            ok.addr = np.array([np.nan])  # type: ignore[misc]
+
+
+def test_register_refuses_memory_holding_python_objects() -> None:
+    """Object arrays hold PyObject pointers: a peer writing into them would crash the process."""
+    objs = np.array([object()] * 512)
+    rec = np.zeros(64, dtype=[("x", np.int64), ("o", object)])
+    with kvx.Agent("m", kvx.AgentConfig(backends=("host",))) as a:
+        for bad in (objs, memoryview(objs), rec, rec.view(np.ndarray), [np.zeros(8, np.uint8), objs]):
+            with pytest.raises(kvx.RegistrationError, match="Python objects"):
+                a.register(bad)
+        assert a.register(np.zeros(64, dtype=[("x", np.int64), ("y", np.float32)])).descs.total_bytes == 64 * 12

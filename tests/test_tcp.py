@@ -507,3 +507,209 @@ def test_link_failure_while_a_read_payload_arrives_fails_the_transfer(monkeypatc
             x.wait(15)
         assert time.monotonic() - t0 < 10
         assert calls["n"] == 1 and x.status is kvx.Status.FAILED
+
+
+def _tcp(agent: kvx.Agent) -> Any:
+    return next(b for b in agent.backends if b.name == "tcp")
+
+
+def test_small_write_to_two_blocks_of_one_region_leaves_no_pin() -> None:
+    """Two descriptors of one region in one small request: the target pins the region once per
+    distinct region and unpins it once, so release (and close) return at once instead of waiting
+    out the peer timeout for a pin nothing holds (issue 14.6)."""
+    with _agent("tgt", peer_timeout=4.0) as tgt, _agent("ini", peer_timeout=4.0) as ini:
+        tb = _tcp(tgt)
+        tregs = [tgt.register(np.zeros(1 << 14, np.uint8)) for _ in range(3)]
+        name = ini.add_peer(tgt.metadata())
+        buf = pattern(1 << 14, 3)
+        loc = ini.prepare(kvx.DescList.blocks(ini.register(buf), 4096))
+        for treg in tregs:
+            rem = ini.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=name)
+            ini.write(loc, [0, 1], rem, [0, 1]).wait(10)
+            ini.write(loc, [2, 3, 2], rem, [3, 2, 1]).wait(10)
+        assert int(tb._pins.sum()) == 0
+        t0 = time.monotonic()
+        tregs[0].release()
+        assert time.monotonic() - t0 < 2.0  # below the 4 s peer timeout a stuck pin waits out
+        assert ini.peers() == [name]
+        t0 = time.monotonic()
+        tgt.close()  # releases the other two regions
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_a_flooded_listener_tells_a_peer_it_is_busy_not_a_token_error() -> None:
+    """With every handshake slot taken by idle connections, a peer with the right token learns
+    the true reason (busy: PeerDisconnected), not 'wrong KVX_AUTH_TOKEN?' (issue 14.5)."""
+    from kvx.net import MAX_HANDSHAKES
+
+    with _agent("tgt", auth_token=TOKEN, handshake_timeout=5.0) as tgt:
+        addr = _addr(tgt.metadata())
+        socks = [_raw_connect(addr) for _ in range(MAX_HANDSHAKES)]
+        try:
+            for s in socks:
+                s.recv(4096)  # each one is in its handshake now
+            with _agent("late", auth_token=TOKEN) as late:
+                with pytest.raises(kvx.PeerDisconnected, match="busy") as ei:
+                    late.add_peer(tgt.metadata())
+                assert "TOKEN" not in str(ei.value)
+        finally:
+            for s in socks:
+                s.close()
+        deadline = time.monotonic() + 10
+        with _agent("later", auth_token=TOKEN) as later:
+            while True:
+                try:
+                    later.add_peer(tgt.metadata())
+                    break
+                except kvx.PeerDisconnected:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+
+
+def _hostile_listener(script: Any) -> tuple[socket.socket, threading.Thread]:
+    """A listener that runs ``script(conn)`` on the first connection."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+
+    def run() -> None:
+        try:
+            c, _ = ls.accept()
+        except OSError:
+            return
+        with c:
+            try:
+                script(c)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return ls, t
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_a_hostile_listener_cannot_make_the_dialler_allocate() -> None:
+    """A listener answering the handshake with a frame that claims 256 MiB: the dialler refuses
+    it at the header (ProtocolError) without allocating it (issue 14.5)."""
+    def script(c: socket.socket) -> None:
+        c.settimeout(5)
+        send_frame(c, wire.pack("challenge", nonce=b"n" * 32, id="hostile"))
+        c.recv(4096)  # the hello
+        c.sendall(wire.frame_header(1, 256 << 20) + b"\xc0" * 64)
+        time.sleep(1.0)
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("cannot reset the peak RSS here")
+    from kvx.discovery import fetch_metadata
+
+    for case in ("data", "meta"):
+        ls, t = _hostile_listener(script)
+        try:
+            base = _peak_rss()
+            with pytest.raises(kvx.ProtocolError, match="exceeds"):
+                if case == "data":
+                    s = _raw_connect(ls.getsockname())
+                    try:
+                        client_handshake(s, TOKEN, "me", "me", "data", 5.0)
+                    finally:
+                        s.close()
+                else:
+                    fetch_metadata(*ls.getsockname(), token=TOKEN, timeout=5.0)
+            assert _peak_rss() - base < 64 << 20
+        finally:
+            ls.close()
+            t.join(5)
+
+
+def test_refused_requests_are_logged_a_few_and_counted() -> None:
+    """200 forged requests on one authenticated connection: a handful of WARNING lines, the
+    rest counted and summed up in one line at close (issue 14.10)."""
+    records: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = H(level=logging.WARNING)
+    lg = logging.getLogger("kvx")
+    lg.addHandler(h)
+    try:
+        with _agent("target", auth_token=TOKEN) as tgt:
+            info = kvx.Agent.parse_metadata(tgt.metadata())
+            s = _raw_connect(_addr(tgt.metadata()))
+            try:
+                client_handshake(s, TOKEN, "forger-id", "forger", "data", 5.0, expect_id=info.agent_id)
+                for i in range(200):
+                    body = wire.pack("r", rid=i + 1, addr=np.array([1 << 40], np.uint64).tobytes(),
+                                     nbytes=np.array([64], np.uint64).tobytes())
+                    s.sendall(wire.frame_header(1, len(body)) + body)
+                    r = recv_frame(s, time.monotonic() + 5, 1 << 20)
+                    assert r["t"] == "err" and r["re"] == i + 1
+            finally:
+                s.close()
+            tb = _tcp(tgt)
+    finally:
+        lg.removeHandler(h)
+    msgs = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    one_by_one = [m for m in msgs if "refused a read" in m]
+    assert 1 <= len(one_by_one) <= 10
+    assert tb.refused.counts.get("requests") == 200
+    assert any(f"{200 - len(one_by_one)} more refused requests" in m for m in msgs), msgs
+
+
+def test_refusal_log_sums_up_each_period(caplog: Any) -> None:
+    """The refusal log: ``burst`` lines per kind and period, then one summary with the count."""
+    from kvx.net import RefusalLog
+
+    lg = logging.getLogger("kvx.test.refusals")
+    r = RefusalLog(lg, burst=2, period=0.3)
+    with caplog.at_level(logging.WARNING, logger="kvx.test.refusals"):
+        for i in range(10):
+            r("requests", "refused %d", i)
+        r("connections", "conn %d", 0)
+        assert [m.getMessage() for m in caplog.records] == ["refused 0", "refused 1", "conn 0"]
+        time.sleep(0.35)
+        r("requests", "refused %d", 10)
+        msgs = [m.getMessage() for m in caplog.records][3:]
+        assert msgs[0].startswith("8 more refused requests") and "(10 in all)" in msgs[0]
+        assert msgs[1] == "refused 10"
+        r.flush()  # nothing pending: no line
+        assert len(caplog.records) == 5
+    assert r.counts == {"requests": 11, "connections": 1}
+
+
+def _with_tcp_addrs(meta: bytes, addrs: list[Any]) -> bytes:
+    m = msgpack.unpackb(meta, raw=False)
+    m["backends"]["tcp"]["addrs"] = addrs
+    return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_bad_addresses_are_kvx_errors() -> None:
+    """A peer's metadata naming a host no resolver takes is a ProtocolError; a local listen address
+    that cannot be bound is a UsageError (issue 14.8)."""
+    with _agent("tgt") as tgt, _agent("ini") as ini:
+        meta = tgt.metadata()
+        port = _addr(meta)[1]
+        for host in ("a" * 300, "é" * 20, "a\0b", "", "x" * 64 + ".example", "a..b", " "):
+            with pytest.raises(kvx.ProtocolError):
+                ini.add_peer(_with_tcp_addrs(meta, [[host, port]]))
+        assert ini.peers() == []
+        assert ini.add_peer(meta) == "tgt"
+    for listen in (("256.0.0.1", 0), ("a" * 300, 0), ("127.0.0.1", 70000), ("127.0.0.1", -1), ("8.8.8.8", 0)):
+        with pytest.raises(kvx.UsageError):
+            kvx.Agent("bad", kvx.AgentConfig(backends=("tcp",), listen=listen))
+    from kvx.discovery import fetch_metadata
+
+    with pytest.raises(kvx.UsageError):
+        fetch_metadata("a" * 300, 1, timeout=1.0)

@@ -1,7 +1,7 @@
 """The same-node peer link shared by the ``host`` and ``cuda`` backends.
 
 Both backends listen on an abstract AF_UNIX socket and run the same handshake over it: the
-listener checks the caller's user (SO_PEERCRED; root may serve anyone), sends a challenge, checks
+listener checks the caller's user (SO_PEERCRED: the same uid only, root included), sends a challenge, checks
 the HMAC in the ``hello`` (``KVX_AUTH_TOKEN``, :mod:`kvx.auth`), and answers ``welcome`` with two
 descriptors: its control table (memfd, mapped read-only by the peer) and a fresh page of in-flight
 counters for that peer (memfd, mapped read-write on both sides). What differs -- the size of a
@@ -15,11 +15,13 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from .. import _native, auth, wire
 from ..channel import Channel
 from ..errors import AuthError, KVXError, PeerDisconnected, ProtocolError
+from ..net import MAX_HANDSHAKES, PREAUTH_ITEMS, PREAUTH_MAX, RefusalLog, accept_loop, notice
 from .base import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -53,31 +55,48 @@ class SameNodeLink:
     _drop: Any
 
     # ---- listener side ---------------------------------------------------------------------
+    @property
+    def refused(self) -> RefusalLog:
+        """Refused connections: logged a few at a time, counted per kind."""
+        r = self.__dict__.get("_refused")
+        if r is None:
+            r = self.__dict__.setdefault("_refused", RefusalLog(log))
+        return r  # type: ignore[no-any-return]
+
     def _accept_loop(self) -> None:
-        while True:
+        hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        accept_loop(self._lsock, lambda: self._closed, hs, lambda s, _a: self._start_handshake(s, hs),
+                    self._LINK_WHAT, self.refused)
+
+    def _start_handshake(self, s: socket.socket, hs: threading.BoundedSemaphore) -> None:
+        def run() -> None:
             try:
-                s, _ = self._lsock.accept()
-            except OSError:
-                return
-            if self._closed:
-                s.close()
-                return
-            threading.Thread(target=self._handshake_in, args=(s,), daemon=True).start()
+                self._handshake_in(s)
+            finally:
+                hs.release()
+
+        threading.Thread(target=run, name="kvx-samenode-hs", daemon=True).start()
 
     def _handshake_in(self, s: socket.socket) -> None:
+        deadline = time.monotonic() + float(self.cfg.handshake_timeout)
         s.settimeout(self.cfg.handshake_timeout)
         try:
             pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid() and os.getuid() != 0:
-                raise AuthError(f"refusing same-node peer of another user (uid {uid})")
+            if uid != os.getuid():  # root too serves only its own user (CMA, mappings)
+                notice(s, "denied", "a peer of another user is not served")
+                raise AuthError(f"refusing same-node peer of another user (uid {uid}, pid {pid})")
             chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{pid}")
             nonce = auth.new_nonce()
             chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))
-            msg, _, fds = chan.recv_one()
+            msg, _, fds = chan.recv_one(PREAUTH_MAX, deadline, PREAUTH_ITEMS)
             for fd in fds:
                 os.close(fd)
             wire.check(msg, "hello", {"name": str, "id": str, "mac": bytes})
-            auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
+            try:
+                auth.verify(self.cfg.auth_token, nonce, msg["id"], self.ctx.agent_id, msg["mac"])
+            except AuthError:
+                notice(s, "denied", "authentication failed (wrong or missing KVX_AUTH_TOKEN)")
+                raise
             infl_fd = os.memfd_create(self._INFL_NAME, os.MFD_CLOEXEC)
             try:
                 os.ftruncate(infl_fd, self._INFL_BYTES)
@@ -89,7 +108,7 @@ class SameNodeLink:
             finally:
                 os.close(infl_fd)
         except (KVXError, OSError) as exc:
-            log.warning("refused a %s connection: %s", self._LINK_WHAT, exc)
+            self.refused("connections", "refused a %s connection: %s", self._LINK_WHAT, exc)
             try:
                 s.close()
             except OSError:
@@ -107,6 +126,7 @@ class SameNodeLink:
     def _dial(self, peer: PeerInfo, uds: str) -> tuple[Channel, int, int]:
         """Connect to ``peer``'s listener and run the handshake: (channel, not started yet;
         address of its control table mapped read-only; address of our counter page)."""
+        deadline = time.monotonic() + float(self.cfg.handshake_timeout)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         s.settimeout(self.cfg.handshake_timeout)
         try:
@@ -114,26 +134,41 @@ class SameNodeLink:
         except OSError as exc:
             s.close()
             raise PeerDisconnected(f"cannot reach {peer.name!r} on this node: {exc}") from exc
+        try:
+            self._check_listener(s, peer)
+        except KVXError:
+            s.close()
+            raise
         chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=peer.name)
         fds: list[int] = []
         try:
-            msg, _, f0 = chan.recv_one()
+            try:
+                msg, _, f0 = chan.recv_one(PREAUTH_MAX, deadline, PREAUTH_ITEMS)
+            except PeerDisconnected as exc:
+                raise PeerDisconnected(f"{peer.name!r} closed the connection before its challenge") from exc
             fds += f0
+            if msg.get("t") == "busy":
+                raise PeerDisconnected(f"{peer.name!r} is busy ({msg.get('msg')!s:.200}); retry later")
+            if msg.get("t") == "denied":
+                raise AuthError(f"{peer.name!r} refused us: {msg.get('msg')!s:.200}")
             wire.check(msg, "challenge", {"nonce": bytes, "id": str})
             if msg["id"] != peer.agent_id:
                 raise ProtocolError(f"{peer.name!r} answered with another agent id")
             mac = auth.prove(self.cfg.auth_token, msg["nonce"], self.ctx.agent_id, peer.agent_id)
             chan.send(wire.pack("hello", name=self.ctx.agent_name, id=self.ctx.agent_id, mac=mac))
-            msg, _, f1 = chan.recv_one()
+            try:
+                msg, _, f1 = chan.recv_one(PREAUTH_MAX, deadline, PREAUTH_ITEMS)
+            except PeerDisconnected as exc:
+                raise AuthError(f"{peer.name!r} closed the handshake after our proof "
+                                "(wrong KVX_AUTH_TOKEN?)") from exc
             fds += f1
+            if msg.get("t") == "denied":
+                raise AuthError(f"{peer.name!r} refused us: {msg.get('msg')!s:.200}")
             wire.check(msg, "welcome", {"name": str, "id": str})
             if len(fds) != 2:
                 raise ProtocolError("handshake did not carry the control table")
             ctrl = _native.map_fd(fds[0], self._CTRL_BYTES, 0, False)
             infl = _native.map_fd(fds[1], self._INFL_BYTES, 0, True)
-        except PeerDisconnected as exc:
-            s.close()
-            raise AuthError(f"{peer.name!r} closed the handshake (wrong KVX_AUTH_TOKEN or other user?)") from exc
         except (OSError, KVXError):
             s.close()
             raise
@@ -142,6 +177,18 @@ class SameNodeLink:
                 os.close(fd)
         s.settimeout(None)
         return chan, ctrl, infl
+
+    def _check_listener(self, s: socket.socket, peer: PeerInfo) -> None:
+        """The process behind the listener we reached must be the peer's: our own user (abstract
+        socket names are open to every user: another one may have bound the name), and the pid
+        its metadata names for this backend (one-sided copies go to that pid)."""
+        pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            raise AuthError(f"the same-node listener of {peer.name!r} runs as another user (uid {uid}): refused")
+        sec = peer.sections.get(str(getattr(self, "name", "")))  # the backend's name: its metadata section
+        want = sec.get("pid") if isinstance(sec, dict) else None
+        if pid != want or pid != peer.sections.get("_pid"):
+            raise ProtocolError(f"{peer.name!r} metadata names pid {want!r}, but its listener is pid {pid}")
 
     def _adopt(self, name: str, p: Any, chan: Channel) -> None:
         """Make ``p`` (on ``chan``) the peer called ``name``, dropping one it replaces; start reading."""
@@ -171,4 +218,5 @@ class SameNodeLink:
             self._drop(p)
         for c in acc:
             c.close()
+        self.refused.flush()
         return True

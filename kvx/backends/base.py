@@ -12,23 +12,29 @@ Life of a transfer::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ..memory import MemoryKind, Region
+from .._slots import MAX_SLOTS
+from ..errors import KVXError
+from ..memory import DescList, MemoryKind, Region
 
 if TYPE_CHECKING:
-    from ..agent import PreparedList
     from ..config import AgentConfig
 
-__all__ = ["Backend", "BackendContext", "DoneRequest", "JobRequest", "Op", "PeerInfo", "Request", "ThreadRequest"]
+__all__ = ["Backend", "BackendContext", "DoneRequest", "ErrorMap", "JobRequest", "Op", "PeerInfo", "PreparedList",
+           "Request", "ThreadRequest", "validate"]
+
+_U64 = np.uint64
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,8 @@ class BackendContext:
     validate_local: Callable[[MemoryKind, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
     #: current local registrations table (for one-sided publication).
     regions: Callable[[], dict[int, tuple[Region, int]]]
+    #: this backend's options (an instance of its ``Options`` class), or None if it has none.
+    options: Any = None
 
 
 @dataclass(slots=True)
@@ -65,6 +73,131 @@ class PeerInfo:
     sections: dict[str, Any]
     regions: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     # (kind, addr, nbytes, dev, slot, generation) per live registration region
+
+
+class PreparedList(Protocol):
+    """What a backend may read of a prepared list (``kvx.PreparedList`` is the agent's).
+
+    ``descs`` are the descriptors, ``peer`` the peer's name (None: local), ``slots`` per
+    descriptor the registration slot that contains it, ``gens`` each used slot's generation at
+    prepare time, ``used`` the distinct slots. ``bdata[name]`` holds what backend ``name``
+    returned from its :meth:`Backend.prepare` for this list.
+    """
+
+    descs: DescList
+    peer: str | None
+    slots: np.ndarray
+    gens: dict[int, int]
+    used: np.ndarray
+    bdata: dict[str, Any]
+
+    @property
+    def kind(self) -> MemoryKind: ...
+
+    def __len__(self) -> int: ...
+
+
+def validate(
+    kind: MemoryKind,
+    addr: np.ndarray,
+    nbytes: np.ndarray,
+    dev: np.ndarray,
+    table: Sequence[tuple[int, int, int, int, int, int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Find, for each descriptor, the live region that contains it.
+
+    ``table`` rows are ``(kind, addr, nbytes, dev, slot, gen)``. Returns ``(slots, ok)``:
+    the containing region's slot per descriptor (-1 where none) and a boolean mask.
+    Vectorized: per device one ``searchsorted`` over the region starts.
+    """
+    n = addr.shape[0]
+    slots = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return slots, np.ones(0, dtype=bool)
+    rows = [r for r in table if r[0] == int(kind)]
+    if not rows:
+        return slots, np.zeros(n, dtype=bool)
+    end = addr + nbytes
+    wrap = end < addr
+    if kind in (MemoryKind.FILE, MemoryKind.OBJECT):
+        # dev is the slot; regions start at offset 0
+        size = np.zeros(MAX_SLOTS, dtype=_U64)
+        for r in rows:
+            size[r[4]] = r[2]
+        inrange = dev < MAX_SLOTS
+        d = np.where(inrange, dev, 0).astype(np.int64)
+        ok = inrange & (size[d] > 0) & (end <= size[d]) & ~wrap
+        slots[ok] = d[ok]
+        return slots, ok
+    ok = np.zeros(n, dtype=bool)
+    bydev: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
+    for r in rows:
+        bydev[r[3]].append(r)
+    devs = list(bydev)
+    for dv in devs:
+        rs = sorted(bydev[dv], key=lambda r: r[1])
+        starts = np.array([r[1] for r in rs], dtype=_U64)
+        ends = np.array([r[1] + r[2] for r in rs], dtype=_U64)
+        rslot = np.array([r[4] for r in rs], dtype=np.int64)
+        sel = dev == dv if len(devs) > 1 or dv != 0 else slice(None)
+        a = addr[sel]
+        i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+        good = (i >= 0)
+        ic = np.where(good, i, 0)
+        good &= (a >= starts[ic]) & (end[sel] <= ends[ic]) & ~wrap[sel]
+        if isinstance(sel, slice):
+            ok = good & (dev == dv)
+            slots = np.where(ok, rslot[ic], -1)
+        else:
+            ok[sel] = good
+            slots[sel] = np.where(good, rslot[ic], -1)
+    return slots, ok
+
+
+class ErrorMap:
+    """A backend's one table from native, OS and library errors to the kvx tree, applied at its
+    boundary (as httpx maps its transports' errors): ``errors(exc, where)`` gives the kvx error,
+    ``with errors.mapped(where):`` raises it from ``exc`` (the cause is kept).
+
+    Parameters
+    ----------
+    rules
+        ``(exception types, errno codes or None, factory(exc, where) -> KVXError)``, tried in order:
+        the first whose types match (and, for an OSError, whose errno is in the codes; None: any)
+        makes the error. A KVXError passes through unchanged.
+    default
+        ``factory(exc, where)`` for an error no rule matches.
+    keep
+        kvx errors that pass through unchanged (default: every KVXError); others go through the rules.
+    """
+
+    __slots__ = ("default", "keep", "rules")
+
+    def __init__(self, *rules: tuple[Any, frozenset[int] | None, Callable[[Any, Any], BaseException]],
+                 default: Callable[[Any, Any], BaseException], keep: Any = KVXError) -> None:
+        self.rules = rules
+        self.default = default
+        self.keep = keep
+
+    def __call__(self, exc: BaseException, where: Any = None) -> Any:
+        if isinstance(exc, self.keep):
+            return exc
+        code = getattr(exc, "errno", None)
+        for types, codes, make in self.rules:
+            if isinstance(exc, types) and (codes is None or code in codes):
+                return make(exc, where)
+        return self.default(exc, where)
+
+    @contextlib.contextmanager
+    def mapped(self, where: Any = None) -> Iterator[None]:
+        """Raise what the table makes of any non-kvx exception inside the block."""
+        try:
+            yield
+        except Exception as exc:
+            err = self(exc, where)
+            if err is exc:
+                raise
+            raise err from exc
 
 
 class Request(ABC):
@@ -202,6 +335,11 @@ class Backend(ABC):
         Whether it serves loopback transfers within one agent (storage backends).
     notifications
         Whether it carries notifications to peers.
+    Options
+        Its options: a frozen dataclass whose fields default to ``KVX_*`` settings
+        (``kvx.config.option``), or None. The agent passes the user's instance (from
+        ``AgentConfig.options[name]``) or a default one as ``ctx.options``; a backend reads its
+        knobs there, not from the environment or module globals.
     """
 
     name: ClassVar[str] = ""
@@ -209,6 +347,7 @@ class Backend(ABC):
     remote: ClassVar[bool] = False
     local: ClassVar[bool] = False
     notifications: ClassVar[bool] = False
+    Options: ClassVar[type | None] = None
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

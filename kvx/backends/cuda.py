@@ -18,7 +18,7 @@ How:
   NVRTC (``native/cuda/kvx_copy.cu``; the prepared lists' address arrays stay on the device,
   each transfer uploads only its index arrays), and ``ce``, ``cuMemcpyBatchAsync`` on the copy
   engines (CUDA >= 12.8). ``auto`` (the default) picks per transfer by mean block size; see
-  ``docs/gpu.md`` for the measurements behind the threshold.
+  ``docs/history.md`` for the measurements behind the threshold.
 - **Completion.** A CUDA event recorded after the copy; ``Request.test`` queries it, and a
   reaper thread retires finished transfers (counters, notifications) even if nobody polls.
 - **Safety.** Remote descriptors are validated by the agent's ``prepare``. Release is final:
@@ -35,7 +35,6 @@ says what is missing and ``import kvx`` is unaffected.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import os
@@ -43,13 +42,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import _native, wire
-from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
+from .._cuda import host_device_pointer, import_cupy, kernel_source_path, unavailable
+from .._slots import BOOT_ID, MAX_SLOTS
 from ..channel import Channel
 from ..config import get as _config_get
 from ..errors import (
@@ -64,15 +63,11 @@ from ..errors import (
 )
 from ..memory import MemoryKind, Region
 from ._samenode import SameNodeLink
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, Request
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
 
 __all__ = [
     "CudaBackend",
     "copy_mode",
-    "pin_host",
-    "region_from_cai",
-    "require_runtime",
-    "unpin_host",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,11 +75,11 @@ log = logging.getLogger(__name__)
 #: Environment variable choosing the copy path (kernel | ce | auto). To move into kvx.config.
 COPY_ENV = "KVX_CUDA_COPY"
 #: ``auto`` uses the copy engines when the mean block of a transfer is at least this large
-#: (bytes); below it, the kernel. Chosen from the measurements in docs/gpu.md.
+#: (bytes); below it, the kernel. Chosen from the measurements in docs/history.md.
 CE_MIN_BLOCK = 2 << 20
 #: What ``auto`` does per mean block of a GPU<->GPU transfer: sorted (minimum mean block, path,
 #: fraction of the bytes given to the copy engines when the path is ``split``). From the
-#: measurements in docs/gpu.md: with waiters spinning natively the kernel wins up to 2 MiB (337-351
+#: measurements in docs/history.md: with waiters spinning natively the kernel wins up to 2 MiB (337-351
 #: vs 308-336 GB/s), the copy engines from 8 MiB (351-371 vs 324-349). Transfers touching host memory
 #: use :data:`CE_MIN_BLOCK` alone.
 CE_MIN_BLOCK_PEER = 8 << 20
@@ -101,7 +96,7 @@ PIPE_PAIRS = 0
 STAGING_SLOTS = 8
 #: Kernel path: the kernel reads the indices straight from the pinned staging slot (mapped host
 #: memory, over PCIe; written before the launch, so stream order makes them visible) instead of one
-#: upload before it. Default since measured +3-7% at 4 KiB, a tie at 32 KiB (docs/gpu.md; ``xtune2``
+#: upload before it. Default since measured +3-7% at 4 KiB, a tie at 32 KiB (docs/history.md; ``xtune2``
 #: ``zc`` vs ``upload``).
 INDEX_ZEROCOPY = True
 #: Kernel path: the index upload, the launch and the completion event in one call of the native
@@ -118,7 +113,7 @@ REAPER_POLL = 0.0
 #: the reaper while it is active; the reaper looks at such transfers every ``REAPER_LAZY`` seconds (and
 #: sleeps on the event of the oldest one carrying a notification, so notifications leave as soon as the
 #: data landed). After ``REAPER_DEEP_AFTER`` seconds with nothing pending it sleeps until a post wakes
-#: it. Measured: waking it on every post cost 15-30 us of post time (GIL hand-offs, docs/gpu.md).
+#: it. Measured: waking it on every post cost 15-30 us of post time (GIL hand-offs, docs/history.md).
 #: 0 = wake it on every post (the earlier behaviour).
 REAPER_LAZY = 0.002
 REAPER_DEEP_AFTER = 0.05
@@ -142,7 +137,7 @@ CHUNK_SHIFT = 14
 #: Small transfers: while halving the chunks still leaves no more work items than the kernel has
 #: warps, they are halved, down to 2**CHUNK_SHIFT_MIN bytes (equal-length blocks), so more warps
 #: share the transfer: a warp moves 4 KiB per round of loads, one NVLink round trip on reads.
-#: Transfers of 256 MiB keep 2**CHUNK_SHIFT from 4 KiB blocks up (docs/gpu.md).
+#: Transfers of 256 MiB keep 2**CHUNK_SHIFT from 4 KiB blocks up (docs/history.md).
 CHUNK_SHIFT_MIN = 12
 #: Threads per block of the copy kernel, and resident blocks per SM aimed for.
 THREADS = 256
@@ -151,7 +146,7 @@ BLOCKS_PER_SM = 4
 BLOCKS_PER_SM_HOST = 8
 #: Copy kernel variant: ``warpx`` (8 loads in flight per lane; with equal-length blocks of several
 #: work items, chunk-major items: warps side by side copy one chunk each of different blocks; measured
-#: +1-4% at 256 KiB-2 MiB, even at 32 KiB and 64 MiB, docs/gpu.md), ``warp`` (the same, block-major:
+#: +1-4% at 256 KiB-2 MiB, even at 32 KiB and 64 MiB, docs/history.md), ``warp`` (the same, block-major:
 #: a block's chunks go to neighbouring warps), ``warp16`` (16 in flight) or ``bulk`` (Hopper TMA bulk
 #: copies through shared memory, one warp per CTA; warp copy on older GPUs).
 KERNEL = "warpx"
@@ -160,10 +155,10 @@ BLOCKS_PER_SM_BULK = 6
 #: Which GPU runs GPU<->GPU copies with another process's memory when both GPUs are visible here:
 #: ``initiator`` (default: the GPU of the initiator's own memory; a write pushes, a read pulls) or
 #: ``owner`` (the GPU holding the peer's memory, where it is then imported: a write pulls, a read
-#: pushes; measured +3-9% on writes and -0-10% on reads, docs/gpu.md). Read when a peer's region is
+#: pushes; measured +3-9% on writes and -0-10% on reads, docs/history.md). Read when a peer's region is
 #: imported (prepare). A memory imported on one GPU cannot be touched from the other one (measured:
 #: illegal address), hence ``pull`` imports it on a second GPU when needed (no gain measured either:
-#: docs/gpu.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
+#: docs/history.md). ``KVX_CUDA_EXEC`` sets it at import (to move into kvx.config).
 #: ``pull``: every GPU<->GPU copy runs on the GPU of its destination (a write on the owner's GPU,
 #: a read on the initiator's); the peer's memory is then imported on both GPUs, once each.
 EXEC_ON = str(_config_get("KVX_CUDA_EXEC") or "initiator").strip().lower()
@@ -176,7 +171,6 @@ _F_SHM = 1 << 0  # HOST region inside an alloc_host memfd
 _F_PINNED = 1 << 1  # HOST region page-locked and registered with CUDA
 _F_IPC = 1 << 2  # CUDA region exportable through cudaIpcGetMemHandle
 
-_KERNEL_FILE = "kvx_copy.cu"
 _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
                  "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x"}
@@ -192,61 +186,6 @@ _ERR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 _ERR_PEER_ALREADY = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 
-# ---------------------------------------------------------------------------------------------
-# Runtime discovery (lazy: nothing here runs at import time)
-
-_reason_lock = threading.Lock()
-_reason: list[str | None] = []
-
-
-def _cupy() -> Any:
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
-        raise BackendUnavailable(f"cupy not importable ({exc}): pip install kvx[cuda]") from exc
-    return cupy
-
-
-def kernel_source_path() -> Path | None:
-    """Where the copy kernel's source is: the package's copy first, then the repository's."""
-    here = Path(__file__).resolve()
-    for p in (here.parent.parent / "_cuda" / _KERNEL_FILE, here.parents[2] / "native" / "cuda" / _KERNEL_FILE):
-        if p.is_file():
-            return p
-    return None
-
-
-def _probe() -> str | None:
-    try:
-        cp = _cupy()
-    except BackendUnavailable as exc:
-        return str(exc)
-    try:
-        n = int(cp.cuda.runtime.getDeviceCount())
-    except Exception as exc:
-        return f"no CUDA device ({exc})"
-    if n <= 0:
-        return "no CUDA device"
-    if kernel_source_path() is None:
-        return f"copy kernel source {_KERNEL_FILE} not found (native/cuda or kvx/_cuda)"
-    return None
-
-
-def unavailable() -> str | None:
-    """Why the CUDA runtime cannot be used here (cached), or None."""
-    with _reason_lock:
-        if not _reason:
-            _reason.append(_probe())
-        return _reason[0]
-
-
-def require_runtime(feature: str) -> None:
-    """Raise BackendUnavailable naming ``feature`` and what is missing, unless CUDA works here."""
-    why = unavailable()
-    if why is not None:
-        raise BackendUnavailable(f"{feature} needs CUDA: {why}")
-
-
 def copy_mode() -> str:
     """The copy path setting: ``kernel``, ``ce`` or ``auto`` (from ``KVX_CUDA_COPY``)."""
     from .. import config
@@ -255,123 +194,6 @@ def copy_mode() -> str:
     if v not in ("kernel", "ce", "split", "auto"):
         raise UsageError(f"{COPY_ENV}={v!r}: expected kernel, ce, split or auto")
     return v
-
-
-# ---------------------------------------------------------------------------------------------
-# Pinned host memory (called by kvx.alloc_host(pinned=True))
-
-_PIN_LOCK = threading.Lock()
-_PINNED: dict[int, int] = {}
-_PIN_STARTS: list[int] = []
-
-
-def pin_host(addr: int, nbytes: int) -> None:
-    """Page-lock ``[addr, addr+nbytes)`` and register it with CUDA (portable, mapped).
-
-    Raises
-    ------
-    RegistrationError
-        If CUDA refuses (not enough lockable memory, already registered elsewhere).
-    """
-    require_runtime("pinning host memory")
-    cp = _cupy()
-    try:
-        cp.cuda.runtime.hostRegister(int(addr), int(nbytes), _HOST_REGISTER_FLAGS)
-    except cp.cuda.runtime.CUDARuntimeError as exc:
-        raise RegistrationError(f"cudaHostRegister of {nbytes} bytes failed: {exc}") from exc
-    with _PIN_LOCK:
-        _PINNED[int(addr)] = int(nbytes)
-        bisect.insort(_PIN_STARTS, int(addr))
-
-
-def unpin_host(addr: int) -> None:
-    """Undo :func:`pin_host` (safe to call at interpreter exit; errors are logged)."""
-    with _PIN_LOCK:
-        if _PINNED.pop(int(addr), None) is None:
-            return
-        try:
-            _PIN_STARTS.remove(int(addr))
-        except ValueError:
-            pass
-    try:
-        _cupy().cuda.runtime.hostUnregister(int(addr))
-    except Exception:  # CUDA may already be torn down at exit
-        log.debug("cudaHostUnregister(0x%x) failed", addr, exc_info=True)
-
-
-def _pinned_by_us(addr: int, nbytes: int) -> bool:
-    with _PIN_LOCK:
-        i = bisect.bisect_right(_PIN_STARTS, addr) - 1
-        if i < 0:
-            return False
-        s = _PIN_STARTS[i]
-        return addr + nbytes <= s + _PINNED[s]
-
-
-def _host_device_pointer(addr: int, nbytes: int) -> int | None:
-    """The device address of pinned host memory, or None if it is not pinned/registered."""
-    cp = _cupy()
-    if not _pinned_by_us(addr, nbytes):
-        try:
-            a = cp.cuda.runtime.pointerGetAttributes(addr)
-            b = cp.cuda.runtime.pointerGetAttributes(addr + nbytes - 1)
-        except cp.cuda.runtime.CUDARuntimeError:
-            return None
-        if int(a.type) != 1 or int(b.type) != 1:  # cudaMemoryTypeHost: registered or cudaHostAlloc'd
-            return None
-        dp = int(a.devicePointer)
-        return dp if dp else addr
-    try:
-        dp = int(cp.cuda.runtime.pointerGetAttributes(addr).devicePointer)
-    except cp.cuda.runtime.CUDARuntimeError:
-        dp = 0
-    return dp if dp else addr
-
-
-# ---------------------------------------------------------------------------------------------
-# __cuda_array_interface__ objects (cupy arrays, numba, ...)
-
-
-def region_from_cai(obj: Any, cai: dict[str, Any]) -> Region:
-    """A CUDA :class:`Region` for an object exposing ``__cuda_array_interface__``.
-
-    Raises
-    ------
-    RegistrationError
-        If the array is empty, read-only or not C-contiguous.
-    BackendUnavailable
-        If the CUDA runtime cannot be used here.
-    """
-    try:
-        ptr, readonly = cai["data"]
-        shape = tuple(int(x) for x in cai["shape"])
-        itemsize = np.dtype(cai["typestr"]).itemsize
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RegistrationError(f"malformed __cuda_array_interface__: {exc}") from exc
-    if readonly:
-        raise RegistrationError("cannot register read-only GPU memory (peers may write to it)")
-    count = int(np.prod(shape)) if shape else 1
-    nbytes = count * itemsize
-    if nbytes == 0 or not ptr:
-        raise RegistrationError("cannot register an empty GPU array")
-    strides = cai.get("strides")
-    if strides is not None:
-        want, acc = [], itemsize
-        for d in reversed(shape):
-            want.append(acc)
-            acc *= d
-        if tuple(int(s) for s, d in zip(strides, shape) if d > 1) != tuple(
-                w for w, d in zip(reversed(want), shape) if d > 1):
-            raise RegistrationError("cannot register a non-contiguous GPU array")
-    require_runtime("registering GPU memory")
-    cp = _cupy()
-    try:
-        attrs = cp.cuda.runtime.pointerGetAttributes(int(ptr))
-    except cp.cuda.runtime.CUDARuntimeError as exc:
-        raise RegistrationError(f"not a CUDA pointer: 0x{int(ptr):x} ({exc})") from exc
-    if int(attrs.type) != 2:  # cudaMemoryTypeDevice
-        raise RegistrationError(f"0x{int(ptr):x} is not CUDA device memory (type {int(attrs.type)})")
-    return Region(MemoryKind.CUDA, int(ptr), nbytes, int(attrs.device), owner=obj)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +364,7 @@ class _Device:
                 g = lib.cuCtxGetCurrent
                 g.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
                 g.restype = ctypes.c_int
-                with _cupy().cuda.Device(self.dev):  # the runtime's (primary) context of this GPU
+                with import_cupy().cuda.Device(self.dev):  # the runtime's (primary) context of this GPU
                     cur = ctypes.c_void_p()
                     rc = g(ctypes.byref(cur))
                 fns = (self.cufns[1], self.cufns[2], int(ctypes.cast(g, ctypes.c_void_p).value or 0),
@@ -1136,7 +958,7 @@ class CudaBackend(SameNodeLink, Backend):
         why = unavailable()
         if why is not None:
             raise BackendUnavailable(why)
-        self.cp = _cupy()
+        self.cp = import_cupy()
         self.cfg = ctx.config
         self.mode = copy_mode()
         self.drv = _driver()
@@ -1224,7 +1046,7 @@ class CudaBackend(SameNodeLink, Backend):
         else:
             if region.shm is not None:
                 info["flags"] |= _F_SHM
-            dp = _host_device_pointer(region.addr, region.nbytes)
+            dp = host_device_pointer(region.addr, region.nbytes)
             if dp is not None:
                 info["flags"] |= _F_PINNED
                 info["devptr"] = dp

@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 
 from .. import config as _config
-from ..agent import PreparedList
 from ..errors import BackendUnavailable, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, Request
+from .base import Backend, BackendContext, Op, PreparedList, Request
 from .posix import _sync_code, open_preallocated, translate_oserror
 
 __all__ = ["GdsBackend"]
@@ -123,6 +122,21 @@ class _FutRequest(Request):
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class GdsOptions:
+    """Options of the ``gds`` backend.
+
+    Parameters
+    ----------
+    sync
+        Durability of file writes, as for posix (``KVX_POSIX_SYNC``). Whether kvikio's compat mode
+        may stand in for GPUDirect Storage is decided before the backend starts, from
+        ``KVX_GDS_COMPAT``.
+    """
+
+    sync: str = _config.option("KVX_POSIX_SYNC")
+
+
 class GdsBackend(Backend):
     """CUDA memory <-> files through kvikio/cuFile (GPUDirect Storage)."""
 
@@ -131,6 +145,7 @@ class GdsBackend(Backend):
     remote = False
     local = True
     notifications = False
+    Options = GdsOptions
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -171,7 +186,8 @@ class GdsBackend(Backend):
         import kvikio
 
         self._kvikio = kvikio
-        self.sync = _sync_code(_config.get("KVX_POSIX_SYNC"))
+        opts: GdsOptions = ctx.options if ctx.options is not None else GdsOptions()
+        self.sync = _sync_code(opts.sync)
         self._files: dict[int, _File] = {}
         self._lock = threading.Lock()
         self._live: dict[int, weakref.WeakSet[_FutRequest]] = {}  # file slot -> requests on it

@@ -23,13 +23,14 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import _native, config, wire
-from ..agent import BOOT_ID, MAX_SLOTS, PreparedList
+from .._slots import BOOT_ID, MAX_SLOTS
 from ..channel import Channel
 from ..copy import copy_blocking, staging_offsets
 from ..errors import (
@@ -44,7 +45,18 @@ from ..errors import (
 )
 from ..memory import MemoryKind, Region
 from ._samenode import SameNodeLink
-from .base import Backend, BackendContext, JobRequest, Op, PeerInfo, Request, ThreadRequest
+from .base import (
+    Backend,
+    BackendContext,
+    ErrorMap,
+    JobRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    ThreadRequest,
+    validate,
+)
 
 __all__ = ["HostBackend"]
 
@@ -62,19 +74,23 @@ def _u64view(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
 
 
-def translate_oserror(exc: OSError, peer: str | None) -> TransferError:
-    """Map a native copy error to the kvx error tree."""
-    e = exc.errno
-    who = f"peer {peer!r}" if peer else "local memory"
-    if e == errno.ESTALE:
-        return RemoteError(f"{who}: the target released (or re-registered) the memory")
-    if e == errno.ESRCH:
-        return PeerDisconnected(f"{who}: the process is gone")
-    if e in (errno.EFAULT, errno.EPERM):
-        return RemoteError(f"{who}: memory not accessible ({os.strerror(e)})")
-    if e == errno.ECANCELED:
-        return TransferError("transfer cancelled")
-    return TransferError(f"{who}: copy failed: {os.strerror(e or errno.EIO)}")
+def _who(peer: str | None) -> str:
+    return f"peer {peer!r}" if peer else "local memory"
+
+
+#: The host backend's error map: a native copy's errno (``where`` is the peer's name, or None).
+ERRORS = ErrorMap(
+    (OSError, frozenset({errno.ESTALE}),
+     lambda e, p: RemoteError(f"{_who(p)}: the target released (or re-registered) the memory")),
+    (OSError, frozenset({errno.ESRCH}), lambda e, p: PeerDisconnected(f"{_who(p)}: the process is gone")),
+    (OSError, frozenset({errno.EFAULT, errno.EPERM}),
+     lambda e, p: RemoteError(f"{_who(p)}: memory not accessible ({os.strerror(e.errno)})")),
+    (OSError, frozenset({errno.ECANCELED}), lambda e, p: TransferError("transfer cancelled")),
+    default=lambda e, p: TransferError(f"{_who(p)}: copy failed: "
+                                       f"{os.strerror(getattr(e, 'errno', None) or errno.EIO)}"),
+)
+#: The name the other modules knew it by.
+translate_oserror = ERRORS
 
 
 @dataclass(slots=True)
@@ -84,6 +100,50 @@ class _Prep:
     nbytes: np.ndarray
     guards: np.ndarray | None = None
     raw: np.ndarray | None = None  # target-side addresses (uds)
+    maps: "_Maps | None" = None  # keeps the peer's mappings that ``addr``/``guards`` point into
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _Maps:
+    """A peer's memory mapped into this process: its control table, our in-flight counter page
+    in it, and the shared mappings of its regions.
+
+    Guards and translated addresses of prepared lists, plans and routes point into these
+    mappings, and copies may still run on the native pool after the peer is removed or the agent
+    closed. So nothing here is unmapped while it can be reached: every prepared side, plan and
+    route of this peer holds this object, and when the last reference goes, a reaper waits for our
+    in-flight counters in the peer to drain (each copy that entered its guards has left them)
+    before it unmaps. A removed peer's lists are refused by the agent before they reach a backend.
+    """
+
+    __slots__ = ("__weakref__", "ctrl", "data", "infl", "lock")
+
+    def __init__(self, ctrl: int, infl: int) -> None:
+        self.ctrl = ctrl
+        self.infl = infl
+        self.data: dict[tuple[int, int], tuple[int, int, int]] = {}  # (slot, gen) -> (base, size, delta)
+        self.lock = threading.Lock()
+        weakref.finalize(self, _Maps._reap, ctrl, infl, self.data)
+
+    @staticmethod
+    def _reap(ctrl: int, infl: int, data: dict[tuple[int, int], tuple[int, int, int]]) -> None:
+        def run() -> None:
+            counters = np.uint64(infl) + np.arange(MAX_SLOTS, dtype=np.uint64) * np.uint64(4)
+            # copies end by themselves (a dead target makes CMA fail at once; memcpy into a shared
+            # mapping always ends), so this wait is long only while a huge copy runs
+            while not _native.drain(counters, 60.0):
+                log.warning("copies into a removed peer's memory are still running after 60 s; "
+                            "its mappings stay until they end")
+            for base, size in [(b, sz) for b, sz, _ in data.values()] + [(ctrl, _CTRL_BYTES), (infl, _INFL_BYTES)]:
+                try:
+                    _native.unmap(base, size)
+                except OSError:
+                    pass
+            data.clear()
+
+        threading.Thread(target=run, name="kvx-host-unmap", daemon=True).start()
 
 
 class _Peer:
@@ -96,10 +156,10 @@ class _Peer:
         self.ctrl = ctrl  # mapped address of the peer's control table
         self.infl = infl  # mapped address of our in-flight counters in the peer
         self.cma = cma
-        self.maps: dict[tuple[int, int], tuple[int, int, int]] = {}  # (slot, gen) -> (base, size, off)
-        self.lock = threading.Lock()
+        self.m = _Maps(ctrl, infl)
 
     def table(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The peer's live regions as its own control table states them (not its metadata)."""
         t = _u64view(self.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
         st = t[:, 0].copy()
         live = np.nonzero(st & 1)[0]
@@ -110,15 +170,6 @@ class _Peer:
                 continue
             rows.append((int(MemoryKind.HOST), addr, nb, 0, s, state >> 1))
         return rows
-
-    def unmap_all(self) -> None:
-        with self.lock:
-            for base, size, _off in self.maps.values():
-                try:
-                    _native.unmap(base, size)
-                except OSError:
-                    pass
-            self.maps.clear()
 
 
 class HostBackend(SameNodeLink, Backend):
@@ -206,18 +257,24 @@ class HostBackend(SameNodeLink, Backend):
             return False
         try:
             wire.check(dict(sec, t="host"), "host", {"uds": str, "pid": int, "uid": int, "ctrl": int})
+            if not (0 < sec["pid"] < 1 << 31 and 0 <= sec["uid"] < 1 << 32 and 0 <= sec["ctrl"] < 1 << 64
+                    and 0 < len(sec["uds"]) <= 100):
+                raise ProtocolError("value out of range")
         except ProtocolError:
             raise ProtocolError(f"malformed host section in {peer.name!r} metadata") from None
+        # _dial checks that the listener we reached is this pid's (the kernel says which process
+        # holds it): one-sided copies never go to a process that only the metadata names
         chan, ctrl, infl = self._dial(peer, sec["uds"])
+        pid = sec["pid"]
         cma = False
         if self.cfg.host_path in ("auto", "cma"):
             try:
-                _native.cma_probe(sec["pid"], sec["ctrl"])
+                _native.cma_probe(pid, sec["ctrl"])
                 cma = True
-            except OSError as exc:
+            except (OSError, OverflowError) as exc:
                 log.info("CMA to %s not permitted (%s); using %s", peer.name, exc,
                          "shared mappings/AF_UNIX" if self.cfg.host_path == "auto" else "nothing")
-        p = _Peer(peer.name, chan, sec["pid"], ctrl, infl, cma)
+        p = _Peer(peer.name, chan, pid, ctrl, infl, cma)
         self._adopt(peer.name, p, chan)
         return True
 
@@ -235,13 +292,9 @@ class HostBackend(SameNodeLink, Backend):
         return p.table() if p is not None else None
 
     def _drop(self, p: _Peer) -> None:
+        # the mappings go when nothing refers to them any more (see _Maps), not here: copies of
+        # this peer may still be running, and prepared lists may still point into them
         p.chan.close()
-        p.unmap_all()
-        for addr, size in ((p.ctrl, _CTRL_BYTES), (p.infl, _INFL_BYTES)):
-            try:
-                _native.unmap(addr, size)
-            except OSError:
-                pass
 
     def disconnect(self, peer_name: str) -> None:
         with self._lock:
@@ -270,8 +323,10 @@ class HostBackend(SameNodeLink, Backend):
             wire.check(msg, "revoke", {"slot": int, "gen": int})
             p = chan.extra.get("peer")
             if p is not None:
-                with p.lock:
-                    m = p.maps.pop((msg["slot"], msg["gen"]), None)
+                # the target sends this after its counters drained and the slot went dead: no copy
+                # is inside the region, and every later one fails its guard before touching it
+                with p.m.lock:
+                    m = p.m.data.pop((msg["slot"], msg["gen"]), None)
                 if m is not None:
                     _native.unmap(m[0], m[1])
         elif t == "getfd":
@@ -300,9 +355,12 @@ class HostBackend(SameNodeLink, Backend):
     def _serve_xfer(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None) -> None:
         wire.check(msg, "xfer", {"rid": int, "op": str, "addr": bytes, "nbytes": bytes})
         rid = msg["rid"]
+        if len(msg["addr"]) % 8 or len(msg["addr"]) != len(msg["nbytes"]) or msg["op"] not in ("read", "write"):
+            chan.reply_error(rid, "malformed transfer request")
+            return
         addr = np.frombuffer(msg["addr"], dtype=np.uint64)
         nb = np.frombuffer(msg["nbytes"], dtype=np.uint64)
-        if addr.shape != nb.shape or msg["op"] not in ("read", "write"):
+        if addr.shape != nb.shape:
             chan.reply_error(rid, "malformed transfer request")
             return
         # the target checks what it serves: every descriptor inside a live registration
@@ -337,6 +395,7 @@ class HostBackend(SameNodeLink, Backend):
         p = self._peers.get(plist.peer)
         if p is None or not p.chan.alive:
             raise PeerDisconnected(f"not connected to {plist.peer!r}")
+        self._check_table(p, plist, addr, nb)
         t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
         used = plist.used
         shareable = bool(np.all(t[used, 3] & _F_SHM))
@@ -352,20 +411,42 @@ class HostBackend(SameNodeLink, Backend):
             g3[i] = (p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + 4 * s)
         guards = g3.reshape(-1)
         if mode == "uds":
-            return _Prep("uds", addr, nb, None, raw=addr)
+            return _Prep("uds", addr, nb, None, raw=addr, maps=p.m)
         if mode == "cma":
-            return _Prep("cma", addr, nb, guards)
+            return _Prep("cma", addr, nb, guards, maps=p.m)
         delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
         for s in used.tolist():
-            base, _size, off = self._map(p, s, plist.gens[s])
-            # translated = addr - region_start + base + off (mod 2**64)
-            delta[s] = np.uint64((base + off - int(t[s, 1])) % (1 << 64))
+            delta[s] = np.uint64(self._map(p, s, plist.gens[s], int(t[s, 1]), int(t[s, 2]))[2])
         xaddr = addr + delta[plist.slots]
-        return _Prep("shm", np.ascontiguousarray(xaddr), nb, guards)
+        return _Prep("shm", np.ascontiguousarray(xaddr), nb, guards, maps=p.m)
 
-    def _map(self, p: _Peer, slot: int, gen: int) -> tuple[int, int, int]:
-        with p.lock:
-            m = p.maps.get((slot, gen))
+    @staticmethod
+    def _check_table(p: _Peer, plist: PreparedList, addr: np.ndarray, nb: np.ndarray) -> None:
+        """Check a remote list against the bounds the target publishes in its control table.
+
+        The agent checked it against the peer's metadata, which anyone who can write to the
+        discovery store can forge; one-sided copies trust only what the target process itself
+        wrote in the table it shared with us in the handshake.
+        """
+        rows = p.table()
+        slots, ok = validate(MemoryKind.HOST, addr, nb, np.zeros_like(addr), rows)
+        live = {r[4]: r[5] for r in rows}
+        if not ok.all() or not np.array_equal(slots, plist.slots) or any(
+                live.get(s) != g for s, g in plist.gens.items()):
+            bad = int(np.argmin(ok)) if not ok.all() else int(np.argmax(slots != plist.slots)) \
+                if not np.array_equal(slots, plist.slots) else 0
+            raise RegistrationError(
+                f"descriptor {bad} (HOST 0x{int(addr[bad]):x}+{int(nb[bad])}) is outside the registrations that "
+                f"peer {plist.peer!r} publishes in its control table (its metadata is stale or was altered)")
+
+    def _map(self, p: _Peer, slot: int, gen: int, start: int, nbytes: int) -> tuple[int, int, int]:
+        """Map the pages of the peer's region ``slot`` (only those), once per generation.
+
+        Returns ``(base, size, delta)``: the region's address plus ``delta`` (mod 2**64) is the
+        same byte in this process.
+        """
+        with p.m.lock:
+            m = p.m.data.get((slot, gen))
         if m is not None:
             return m
         msg, _, fds = p.chan.request("getfd", self.cfg.handshake_timeout, slot=slot, gen=gen)
@@ -373,19 +454,21 @@ class HostBackend(SameNodeLink, Backend):
             wire.check(msg, "fd", {"off": int, "size": int})
             if len(fds) != 1:
                 raise ProtocolError("getfd reply without a descriptor")
-            size = msg["size"]
-            if os.fstat(fds[0]).st_size < size or msg["off"] >= size:
+            off = msg["off"]
+            if not 0 <= off < 1 << 62 or os.fstat(fds[0]).st_size < off + nbytes:
                 raise ProtocolError("getfd reply with inconsistent sizes")
-            base = _native.map_fd(fds[0], size, 0, True)
+            lo = off - off % _PAGE
+            size = -(-(off + nbytes - lo) // _PAGE) * _PAGE
+            base = _native.map_fd(fds[0], size, lo, True)
         finally:
             for fd in fds:
                 os.close(fd)
-        m = (base, size, msg["off"])
-        with p.lock:
-            if (slot, gen) in p.maps:
+        m = (base, size, (base + off - lo - start) % (1 << 64))
+        with p.m.lock:
+            if (slot, gen) in p.m.data:
                 _native.unmap(base, size)
-                return p.maps[(slot, gen)]
-            p.maps[(slot, gen)] = m
+                return p.m.data[(slot, gen)]
+            p.m.data[(slot, gen)] = m
         return m
 
     # ---- transfers -------------------------------------------------------------------------
@@ -400,6 +483,8 @@ class HostBackend(SameNodeLink, Backend):
             peer = self._peers.get(remote.peer)  # type: ignore[arg-type]
             if peer is None or not peer.chan.alive:
                 raise PeerDisconnected(f"peer {remote.peer!r} is not connected")
+            if rp.maps is not peer.m:
+                raise UsageError(f"this list was prepared for an earlier connection to {remote.peer!r}; prepare again")
             if rp.mode == "cma":
                 code = 1 if op is Op.WRITE else 2
                 pid = peer.pid

@@ -74,10 +74,10 @@ import numpy as np
 
 from .. import _native
 from .. import config as _config
-from ..agent import MAX_SLOTS, PreparedList
+from .._slots import MAX_SLOTS
 from ..errors import BackendUnavailable, KVXError, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, JobRequest, Op, Request, ThreadRequest
+from .base import Backend, BackendContext, ErrorMap, JobRequest, Op, PreparedList, Request, ThreadRequest
 
 __all__ = ["PosixBackend", "ALIGN", "SYNC_MODES", "open_preallocated", "translate_oserror"]
 
@@ -190,34 +190,35 @@ def open_preallocated(path: str, nbytes: int, *, direct: bool = False, sync: int
     return fd, dfd, created
 
 
-def translate_oserror(exc: OSError, paths: list[str]) -> TransferError:
-    """Map a file I/O error to the kvx error tree (the caller keeps ``exc`` as the cause).
+def _files(paths: list[str] | None) -> str:
+    if not paths:
+        return "file"
+    return ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
 
-    Parameters
-    ----------
-    exc
-        The error of the native job (``errno`` set).
-    paths
-        The files the transfer touched, for the message.
-    """
-    e = exc.errno or errno.EIO
-    where = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "") if paths else "file"
-    if e in (errno.ENOSPC, errno.EDQUOT):
-        what = "disk full" if e == errno.ENOSPC else "disk quota exceeded"
-        return TransferError(f"{what} writing {where}; the blocks of this transfer have undefined content")
-    if e == errno.ESTALE:
-        return TransferError("a registration under this transfer was released while it was posted")
-    if e == errno.ECANCELED:
-        return TransferError("transfer cancelled")
-    if e == errno.ENODATA:
-        return TransferError(f"read past the end of {where}: the file was truncated under its registration")
-    if e == errno.EBADF:
-        return TransferError(f"the descriptor of {where} was closed under its registration")
-    if e == errno.EINVAL:
-        return TransferError(f"{where}: the kernel refused the request (O_DIRECT alignment?): {os.strerror(e)}")
-    if e == errno.EIO:
-        return TransferError(f"I/O error on {where} (device or filesystem failure)")
-    return TransferError(f"{where}: {os.strerror(e)}")
+
+def _full(e: OSError, paths: list[str]) -> TransferError:
+    what = "disk full" if e.errno == errno.ENOSPC else "disk quota exceeded"
+    return TransferError(f"{what} writing {_files(paths)}; the blocks of this transfer have undefined content")
+
+
+#: The posix backend's error map: a file job's errno (``where`` is the list of files it touched).
+ERRORS = ErrorMap(
+    (OSError, frozenset({errno.ENOSPC, errno.EDQUOT}), _full),
+    (OSError, frozenset({errno.ESTALE}),
+     lambda e, p: TransferError("a registration under this transfer was released while it was posted")),
+    (OSError, frozenset({errno.ECANCELED}), lambda e, p: TransferError("transfer cancelled")),
+    (OSError, frozenset({errno.ENODATA}), lambda e, p: TransferError(
+        f"read past the end of {_files(p)}: the file was truncated under its registration")),
+    (OSError, frozenset({errno.EBADF}),
+     lambda e, p: TransferError(f"the descriptor of {_files(p)} was closed under its registration")),
+    (OSError, frozenset({errno.EINVAL}), lambda e, p: TransferError(
+        f"{_files(p)}: the kernel refused the request (O_DIRECT alignment?): {os.strerror(e.errno)}")),
+    (OSError, frozenset({errno.EIO}),
+     lambda e, p: TransferError(f"I/O error on {_files(p)} (device or filesystem failure)")),
+    default=lambda e, p: TransferError(f"{_files(p)}: {os.strerror(getattr(e, 'errno', None) or errno.EIO)}"),
+)
+#: The name the other modules knew it by (``translate_oserror(exc, paths)``).
+translate_oserror = ERRORS
 
 
 @dataclass(slots=True)
@@ -324,6 +325,29 @@ def _split(faddr: np.ndarray, maddr: np.ndarray, ln: np.ndarray, fds: np.ndarray
     return faddr[rep] + off, maddr[rep] + off, nl, fds[rep]
 
 
+@dataclass(frozen=True, slots=True)
+class PosixOptions:
+    """Options of the ``posix`` backend (``AgentConfig(options={"posix": PosixOptions(...)})``).
+
+    Parameters
+    ----------
+    direct
+        O_DIRECT for FILE registrations, through aligned bounce buffers (``KVX_POSIX_DIRECT``).
+    threads
+        Threads of the I/O pool (``KVX_POSIX_THREADS``; default min(8, CPUs)).
+    sync
+        Durability of file writes: ``none`` (page cache), ``data`` (fdatasync per transfer),
+        ``full`` (fsync) (``KVX_POSIX_SYNC``).
+    mmap
+        Buffered writes through a shared mapping of the file instead of pwritev (``KVX_POSIX_MMAP``).
+    """
+
+    direct: bool = _config.option("KVX_POSIX_DIRECT")
+    threads: int = _config.option("KVX_POSIX_THREADS")
+    sync: str = _config.option("KVX_POSIX_SYNC")
+    mmap: bool = _config.option("KVX_POSIX_MMAP")
+
+
 class PosixBackend(Backend):
     """Host memory <-> files through ``preadv``/``pwritev`` on a native thread pool.
 
@@ -335,14 +359,17 @@ class PosixBackend(Backend):
     remote = False
     local = True
     notifications = False
+    Options = PosixOptions
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.cfg = ctx.config
-        self.direct = bool(_config.get("KVX_POSIX_DIRECT"))
-        self.threads = max(1, int(_config.get("KVX_POSIX_THREADS")))
-        self.sync = _sync_code(_config.get("KVX_POSIX_SYNC"))
-        self.mmap = bool(_config.get("KVX_POSIX_MMAP"))
+        opts: PosixOptions = ctx.options if ctx.options is not None else PosixOptions()
+        self.opts = opts
+        self.direct = bool(opts.direct)
+        self.threads = max(1, int(opts.threads))
+        self.sync = _sync_code(opts.sync)
+        self.mmap = bool(opts.mmap)
         self.inline = int(self.cfg.inline_bytes)
         self._map_warned = False
         self._lock = threading.Lock()

@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,10 +20,19 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-__all__ = ["BenchOptions", "Progress", "parse_size", "header", "timed", "format_table", "plot", "run"]
+from .timing import WARMUP_S as WARMUP_S  # the runners take the timing helpers from here
+from .timing import timed as timed
+from .timing import warm as warm
+
+__all__ = ["BenchError", "BenchOptions", "Progress", "parse_size", "header", "timed", "format_table", "plot", "run"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run to the end for a reason outside kvx's API (a helper process
+    died or did not answer, an external tool failed); the message names the cause."""
 
 
 def parse_size(s: str | int) -> int:
@@ -105,34 +113,6 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-#: Every measured point is warmed up for at least this long (and at least ``warmup`` runs) before it
-#: is timed, kvx and the comparisons alike: a point of 1 warm-up run (~1 ms on a GPU) could be timed
-#: while clocks, TLBs and caches were still settling (the first point of a GPU run was seen 5-15% low,
-#: its fastest run at the level of the next points).
-WARMUP_S = 0.02
-
-
-def warm(fn: Callable[[], Any], runs: int = 1, seconds: float = WARMUP_S) -> None:
-    """Run ``fn`` at least ``runs`` times and until ``seconds`` have passed."""
-    t0 = time.perf_counter()
-    k = 0
-    while k < runs or time.perf_counter() - t0 < seconds:
-        fn()
-        k += 1
-
-
-def timed(fn: Callable[[], Any], iters: int, warmup: int = 1) -> tuple[float, float]:
-    """Run ``fn`` (warmed up: :func:`warm`, ``warmup`` runs at least) then ``iters`` times; return
-    (median, min) seconds of the timed runs."""
-    warm(fn, warmup)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), min(ts)
 
 
 def row(impl: str, op: str, bs: int, n: int, iters: int, med: float, mn: float, **kw: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from ..compare.nixl import nixl_available, run_nixl
+from ..errors import UsageError
 from . import BenchOptions, Progress
 
 #: kvx backend -> (NIXL mem mode, NIXL backend, extra environment)
@@ -24,7 +25,7 @@ def _mode(opts: BenchOptions) -> tuple[str, str, dict[str, str]]:
         if seg == ("vram", "pinned"):
             mem = "pinned"
         elif seg != ("vram", "vram"):
-            raise SystemExit(f"--compare nixl with --backend cuda takes --seg vram,vram or vram,pinned, not {seg}")
+            raise UsageError(f"--compare nixl with --backend cuda takes --seg vram,vram or vram,pinned, not {seg}")
     return mem, backend, dict(env)
 
 
@@ -33,9 +34,9 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
         return []  # kvx.bench.s3 runs NIXL OBJ itself, against the same short-lived SeaweedFS
     reason = nixl_available()
     if reason is not None:
-        raise SystemExit(f"--compare nixl: {reason}")
+        raise UsageError(f"--compare nixl: {reason}")
     if opts.backend not in _MODES:
-        raise SystemExit(f"--compare nixl is not wired for --backend {opts.backend}")
+        raise UsageError(f"--compare nixl is not wired for --backend {opts.backend}")
     mem, backend, env = _mode(opts)
     # Two NIXL configurations: "nixl" is NIXL at its best here (the target's progress thread
     # sleeps 1 ms between polls instead of spinning a core away from the initiator on a small

@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -16,21 +17,36 @@ import numpy as np
 
 import kvx
 
-from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
+from . import BenchError, BenchOptions, Progress, iter_sizes, permutation, row, timed
 from .target import alloc, digest, pattern
 
 
 class Target:
-    """A bench target process (``python -m kvx.bench.target``), bounded by timeouts."""
+    """A bench target process (``python -m kvx.bench.target``), bounded by timeouts.
+
+    Its stderr goes to a temporary file; when it dies or does not answer, :class:`BenchError`
+    carries the last line it wrote (the cause, e.g. a bad setting or a full disk).
+    """
 
     def __init__(self, opts: BenchOptions, env: dict[str, str] | None = None, extra_args: list[str] | None = None):
         cmd = [sys.executable, "-m", "kvx.bench.target", "--mem", opts.mem, "--total", str(opts.total)]
-        cmd += extra_args or []
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        self._spawn(cmd + (extra_args or []), env)
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None) -> None:
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
                                      env={**os.environ, **(env or {})})
         hello = self._read(60.0)
         self.meta = base64.b64decode(hello["meta"])
         self.descs = kvx.DescList.from_bytes(base64.b64decode(hello["descs"]))
+
+    def _last_words(self) -> str:
+        try:
+            self._err.seek(0)
+            lines = [x for x in self._err.read()[-8192:].decode(errors="replace").splitlines() if x.strip()]
+        except (OSError, ValueError):
+            return ""
+        return f": {lines[-1].strip()}" if lines else ""
 
     def _read(self, timeout: float) -> dict[str, Any]:
         import select
@@ -39,10 +55,15 @@ class Target:
         r, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not r:
             self.close()
-            raise RuntimeError("bench target did not answer in time")
+            raise BenchError(f"bench target did not answer in {timeout:g} s{self._last_words()}")
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"bench target exited with {self.proc.wait(5)}")
+            try:
+                rc = self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.close()
+                rc = self.proc.returncode
+            raise BenchError(f"bench target exited with {rc}{self._last_words()}")
         return json.loads(line)  # type: ignore[no-any-return]
 
     def call(self, timeout: float = 120.0, **cmd: Any) -> dict[str, Any]:
@@ -61,6 +82,7 @@ class Target:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(5)
+        self._err.close()
 
 
 def sweep(agent: kvx.Agent, peer: str, local_reg: kvx.Registration, local_buf: np.ndarray, target: Target,

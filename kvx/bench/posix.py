@@ -46,7 +46,7 @@ import numpy as np
 import kvx
 
 from ..backends.posix import PosixBackend
-from . import BenchOptions, Progress, iter_sizes, permutation, row, timed
+from . import BenchError, BenchOptions, Progress, iter_sizes, permutation, row, timed
 
 __all__ = ["run", "drop_caches"]
 
@@ -218,7 +218,7 @@ def _dd(path: str, opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             r = subprocess.run(cmds[op], capture_output=True, text=True, timeout=600, env={**os.environ, "LC_ALL": "C"})
             m = _DD_RE.search(r.stderr)
             if r.returncode != 0 or m is None or int(m.group(1)) != n * bs:
-                raise RuntimeError(f"dd failed: {r.stderr.strip()[-300:]}")
+                raise BenchError(f"dd failed: {r.stderr.strip()[-300:]}")
             ts.append(float(m.group(2)))
         ts = ts[1:]  # the first run is the warm-up
         rows.append(row("dd-direct", op, bs, n, opts.iters, statistics.median(ts), min(ts), cache="direct",

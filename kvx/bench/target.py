@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -35,7 +36,21 @@ def alloc(mem: str, nbytes: int) -> np.ndarray:
     raise SystemExit(f"unknown --mem {mem!r}")
 
 
+def guarded(fn: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
+    """Run a target's main; a kvx or OS error ends it with one line on stderr (which the
+    initiator reports) and exit status 2."""
+    try:
+        return fn(argv)
+    except (kvx.KVXError, OSError) as exc:
+        print(f"bench target: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvx.bench.target")
     ap.add_argument("--mem", default="alloc")
     ap.add_argument("--total", type=int, required=True)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,9 +23,9 @@ import numpy as np
 
 import kvx
 
-from . import BenchOptions, Progress, iter_sizes, row
+from . import BenchError, BenchOptions, Progress, iter_sizes, row
 from .host import Target, latency, sweep
-from .target import alloc, digest, pattern
+from .target import alloc, digest, guarded, pattern
 
 __all__ = ["run", "TcpTarget", "raw_tcp"]
 
@@ -38,11 +36,7 @@ class TcpTarget(Target):
     def __init__(self, opts: BenchOptions, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "kvx.bench.tcp", "--target", "--mem", opts.mem, "--total", str(opts.total),
                "--listen", listen]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
-        hello = self._read(60.0)
-        self.meta = base64.b64decode(hello["meta"])
-        self.descs = kvx.DescList.from_bytes(base64.b64decode(hello["descs"]))
+        self._spawn(cmd, env)
 
 
 def raw_tcp(target: Target, opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
@@ -64,14 +58,14 @@ def raw_tcp(target: Target, opts: BenchOptions, prog: Progress) -> list[dict[str
                 if op == "write":
                     s.sendall(view)
                     if s.recv(1) != b"k":
-                        raise RuntimeError("raw tcp target did not acknowledge")
+                        raise BenchError("raw tcp target did not acknowledge")
                 else:
                     s.sendall(b"g")
                     got = 0
                     while got < opts.total:
                         k = s.recv_into(view[got:], opts.total - got)
                         if k == 0:
-                            raise RuntimeError("raw tcp target closed early")
+                            raise BenchError("raw tcp target closed early")
                         got += k
                 if i:
                     ts.append(time.perf_counter() - t0)
@@ -94,7 +88,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             buf = alloc(opts.mem, opts.total)
             reg = agent.register(buf)
             if opts.peer:
-                raise SystemExit("--peer (a remote tcp target) is not supported yet; run over loopback")
+                raise kvx.UsageError("--peer (a remote tcp target) is not supported yet; run over loopback")
             peer = agent.add_peer(target.meta)
             rows = sweep(agent, peer, reg, buf, target, opts, prog, backend="tcp")
             prog.step("latency")
@@ -135,6 +129,10 @@ def _raw_serve(lsock: socket.socket, buf: np.ndarray, op: str, iters: int, say: 
 
 
 def target_main(argv: list[str] | None = None) -> int:
+    return guarded(_target_main, argv)
+
+
+def _target_main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvx.bench.tcp --target")
     ap.add_argument("--target", action="store_true")
     ap.add_argument("--mem", default="alloc")

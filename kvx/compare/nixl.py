@@ -54,7 +54,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import config as _kvx_config
-from ..bench import warm
+from ..bench.timing import warm
 
 __all__ = ["nixl_available", "nixl_version", "run_nixl", "parse_size", "main"]
 

@@ -8,6 +8,10 @@ Usage in a test module::
         backend = "host"
         config = {"host_path": "shm"}
 
+    class TestCudaAcrossGpus(TransferConformance):      # the same cases on GPU memory
+        backend = "cuda"
+        mem, local_mem = "vram:1", "vram:0"             # kvx.testing.memory specs
+
 and for storage::
 
     class TestPosix(StorageConformance):
@@ -31,14 +35,10 @@ import numpy as np
 import pytest
 
 import kvx
+from kvx.testing.memory import Memory, memory, pattern
 from kvx.testing.procs import PeerProcess
 
 __all__ = ["race_release", "TransferConformance", "StorageConformance", "digest", "pattern"]
-
-
-def pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
 
 def digest(buf: Any) -> str:
     return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
@@ -73,13 +73,19 @@ def race_release(agent: kvx.Agent, local: Any, remote: Any, n: int, release: Any
 
 
 class TransferConformance:
-    """Agent-to-agent transfers between two processes through one backend."""
+    """Agent-to-agent transfers between two processes through one backend, on any memory.
+
+    ``mem`` and ``local_mem`` are :mod:`kvx.testing.memory` specs; every case fills and checks
+    memory through them, so a backend of GPU memory inherits the same cases as one of host memory.
+    """
 
     backend: ClassVar[str] = "host"
     #: AgentConfig fields for both agents (JSON-able)
     config: ClassVar[dict[str, Any]] = {}
-    #: memory of the target: "alloc" (kvx.alloc_host) or "numpy"
+    #: memory of the target (a kvx.testing.memory spec: "alloc", "numpy", "pinned", "vram:1", ...)
     mem: ClassVar[str] = "alloc"
+    #: memory of the initiator (default: the same as ``mem``)
+    local_mem: ClassVar[str | None] = None
     #: extra environment of the peer process
     env: ClassVar[dict[str, str]] = {}
     #: bound (s) within which a killed peer must fail transfers
@@ -97,11 +103,26 @@ class TransferConformance:
         cfg.setdefault("backends", [self.backend])
         return cfg
 
-    def local_buffer(self, n: int) -> np.ndarray:
-        return kvx.alloc_host(n) if self.mem == "alloc" else np.zeros(n, dtype=np.uint8)
+    @property
+    def lm(self) -> Memory:
+        """The initiator's memory."""
+        return memory(self.local_mem or self.mem)
+
+    @property
+    def tkind(self) -> kvx.MemoryKind:
+        """The kind of the target's memory."""
+        return memory(self.mem).kind
+
+    def local_buffer(self, n: int) -> tuple[Any, Any]:
+        """(object to register, flat uint8 view) of ``n`` zeroed bytes of the initiator's memory."""
+        return self.lm.alloc(n)
 
     @pytest.fixture
     def agent(self) -> Any:
+        for spec in (self.mem, self.local_mem or self.mem):
+            why = memory(spec).unavailable()
+            if why is not None:
+                pytest.skip(f"{spec} memory: {why}")
         a = kvx.Agent("initiator", self.agent_config())
         yield a
         a.close()
@@ -113,12 +134,14 @@ class TransferConformance:
         p.close()
 
     def connect(self, agent: kvx.Agent, peer: PeerProcess, nbytes: int, bs: int, seed: int = 7
-                ) -> tuple[kvx.PreparedList, kvx.PreparedList, np.ndarray, int, kvx.Registration]:
+                ) -> tuple[kvx.PreparedList, kvx.PreparedList, Any, int, kvx.Registration]:
+        """Target memory in the peer, ``pattern(nbytes, seed)`` in local memory, both prepared as
+        blocks of ``bs``: (local list, remote list, local view, remote id, local registration)."""
         rid, rdescs = peer.register(self.mem, nbytes)
         name = agent.add_peer(peer.meta)
-        buf = self.local_buffer(nbytes)
-        buf[:] = pattern(nbytes, seed)
-        reg = agent.register(buf)
+        obj, buf = self.local_buffer(nbytes)
+        self.lm.fill(buf, pattern(nbytes, seed))
+        reg = agent.register(obj)
         local = agent.prepare(kvx.DescList.blocks(reg, bs))
         remote = agent.prepare(kvx.DescList.blocks(rdescs, bs), peer=name)
         return local, remote, buf, rid, reg
@@ -128,22 +151,22 @@ class TransferConformance:
     def test_write_then_read_permuted(self, agent: kvx.Agent, peer: PeerProcess, bs: int) -> None:
         n = 64
         local, remote, buf, rid, _ = self.connect(agent, peer, n * bs, bs)
+        orig = self.lm.read(buf)
         perm = np.random.default_rng(bs).permutation(n)
         x = agent.write(local, np.arange(n), remote, perm)
         assert x.wait(10) is x and x.status is kvx.Status.DONE and x.error is None
         assert x.nbytes == n * bs
         exp = np.empty(n * bs, np.uint8)
-        exp.reshape(n, bs)[perm] = buf.reshape(n, bs)
+        exp.reshape(n, bs)[perm] = orig.reshape(n, bs)
         assert peer.digest(rid) == digest(exp)
-        orig = buf.copy()
-        buf[:] = 0
+        self.lm.fill(buf, 0)
         agent.read(local, perm, remote, np.arange(n)).wait(10)
-        back = np.empty_like(buf)
+        back = np.empty_like(orig)
         back.reshape(n, bs)[perm] = exp.reshape(n, bs)
-        assert np.array_equal(buf, back)
-        buf[:] = 0
+        assert np.array_equal(self.lm.read(buf), back)
+        self.lm.fill(buf, 0)
         agent.read(local, np.arange(n), remote, perm).wait(10)
-        assert np.array_equal(buf, orig)
+        assert np.array_equal(self.lm.read(buf), orig)
 
     def test_large_transfer_is_nonblocking_and_correct(self, agent: kvx.Agent, peer: PeerProcess) -> None:
         bs, n = 1 << 20, 48
@@ -152,7 +175,7 @@ class TransferConformance:
         x = agent.write(local, np.arange(n), remote, perm)
         x.wait(30)
         exp = np.empty(n * bs, np.uint8)
-        exp.reshape(n, bs)[perm] = buf.reshape(n, bs)
+        exp.reshape(n, bs)[perm] = self.lm.read(buf).reshape(n, bs)
         assert peer.digest(rid) == digest(exp)
 
     def test_index_forms(self, agent: kvx.Agent, peer: PeerProcess) -> None:
@@ -161,7 +184,7 @@ class TransferConformance:
                        (np.int64(7), np.int64(6))]:
             agent.write(local, li, remote, ri).wait(10)
         exp = np.zeros(8 * 64, np.uint8).reshape(8, 64)
-        b = buf.reshape(8, 64)
+        b = self.lm.read(buf).reshape(8, 64)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert peer.digest(rid) == digest(exp)
 
@@ -174,6 +197,8 @@ class TransferConformance:
             agent.write(local, [0], remote, [8])  # out of range
         with pytest.raises(kvx.UsageError):
             agent.write(local, [0.5], remote, [1])  # not an int
+        with pytest.raises(kvx.UsageError):
+            agent.write(local, [-9], remote, [1])  # negative beyond the list
         big = agent.prepare(kvx.DescList.blocks(reg, 128))
         with pytest.raises(kvx.UsageError):
             agent.write(big, [0], remote, [0])  # 128 vs 64 bytes
@@ -186,7 +211,7 @@ class TransferConformance:
         rid, rdescs = peer.register(self.mem, 4096)
         name = agent.add_peer(peer.meta)
         before = peer.digest(rid)
-        a, n = int(rdescs.addr[0]), int(rdescs.nbytes[0])
+        a, n, dv, kind = int(rdescs.addr[0]), int(rdescs.nbytes[0]), int(rdescs.dev[0]), rdescs.kind
         forged = [
             (a - 4096, 64),  # before the region
             (a + n, 64),  # just past the end
@@ -196,12 +221,14 @@ class TransferConformance:
             (a + 64, (1 << 62)),  # huge
         ]
         for addr, nb in forged:
-            d = kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[addr], nbytes=[nb], dev=[0])
+            d = kvx.DescList.from_arrays(kind=kind, addr=[addr], nbytes=[nb], dev=[dv])
             with pytest.raises(kvx.RegistrationError):
                 agent.prepare(d, peer=name)
         with pytest.raises(kvx.RegistrationError):  # wrong device id
-            agent.prepare(kvx.DescList.from_arrays(kind=kvx.MemoryKind.HOST, addr=[a], nbytes=[64], dev=[3]),
-                          peer=name)
+            agent.prepare(kvx.DescList.from_arrays(kind=kind, addr=[a], nbytes=[64], dev=[dv + 3]), peer=name)
+        other = kvx.MemoryKind.CUDA if kind is kvx.MemoryKind.HOST else kvx.MemoryKind.HOST
+        with pytest.raises(kvx.RegistrationError):  # right bounds, wrong kind of memory
+            agent.prepare(kvx.DescList.from_arrays(kind=other, addr=[a], nbytes=[64], dev=[dv]), peer=name)
         assert peer.digest(rid) == before
 
     def test_garbage_and_truncated_metadata(self, agent: kvx.Agent, peer: PeerProcess) -> None:
@@ -219,7 +246,7 @@ class TransferConformance:
         agent.write(local, np.arange(n), remote, np.arange(n)[::-1].copy(), notify=b"req-17").wait(10)
         got = peer.notifs(timeout=5.0)
         assert got == {"initiator": [b"req-17"]}
-        exp = buf.reshape(n, 4096)[::-1]
+        exp = self.lm.read(buf).reshape(n, 4096)[::-1]
         assert peer.digest(rid) == digest(np.ascontiguousarray(exp))
 
     def test_release_racing_transfers(self, agent: kvx.Agent, peer: PeerProcess) -> None:
@@ -250,7 +277,7 @@ class TransferConformance:
         local, remote, _buf, _rid, reg = self.connect(a, peer, 4096, 64)
         a.close()
         a.close()  # idempotent
-        for call in (lambda: a.write(local, [0], remote, [0]), lambda: a.register(np.zeros(8, np.uint8)),
+        for call in (lambda: a.write(local, [0], remote, [0]), lambda: a.register(self.local_buffer(8)[0]),
                      lambda: a.prepare(reg.descs), a.metadata, lambda: a.add_peer(peer.meta),
                      lambda: a.notify("target", b"x"), a.notifications):
             with pytest.raises(kvx.UsageError):

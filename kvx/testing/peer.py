@@ -3,7 +3,7 @@
 Run as ``python -m kvx.testing.peer --name NAME [--config JSON]``. It prints
 ``{"meta": b64}`` and then answers one JSON command per stdin line:
 
-``register {mem: alloc|numpy|file|object, nbytes, seed?, path?, bucket?, key?}`` ->
+``register {mem: alloc|numpy|pinned|vram:D|torch:D|file|object, nbytes, seed?, path?, bucket?, key?}`` ->
 ``{id, descs}``; ``release {id}``; ``digest {id}``; ``fill {id, seed}``; ``zero {id}``;
 ``peek {id, off, n}`` -> ``{data}``; ``meta``; ``add_peer {meta}`` -> ``{name}``;
 ``notifs``; ``hang {seconds}`` (stop answering); ``quit``.
@@ -19,13 +19,18 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 import kvx
+from kvx.testing.memory import Memory, memory, pattern
 
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
+
+
+def _mem(m: Memory | None) -> Memory:
+    if m is None:
+        raise ValueError("files and objects are read through the agent, not by the peer process")
+    return m
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if "backends" in cfgd:
         cfgd["backends"] = tuple(cfgd["backends"])
     agent = kvx.Agent(a.name, kvx.AgentConfig(**cfgd))
-    regs: dict[int, tuple[kvx.Registration, Any]] = {}
+    # id -> (registration, flat uint8 view, its Memory; None for files and objects)
+    regs: dict[int, tuple[kvx.Registration, Any, Memory | None]] = {}
     nid = 0
     out = sys.stdout
 
@@ -53,42 +59,40 @@ def main(argv: list[str] | None = None) -> int:
         cmd = c.get("cmd")
         try:
             if cmd == "register":
-                mem = c["mem"]
                 n = int(c["nbytes"])
-                buf: Any
-                if mem == "alloc":
-                    buf = kvx.alloc_host(n)
-                elif mem == "numpy":
-                    buf = np.zeros(n, dtype=np.uint8)
-                elif mem == "file":
-                    buf = kvx.FileRegion(c["path"], n)
-                elif mem == "object":
-                    buf = kvx.ObjectRegion(c["bucket"], c["key"], n)
+                m: Memory | None = None
+                obj: Any
+                view: Any
+                if c["mem"] == "file":
+                    obj = view = kvx.FileRegion(c["path"], n)
+                elif c["mem"] == "object":
+                    obj = view = kvx.ObjectRegion(c["bucket"], c["key"], n)
                 else:
-                    raise ValueError(f"unknown mem {mem!r}")
-                if isinstance(buf, np.ndarray) and "seed" in c:
-                    buf[:] = np.random.default_rng(int(c["seed"])).integers(0, 256, n, dtype=np.uint8)
-                reg = agent.register(buf)
+                    m = memory(c["mem"])
+                    obj, view = m.alloc(n)
+                    if "seed" in c:
+                        m.fill(view, pattern(n, int(c["seed"])))
+                reg = agent.register(obj)
                 nid += 1
-                regs[nid] = (reg, buf)
+                regs[nid] = (reg, view, m)
                 say({"id": nid, "descs": _b64(reg.descs.to_bytes())})
             elif cmd == "release":
                 regs[int(c["id"])][0].release()
                 say({"ok": True})
             elif cmd == "digest":
-                buf = regs[int(c["id"])][1]
-                say({"digest": hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()})
+                _, view, m = regs[int(c["id"])]
+                say({"digest": hashlib.blake2b(_mem(m).read(view).tobytes(), digest_size=16).hexdigest()})
             elif cmd == "fill":
-                buf = regs[int(c["id"])][1]
-                buf[:] = np.random.default_rng(int(c["seed"])).integers(0, 256, buf.nbytes, dtype=np.uint8)
+                _, view, m = regs[int(c["id"])]
+                _mem(m).fill(view, pattern(int(view.nbytes), int(c["seed"])))
                 say({"ok": True})
             elif cmd == "zero":
-                regs[int(c["id"])][1][:] = 0
+                _, view, m = regs[int(c["id"])]
+                _mem(m).fill(view, 0)
                 say({"ok": True})
             elif cmd == "peek":
-                buf = regs[int(c["id"])][1]
-                off, n = int(c["off"]), int(c["n"])
-                say({"data": _b64(bytes(buf[off: off + n]))})
+                _, view, m = regs[int(c["id"])]
+                say({"data": _b64(_mem(m).read(view, int(c["off"]), int(c["n"])).tobytes())})
             elif cmd == "meta":
                 say({"meta": _b64(agent.metadata())})
             elif cmd == "add_peer":

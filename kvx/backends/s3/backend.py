@@ -1,83 +1,37 @@
-"""``s3``: OBJECT registrations on an S3-compatible object store (own SigV4 GET/PUT + boto3).
-
-An :class:`~kvx.ObjectRegion` ``(bucket, key, nbytes)`` is one object. Transfers are loopback:
-the local list is HOST memory of this agent, the other list is OBJECT descriptors (one per
-object; ``addr`` is a byte offset inside the object, ``dev`` the registration slot).
-
-- **Writes** (memory -> object) are whole-object only: each descriptor must cover its object
-  exactly (offset 0, ``nbytes`` == registered size), checked vectorized at post. Objects up to
-  :data:`MULTIPART_THRESHOLD` go as one ``PutObject`` (atomic); larger ones as a multipart
-  upload of :data:`PART_BYTES` parts uploaded in parallel, made visible atomically by
-  ``CompleteMultipartUpload`` and aborted on any failure or cancel. A reader therefore sees the
-  old object, the new object, or no object -- never a torn one.
-- **Reads** (object -> memory) are whole or ranged GETs that stream the body straight into the
-  destination memory (``readinto`` on a ``ctypes`` view of the address; no intermediate
-  ``bytes``). Reads larger than :data:`MULTIPART_THRESHOLD` are split into :data:`PART_BYTES`
-  ranges fetched in parallel.
-- **Lean path**: with a configured endpoint, single-object PUTs and all GETs skip botocore:
-  kvx signs them itself (SigV4, :mod:`kvx.backends._sigv4`, ``UNSIGNED-PAYLOAD``, signing key
-  cached per day) and sends them on one kept-alive ``http.client`` connection per worker,
-  with the same retries, bounds and error mapping. boto3 still does bucket checks/creation,
-  multipart uploads, credential resolution, and everything against AWS's own endpoints.
-- **Concurrency**: a pool of ``KVX_S3_THREADS`` worker threads; every object operation (PUT,
-  part, ranged GET) is one queued unit. ``post`` only queues and returns; the request completes
-  when every unit of the transfer has finished. ``cancel`` drops queued units (in-flight ones
-  run to their end; multipart uploads are aborted).
-- **Bounds**: botocore ``standard`` retry mode, mirrored by the lean path (3 attempts,
-  exponential backoff with jitter; throttling, 5xx, connection errors and timeouts retried),
-  connect timeout ``min(5, peer_timeout)`` s, read timeout ``peer_timeout`` s per socket read.
-  A dead endpoint fails a transfer in a few seconds; a silent one within the retry budget of
-  read timeouts; the agent's ``transfer_timeout`` bounds everything.
-- **Buckets** are checked (``HeadBucket``) at ``register`` and created when missing; objects are
-  not created by ``register``: reading a never-written object fails the transfer with
-  :class:`~kvx.errors.RemoteError` naming the key.
-
-Endpoint and credentials: ``KVX_S3_ENDPOINT`` (overrides), else ``AWS_ENDPOINT_URL_S3`` /
-``AWS_ENDPOINT_URL``; credentials, profile and region from the standard AWS chain
-(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``; region defaults to ``us-east-1``).
-"""
+"""The s3 backend: registration of objects, posting transfers as units of work for its
+thread pool (whole-object PUTs, multipart uploads, ranged GETs), release and shutdown."""
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import importlib.util
-import io
 import logging
-import os
 import queue
-import random
-import re
-import socket
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from .. import config as _config
-from ..errors import (
+from ...errors import (
     AuthError,
-    KVXError,
     PeerDisconnected,
     RegistrationError,
     RemoteError,
     TransferError,
-    TransferTimeout,
     UsageError,
 )
-from ..memory import MemoryKind, Region
-from ._sigv4 import Signer, canonical_path
-from .base import Backend, BackendContext, DoneRequest, Op, Request
+from ...memory import MemoryKind, Region
+from ..base import Backend, BackendContext, DoneRequest, Op, Request
 
 if TYPE_CHECKING:
-    from ..agent import PreparedList
+    from ..base import PreparedList
 
-__all__ = ["S3Backend", "S3Settings", "MULTIPART_THRESHOLD", "PART_BYTES", "settings_from_env"]
+
+from .errors import _AUTH_CODES, translate
+from .lean import _READ_CHUNK, LeanPath, _LeanEndpoint, _MemReader, _view
+from .settings import S3Options, make_client, settings_from_env
 
 log = logging.getLogger(__name__)
 
@@ -85,199 +39,7 @@ log = logging.getLogger(__name__)
 MULTIPART_THRESHOLD = 16 << 20
 #: Part size of multipart uploads and of split reads (S3 needs parts >= 5 MiB but the last).
 PART_BYTES = 8 << 20
-#: Bytes per ``readinto`` call while streaming a body (release and cancel are checked between).
-_READ_CHUNK = 4 << 20
-#: Bytes handed to the socket per ``read`` of a request body (urllib3 asks for 16 KiB).
-_SEND_CHUNK = 1 << 20
 #: ClientError codes that mean the credentials were refused.
-_AUTH_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-                         "ExpiredToken", "AuthorizationHeaderMalformed", "InvalidSecurity", "403", "Forbidden"})
-_MISSING_KEY = frozenset({"NoSuchKey", "404", "NotFound"})
-#: Bytes per ``sendall`` of a lean PUT body (release and cancel are checked between).
-_PUT_CHUNK = 4 << 20
-#: Lean path: HTTP statuses and S3 codes retried with backoff (as botocore's ``standard`` mode).
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-_RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "ThrottledException",
-                          "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
-                          "BandwidthLimitExceeded", "RequestThrottled", "RequestTimeout", "RequestTimeoutException",
-                          "PriorRequestNotComplete", "InternalError", "ServiceUnavailable"})
-#: Errors of a request on a kept-alive connection that the server may have closed meanwhile.
-_STALE = (http.client.RemoteDisconnected, http.client.BadStatusLine, BrokenPipeError, ConnectionResetError,
-          ConnectionAbortedError)
-_CODE_RE = re.compile(rb"<Code>([^<]*)</Code>")
-_MSG_RE = re.compile(rb"<Message>([^<]*)</Message>")
-
-
-@dataclass(frozen=True, slots=True)
-class S3Settings:
-    """Where and how the backend talks to the object store.
-
-    Parameters
-    ----------
-    endpoint
-        Endpoint URL (``http://127.0.0.1:8333``), or None for AWS's own endpoints.
-    region
-        Signing region.
-    threads
-        Worker threads (concurrent requests).
-    connect_timeout, read_timeout
-        Seconds per connection attempt and per socket read.
-    max_attempts
-        Attempts per request (botocore ``standard`` retry mode).
-    """
-
-    endpoint: str | None
-    region: str
-    threads: int
-    connect_timeout: float
-    read_timeout: float
-    max_attempts: int = 3
-
-
-def settings_from_env(peer_timeout: float = 10.0) -> S3Settings:
-    """Resolve :class:`S3Settings` from ``KVX_S3_*`` and the standard AWS variables."""
-    endpoint = (_config.get("KVX_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or None)
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    threads = int(_config.get("KVX_S3_THREADS"))
-    if threads < 1:
-        raise UsageError(f"KVX_S3_THREADS must be >= 1, not {threads}")
-    return S3Settings(endpoint=endpoint, region=region, threads=threads,
-                      connect_timeout=min(5.0, float(peer_timeout)), read_timeout=float(peer_timeout))
-
-
-def make_client(s: S3Settings, pool: int, session: Any = None) -> Any:
-    """A boto3 S3 client for ``s`` with bounded timeouts, standard retries, ``pool`` connections.
-
-    ``session`` (a ``boto3.session.Session``) lets several clients share one loaded service
-    model and credential chain; sessions are not thread-safe, so callers serialize creation.
-    """
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(
-        region_name=s.region,
-        connect_timeout=s.connect_timeout,
-        read_timeout=s.read_timeout,
-        retries={"mode": "standard", "max_attempts": s.max_attempts},
-        max_pool_connections=max(pool, 1),
-        tcp_keepalive=True,
-        # kvx moves opaque blocks: no per-request CRC over the body unless an API requires one,
-        # and no SHA-256 of the payload in the signature (botocore does it over plain http).
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        s3={"addressing_style": "path" if s.endpoint else "auto", "payload_signing_enabled": False},
-    )
-    return (session or boto3.session.Session()).client("s3", endpoint_url=s.endpoint, config=cfg)
-
-
-class _StatusError(Exception):
-    """An S3 error response of the lean HTTP path: HTTP status, S3 error code and message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-        self.reusable = False  # body read to its end on a kept-alive connection
-
-
-class _ConnectFailed(ConnectionError):
-    """The lean path could not open a connection (refused, unreachable, connect timeout)."""
-
-
-def _from_code(code: str, status: int | None, msg: str, what: str, where: str) -> KVXError:
-    """Map an S3 error code / HTTP status of an operation on ``what`` to the kvx error tree."""
-    if code in _MISSING_KEY:
-        return RemoteError(f"{what}: no such object (never written, or deleted)")
-    if code == "NoSuchBucket":
-        return RemoteError(f"{what}: no such bucket")
-    if code in _AUTH_CODES or status == 403:
-        return RemoteError(f"{what}: {where} refused the credentials ({code or status}): check "
-                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-    if code == "InvalidRange" or status == 416:
-        return RemoteError(f"{what}: byte range outside the stored object (shorter than registered?)")
-    if status is not None and status >= 500:
-        return TransferError(f"{what}: {where} failed with {code or status} after retries: {msg}")
-    return RemoteError(f"{what}: {where} refused the request: {code or status}: {msg}")
-
-
-def translate(exc: BaseException, what: str, endpoint: str | None) -> KVXError:
-    """Map a botocore / lean-path / socket error of an operation on ``what`` to the kvx error tree."""
-    if isinstance(exc, KVXError):
-        return exc
-    where = endpoint or "AWS S3"
-    if isinstance(exc, _StatusError):
-        return _from_code(exc.code or str(exc.status), exc.status, exc.message, what, where)
-    if isinstance(exc, _ConnectFailed):
-        return PeerDisconnected(f"{what}: object store at {where} unreachable or dropped the connection: "
-                                f"{exc.__cause__ or exc}")
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover - boto3 is there if we got this far
-        return TransferError(f"{what}: {exc}")
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {}) or {}
-        status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
-        return _from_code(str(err.get("Code", "")), status, err.get("Message", "") or "", what, where)
-    if isinstance(exc, (bx.ReadTimeoutError, socket.timeout, TimeoutError)):
-        return TransferTimeout(f"{what}: no answer from {where} in time ({exc})")
-    if isinstance(exc, bx.NoCredentialsError):
-        return RemoteError(f"{what}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectTimeoutError,
-                        bx.ResponseStreamingError, bx.HTTPClientError, http.client.HTTPException,
-                        ConnectionError, OSError)):
-        return PeerDisconnected(f"{what}: object store at {where} unreachable or dropped the connection: {exc}")
-    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-def _view(addr: int, n: int) -> memoryview:
-    """A writable byte view of ``n`` bytes of process memory at ``addr`` (no copy)."""
-    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
-
-
-class _MemReader(io.RawIOBase):
-    """A seekable file over process memory whose ``read`` returns views, not copies.
-
-    botocore takes request bodies as bytes or files; this lets the HTTP layer ``sendall``
-    slices of the registered memory directly, and rewind it for a retry.
-    """
-
-    def __init__(self, addr: int, n: int) -> None:
-        super().__init__()
-        self._mv = _view(addr, n)
-        self._n = n
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        base = (0, self._pos, self._n)[whence]
-        self._pos = max(0, min(self._n, base + off))
-        return self._pos
-
-    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        end = self._n if size is None or size < 0 else min(self._n, self._pos + max(size, _SEND_CHUNK))
-        out = self._mv[self._pos:end]
-        self._pos = end
-        return out
-
-    def readinto(self, b: Any) -> int:  # pragma: no cover - the HTTP layer uses read()
-        k = min(len(b), self._n - self._pos)
-        b[:k] = self._mv[self._pos:self._pos + k]
-        self._pos += k
-        return k
-
 
 # ---------------------------------------------------------------------------------------------
 class _S3Request(Request):
@@ -328,6 +90,7 @@ class _S3Request(Request):
         self._user_cancel = True
         self.stop = True
         return not self._ev.is_set()
+_PUT, _MPU, _PART, _GET = 0, 1, 2, 3
 
 
 class _Multipart:
@@ -354,28 +117,8 @@ class _ObjPrep:
     whole: np.ndarray
 
 
-class _LeanEndpoint:
-    """Where the lean path connects: scheme, host, port, ``Host`` header, path prefix, signer."""
 
-    __slots__ = ("host", "https", "netloc", "port", "prefix", "signer")
-
-    def __init__(self, s: S3Settings) -> None:
-        u = urlsplit(s.endpoint or "")
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise UsageError(f"S3 endpoint {s.endpoint!r} is not an http(s)://host[:port] URL")
-        self.https = u.scheme == "https"
-        self.host = u.hostname
-        self.port = u.port or (443 if self.https else 80)
-        self.netloc = u.netloc.rsplit("@", 1)[-1]
-        self.prefix = u.path.rstrip("/")
-        self.signer = Signer(s.region)
-
-
-# unit kinds
-_PUT, _MPU, _PART, _GET = 0, 1, 2, 3
-
-
-class S3Backend(Backend):
+class S3Backend(LeanPath, Backend):
     """HOST memory <-> OBJECT registrations through boto3; see the module docstring."""
 
     name = "s3"
@@ -383,6 +126,7 @@ class S3Backend(Backend):
     remote = False
     local = True
     notifications = False
+    Options = S3Options
 
     #: one boto3 client per worker thread (True) or one shared client with a pool (False).
     #: Measured on SeaweedFS (docs/storage-objects.md): per-thread clients were as fast or
@@ -396,7 +140,7 @@ class S3Backend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.settings = settings_from_env(float(ctx.config.peer_timeout))
+        self.settings = settings_from_env(float(ctx.config.peer_timeout), ctx.options)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._live: dict[int, int] = {}  # slot -> gen of every region registered with us
@@ -431,9 +175,7 @@ class S3Backend(Backend):
             if c is None:
                 with self._mk_lock:  # boto3 session/client creation is not thread-safe
                     if self._session is None:
-                        import boto3
-
-                        self._session = boto3.session.Session()
+                        self._session = self.settings.session()
                     c = make_client(self.settings, 2, self._session)
                 self._tls.client = c
             return c
@@ -683,179 +425,6 @@ class S3Backend(Backend):
                 raw.release_conn()  # body fully read: the connection goes back to the pool
             else:
                 body.close()  # drop the connection: its stream is in an unknown state
-
-    # ---- lean GET/PUT path ---------------------------------------------------------------
-    def _auth(self, method: str, path: str) -> dict[str, str]:
-        """SigV4 headers for ``method path`` with the current credentials (UNSIGNED-PAYLOAD)."""
-        c = self._creds
-        if c is None:
-            with self._mk_lock:
-                if self._session is None:
-                    import boto3
-
-                    self._session = boto3.session.Session()
-                c = self._session.get_credentials()
-            if c is None:
-                raise RemoteError("no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-            self._creds = c
-        f = c.get_frozen_credentials()  # refreshes expiring (role, SSO) credentials when due
-        ep = self._lean
-        assert ep is not None
-        return ep.signer.headers(method, ep.netloc, path, f.access_key, f.secret_key, f.token)
-
-    def _conn(self) -> tuple[http.client.HTTPConnection, bool]:
-        """This thread's connection to the endpoint, opened when needed; (conn, reused)."""
-        c: http.client.HTTPConnection | None = getattr(self._tls, "conn", None)
-        if c is not None and c.sock is not None:
-            return c, True
-        ep = self._lean
-        assert ep is not None
-        s = self.settings
-        c = (http.client.HTTPSConnection(ep.host, ep.port, timeout=s.connect_timeout) if ep.https
-             else http.client.HTTPConnection(ep.host, ep.port, timeout=s.connect_timeout))
-        try:
-            c.connect()  # sets TCP_NODELAY
-        except OSError as exc:
-            c.close()
-            raise _ConnectFailed(f"cannot connect to {ep.netloc}: {exc}") from exc
-        assert c.sock is not None
-        c.sock.settimeout(s.read_timeout)
-        self._tls.conn = c
-        return c, False
-
-    def _drop_conn(self) -> None:
-        c = getattr(self._tls, "conn", None)
-        if c is not None:
-            self._tls.conn = None
-            try:
-                c.close()
-            except OSError:  # pragma: no cover
-                pass
-
-    def _retrying(self, req: _S3Request, attempt: Any) -> None:
-        """Run ``attempt(conn)`` with bounded retries and exponential backoff with jitter.
-
-        Throttling, 5xx, connection errors and timeouts are retried up to ``max_attempts`` in
-        all; a kept-alive connection found closed by the server is replaced at once, once,
-        without counting as an attempt. kvx errors (cancel, release, size mismatch) and other
-        S3 errors are final. The connection is dropped whenever its state is unknown.
-        """
-        tries = 0
-        free = 1
-        while True:
-            conn, reused = self._conn()
-            try:
-                attempt(conn)
-                return
-            except BaseException as exc:
-                if not (isinstance(exc, _StatusError) and exc.reusable):
-                    self._drop_conn()
-                if isinstance(exc, KVXError) or req.stop:
-                    raise
-                if isinstance(exc, _StatusError):
-                    if exc.status not in _RETRY_STATUS and exc.code not in _RETRY_CODES:
-                        raise
-                elif not isinstance(exc, (OSError, http.client.HTTPException)):
-                    raise
-                if reused and free and isinstance(exc, _STALE):
-                    free -= 1
-                    continue
-                tries += 1
-                if tries >= self.settings.max_attempts:
-                    raise
-                delay = random.random() * min(20.0, 2.0 ** (tries - 1))
-                log.debug("s3: retrying in %.2f s after %r", delay, exc)
-                time.sleep(delay)
-
-    @staticmethod
-    def _status_error(resp: http.client.HTTPResponse) -> "_StatusError":
-        """The error of a non-2xx response; reads (at most 64 KiB of) its XML body."""
-        body = b""
-        try:
-            body = resp.read(65536) if resp.length is None or resp.length <= 65536 else b""
-        except (OSError, http.client.HTTPException):
-            pass
-        m = _CODE_RE.search(body)
-        mm = _MSG_RE.search(body)
-        err = _StatusError(resp.status, m.group(1).decode(errors="replace") if m else "",
-                           mm.group(1).decode(errors="replace") if mm else resp.reason)
-        err.reusable = resp.isclosed() and not resp.will_close
-        return err
-
-    def _lean_get(self, req: _S3Request, bucket: str, key: str, addr: int, n: int, off: int, ranged: bool,
-                  slots: tuple[int, int]) -> None:
-        """GET (a range of) an object straight into ``n`` bytes of memory at ``addr``."""
-        ep = self._lean
-        assert ep is not None
-        path = ep.prefix + canonical_path(bucket, key)
-        rng = f"bytes={off}-{off + n - 1}" if ranged else None
-        live = self._live
-
-        def attempt(conn: http.client.HTTPConnection) -> None:
-            conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
-            for h, v in self._auth("GET", path).items():
-                conn.putheader(h, v)
-            if rng is not None:
-                conn.putheader("Range", rng)
-            conn.endheaders()
-            resp = conn.getresponse()
-            st = resp.status
-            if st != 200 and st != 206:
-                raise self._status_error(resp)
-            clen = resp.length
-            if clen != n or (rng is not None and st == 200 and off != 0):
-                raise RemoteError(f"s3://{bucket}/{key}: the store returned {clen} bytes where {n} were expected "
-                                  "(object size differs from the registration)")
-            mv = _view(addr, n)
-            readinto = resp.readinto
-            got = 0
-            while got < n:
-                if req.stop or slots[0] not in live or slots[1] not in live:
-                    raise TransferError("transfer cancelled or registration released while reading")
-                k = readinto(mv[got:min(n, got + _READ_CHUNK)])
-                if not k:
-                    raise http.client.IncompleteRead(b"", n - got)
-                got += k
-
-        self._retrying(req, attempt)
-
-    def _lean_put(self, req: _S3Request, bucket: str, key: str, addr: int, n: int, slots: tuple[int, int]) -> None:
-        """PUT ``n`` bytes of memory at ``addr`` as one whole object (atomic in S3)."""
-        ep = self._lean
-        assert ep is not None
-        path = ep.prefix + canonical_path(bucket, key)
-        live = self._live
-        clen = str(n)
-
-        def attempt(conn: http.client.HTTPConnection) -> None:
-            conn.putrequest("PUT", path, skip_host=True, skip_accept_encoding=True)
-            for h, v in self._auth("PUT", path).items():
-                conn.putheader(h, v)
-            conn.putheader("Content-Length", clen)
-            conn.endheaders()
-            sock = conn.sock
-            assert sock is not None
-            mv = _view(addr, n)
-            try:
-                for i in range(0, n, _PUT_CHUNK):
-                    if req.stop or slots[0] not in live or slots[1] not in live:
-                        raise TransferError("transfer cancelled or registration released while writing")
-                    sock.sendall(mv[i:i + _PUT_CHUNK])
-            except OSError as exc:
-                # the store may have answered early (refused credentials, ...) and closed
-                try:
-                    early = conn.getresponse()
-                except BaseException:
-                    raise exc from None
-                if early.status < 300:
-                    raise
-                raise self._status_error(early) from exc
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise self._status_error(resp)
-            resp.read()  # empty body; the connection stays usable
-
-        self._retrying(req, attempt)
 
     def _start_multipart(self, req: _S3Request, bucket: str, key: str, u: tuple[Any, ...]) -> None:
         _k, a, n, _o, ls, rs = u

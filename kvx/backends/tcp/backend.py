@@ -1,0 +1,630 @@
+"""The tcp backend: its options, registration and pins, the listener and the target's serving
+threads, peers, and posting transfers."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import config as _cfg
+from ... import wire
+from ..._slots import MAX_SLOTS
+from ...errors import (
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+)
+from ...memory import MemoryKind, Region
+from ...net import (
+    MAX_HANDSHAKES,
+    RefusalLog,
+    accept_loop,
+    client_handshake,
+    open_listener,
+    send_frame,
+    server_handshake,
+)
+from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
+from .common import (
+    _BIG_ENDIAN,
+    _K_MSG,
+    _U64,
+    FAST_MAX,
+    MAX_DESCS,
+    SMALL_DESCS,
+    _coalesce,
+    _frame,
+    _hostname_ok,
+    _i64,
+    _native_u64,
+    _net,
+    _split_large,
+    _why,
+    advertised,
+    tune_socket,
+)
+from .initiator import _Chunk, _FastRequest, _FastStream, _PeerConn, _Stream, _TcpRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Prep:
+    addr: np.ndarray
+    nbytes: np.ndarray
+
+
+
+# ---- the backend -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TcpOptions:
+    """Options of the ``tcp`` backend (``AgentConfig(options={"tcp": TcpOptions(...)})``).
+
+    Parameters
+    ----------
+    streams
+        TCP connections per peer; a large transfer is striped over them (``KVX_TCP_STREAMS``).
+    chunk
+        Bytes per data frame, the pipelining unit of large transfers (``KVX_TCP_CHUNK``).
+    fast_max
+        Largest transfer (at most 16 descriptors) on the low-latency path; 0 turns it off
+        (``KVX_TCP_FAST_MAX``).
+    spin_us
+        Microseconds a waiter retries its socket before sleeping (``KVX_TCP_SPIN_US``).
+    serve_spin_us
+        Microseconds a serving thread waits for the next small request before sleeping
+        (``KVX_TCP_SERVE_SPIN_US``).
+    rcvlowat
+        ``SO_RCVLOWAT`` of large receives, bytes; 0 = off (``KVX_TCP_RCVLOWAT``).
+    """
+
+    streams: int = _cfg.option("KVX_TCP_STREAMS")
+    chunk: int = _cfg.option("KVX_TCP_CHUNK")
+    fast_max: int = _cfg.option("KVX_TCP_FAST_MAX")
+    spin_us: float = _cfg.option("KVX_TCP_SPIN_US")
+    serve_spin_us: float = _cfg.option("KVX_TCP_SERVE_SPIN_US")
+    rcvlowat: int = _cfg.option("KVX_TCP_RCVLOWAT")
+
+
+class TcpBackend(Backend):
+    """Host memory to and from agents on any node over TCP; see the module docstring."""
+
+    name = "tcp"
+    kinds = frozenset({MemoryKind.HOST})
+    remote = True
+    local = False
+    notifications = True
+    Options = TcpOptions
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.cfg = ctx.config
+        self.max_msg = int(_cfg.get("KVX_MAX_MESSAGE"))
+        self.timeout = float(self.cfg.peer_timeout)
+        self.inline = int(self.cfg.inline_bytes)
+        opts: TcpOptions = ctx.options if ctx.options is not None else TcpOptions()
+        self.opts = opts
+        self.fast_max = max(0, int(opts.fast_max))
+        self.streams = max(1, int(opts.streams))
+        self.chunk = max(4096, int(opts.chunk))
+        #: seconds the thread waiting for a fast-path reply retries the socket before sleeping in
+        #: poll: a reply arriving within it costs no wakeup
+        self.spin = float(opts.spin_us) * 1e-6
+        #: seconds a serving thread keeps retrying its socket after a small request before
+        #: sleeping: the next small request of a burst is picked up without a wakeup
+        self.serve_spin = float(opts.serve_spin_us) * 1e-6
+        #: SO_RCVLOWAT for large receives: wake once this many bytes are queued, not per segment
+        self.rcv_lowat = int(opts.rcvlowat)
+        self._lock = threading.RLock()
+        self._closed = False
+        # registrations as the target sees them, and pins held by serving threads
+        self._cv = threading.Condition()
+        self._lo = np.zeros(MAX_SLOTS, dtype=_U64)
+        self._hi = np.zeros(MAX_SLOTS, dtype=_U64)
+        self._live = np.zeros(MAX_SLOTS, dtype=bool)
+        self._pins = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._view: list[tuple[int, int, int]] = []
+        self._starts: list[int] = []
+        self._peers: dict[str, _PeerConn] = {}
+        self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
+        self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: refused connections and requests: logged a few at a time, counted per kind
+        self.refused = RefusalLog(log)
+        #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
+        self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
+        host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
+        self._lsock = open_listener(host, port)
+        self.address: tuple[str, int] = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
+        self._addrs = advertised(self._lsock)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-tcp-accept-{ctx.agent_name}",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if _net is None:
+            return "the native module kvx._net is not built (pip install -e . rebuilds it)"
+        return None
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if not isinstance(region, Region) or region.kind != MemoryKind.HOST:
+            raise RegistrationError("tcp backend registers HOST memory only")
+        with self._cv:
+            self._lo[slot] = region.addr
+            self._hi[slot] = region.addr + region.nbytes
+            self._live[slot] = True
+            self._rebuild_view()
+        return slot
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        slot = int(handle)
+        with self._cv:
+            if self._lo[slot] != region.addr:
+                return
+            self._live[slot] = False
+            self._rebuild_view()
+            if self._cv.wait_for(lambda: self._pins[slot] == 0, self.timeout):
+                self._lo[slot] = self._hi[slot] = 0
+                return
+            # a serving thread is stuck in I/O on this region: cut its connection to wake it
+            stuck = [s for s, _t, pinned in self._served.values() if slot in pinned]
+        for s in stuck:
+            log.error("a peer did not finish a transfer on a released region within %.1f s; disconnecting it",
+                      self.timeout)
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._pins[slot] == 0, 10.0):  # pragma: no cover
+                log.error("tcp: region slot %d still pinned after cutting its connections", slot)
+            self._lo[slot] = self._hi[slot] = 0
+
+    def _pin(self, addr: np.ndarray, nb: np.ndarray, pinned: set[int]) -> str | None:
+        """Validate target descriptors and pin their regions; return a refusal reason or None."""
+        if addr.shape[0] == 0:
+            return "empty descriptor list"
+        slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
+        bad = slots < 0
+        if bad.any():
+            i = int(np.argmax(bad))
+            return f"descriptor {i} (0x{int(addr[i]):x}+{int(nb[i])}) is outside registered memory"
+        used = np.unique(slots)
+        with self._cv:  # re-check against our own view, atomically with pinning
+            ok = (self._live[used].all() and bool(np.all(addr >= self._lo[slots]))
+                  and bool(np.all(addr + nb <= self._hi[slots])))
+            if not ok:
+                return "the region was released"
+            self._pins[used] += 1
+        pinned.update(used.tolist())
+        return None
+
+    def _pin_small(self, ab: bytes, nbb: bytes, pinned: set[int]) -> tuple[str | None, int]:
+        """``_pin`` for a few descriptors, without numpy: each descriptor must lie inside one
+        live registration of ours (the view ``register``/``deregister`` keep, which a release
+        updates before it returns); pins under the same lock. Returns (refusal or None, bytes)."""
+        k = len(ab) // 8
+        if k == 0:
+            return "empty descriptor list", 0
+        addrs = struct.unpack(f"<{k}Q", ab)
+        nbs = struct.unpack(f"<{k}Q", nbb)
+        total = sum(nbs)
+        slots = []
+        with self._cv:
+            starts, view = self._starts, self._view
+            for i, (a, n) in enumerate(zip(addrs, nbs)):
+                j = bisect.bisect_right(starts, a) - 1
+                if j < 0 or a + n > view[j][1]:
+                    return (f"descriptor {i} (0x{a:x}+{n}) is outside registered memory"
+                            " (or the region was released)"), total
+                slots.append(view[j][2])
+            used = set(slots)  # one pin per distinct region, as ``_unpin`` drops one per region
+            for sl in used:
+                self._pins[sl] += 1
+        pinned.update(used)
+        return None, total
+
+    def _rebuild_view(self) -> None:
+        """Sorted (start, end, slot) of live regions (caller holds ``_cv``)."""
+        live = sorted((int(self._lo[sl]), int(self._hi[sl]), int(sl)) for sl in np.flatnonzero(self._live))
+        self._view = live
+        self._starts = [r[0] for r in live]
+
+    def _unpin(self, pinned: set[int]) -> None:
+        if not pinned:
+            return
+        with self._cv:
+            self._pins[np.fromiter(pinned, dtype=np.int64)] -= 1
+            self._cv.notify_all()
+        pinned.clear()
+
+    # ---- listener / target side ------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
+
+    def _accept_loop(self) -> None:
+        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp", self.refused)
+
+    def _start_serving(self, s: socket.socket, addr: Any) -> None:
+        t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
+        with self._lock:
+            self._served[id(s)] = (s, t, set())
+        t.start()
+
+    def _serve(self, s: socket.socket, addr: Any) -> None:
+        key = id(s)
+        pinned = self._served[key][2]
+        who = f"{addr[0]}:{addr[1]}"
+        try:
+            try:
+                hello = server_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name,
+                                         float(self.cfg.handshake_timeout))
+            except (KVXError, OSError) as exc:
+                self.refused("connections", "tcp: refused a connection from %s: %s", who, exc)
+                return
+            finally:
+                self._hs.release()
+            if hello["svc"] != "data":
+                h = self.side_handler
+                if h is None:
+                    self.refused("connections", "tcp: refused %r request from %s: no side channel here",
+                                 hello["svc"], who)
+                    return
+                h(s, hello)
+                return
+            name = hello["name"]
+            tune_socket(s, self.timeout)
+            send_frame(s, wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id))
+            s.setblocking(False)
+            self._serve_loop(s, name, pinned)
+        except (KVXError, OSError) as exc:
+            log.info("tcp: connection from %s ended: %s", who, exc)
+        finally:
+            self._unpin(pinned)
+            with self._lock:
+                self._served.pop(key, None)
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int]) -> None:
+        fd = s.fileno()
+        to = self.timeout
+        spin = 0.0
+        while not self._closed:
+            try:
+                body = _net.recv_frame(fd, self.max_msg, to, 0.5, spin)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            if body == -1:
+                spin = 0.0
+                continue
+            if body == 0:
+                return
+            msg = wire.unpack(body, max_bytes=self.max_msg)
+            t = msg["t"]
+            if t in ("w", "r"):
+                wire.check(msg, t, {"rid": int, "addr": bytes, "nbytes": bytes})
+                rid = msg["rid"]
+                ab, nbb = msg["addr"], msg["nbytes"]
+                if len(ab) != len(nbb) or len(ab) % 8:
+                    raise ProtocolError("malformed descriptor arrays")
+                a2: Any
+                n2: Any
+                if len(ab) <= 8 * SMALL_DESCS:
+                    # scalar path: same checks against our live registrations, no numpy
+                    why, total = self._pin_small(ab, nbb, pinned)
+                    a2, n2 = ab, nbb
+                    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
+                        a2, n2 = _native_u64(ab), _native_u64(nbb)
+                else:
+                    addr = np.frombuffer(ab, dtype=_U64)
+                    nb = np.frombuffer(nbb, dtype=_U64)
+                    total = int(nb.sum(dtype=np.float64))
+                    why = self._pin(addr, nb, pinned)
+                    if why is None:
+                        a2, n2 = _coalesce(addr, nb)
+                spin = self.serve_spin if total <= FAST_MAX else 0.0
+                if t == "w":
+                    if why is None:
+                        try:
+                            _net.recvv(fd, a2, n2, to, 0.0, self.rcv_lowat)
+                        finally:
+                            self._unpin(pinned)
+                        _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
+                    else:
+                        self.refused("requests", "tcp: refused a write from %s: %s", peer, why)
+                        if total > self.max_msg:
+                            raise ProtocolError(f"refused write of {total} bytes: {why}")
+                        _net.discard(fd, total, to)
+                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
+                else:
+                    if why is None:
+                        try:
+                            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), a2, n2, to)
+                        finally:
+                            self._unpin(pinned)
+                    else:
+                        self.refused("requests", "tcp: refused a read from %s: %s", peer, why)
+                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
+            elif t == "notif":
+                wire.check(msg, "notif", {"msg": bytes})
+                self.ctx.deliver(peer, msg["msg"])
+            elif t == "regions":
+                wire.check(msg, "regions", {"rid": int})
+                rows = [[int(MemoryKind.HOST), r.addr, r.nbytes, r.dev, slot, gen]
+                        for slot, (r, gen) in self.ctx.regions().items()
+                        if isinstance(r, Region) and r.kind == MemoryKind.HOST]
+                _net.sendv(fd, _frame(wire.pack("rows", re=msg["rid"], rows=rows)), None, None, to)
+            else:
+                rid = msg.get("rid")
+                if isinstance(rid, int):
+                    _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=f"unknown request {t!r}")), None, None, to)
+
+    # ---- peers -----------------------------------------------------------------------------
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if sec is None:
+            return False
+        addrs = sec.get("addrs") if isinstance(sec, dict) else None
+        if (not isinstance(addrs, list) or not addrs or len(addrs) > 64
+                or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and _hostname_ok(a[0])
+                           and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
+                           for a in addrs)):
+            raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
+        conn = _PeerConn(self, peer.name)
+        socks: list[socket.socket] = []
+        try:
+            for i in range(self.streams + (1 if self.fast_max else 0)):
+                socks.append(self._dial(peer, addrs, i))
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        for s in socks:
+            s.setblocking(False)
+        if self.fast_max:
+            conn.fast = _FastStream(conn, socks[-1])
+        for i, s in enumerate(socks[: self.streams]):
+            conn.streams.append(_Stream(conn, s, i))
+        with self._lock:
+            if self._closed:
+                for s in socks:
+                    s.close()
+                return False
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = conn
+        if old is not None:
+            old.close()
+        for st in conn.streams:
+            st.start()
+        return True
+
+    def _dial(self, peer: PeerInfo, addrs: list[list[Any]], idx: int) -> socket.socket:
+        last: BaseException | None = None
+        hto = float(self.cfg.handshake_timeout)
+        for host, port in addrs:
+            try:
+                s = socket.create_connection((host, port), timeout=hto)
+            except (UnicodeError, ValueError) as exc:  # not resolvable as a name at all
+                raise ProtocolError(f"bad tcp address {host!r:.80} in {peer.name!r} metadata: {exc}") from exc
+            except OSError as exc:
+                last = exc
+                continue
+            try:
+                tune_socket(s, self.timeout)
+                rep = client_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name, "data",
+                                       hto, expect_id=peer.agent_id)
+                wire.check(rep, "welcome", {"name": str, "id": str})
+                return s
+            except BaseException:
+                s.close()
+                raise
+        raise PeerDisconnected(f"cannot reach {peer.name!r} over tcp at "
+                               f"{', '.join(f'{h}:{p}' for h, p in addrs)}: {last}")
+
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        conn = self._peers.get(peer_name)
+        if conn is None or conn.dead:
+            return None
+        msg = conn.control("regions", float(self.cfg.handshake_timeout))
+        rows = msg.get("rows")
+        if not isinstance(rows, list):
+            raise ProtocolError("malformed region table")
+        out = []
+        for r in rows:
+            if (not isinstance(r, list) or len(r) != 6
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)
+                    or not 0 < r[4] < MAX_SLOTS):
+                raise ProtocolError("malformed region row")
+            out.append(tuple(r))
+        return out  # type: ignore[return-value]
+
+    def disconnect(self, peer_name: str) -> None:
+        with self._lock:
+            conn = self._peers.pop(peer_name, None)
+        if conn is not None:
+            conn.close()
+
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        if plist.peer is not None:
+            conn = self._peers.get(plist.peer)
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"not connected to {plist.peer!r} over tcp")
+        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64))
+
+    # ---- transfers -------------------------------------------------------------------------
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request:
+        lp: _Prep = local.bdata[self.name]
+        rp: _Prep = remote.bdata[self.name]
+        conn = self._peers.get(remote.peer)  # type: ignore[arg-type]
+        if conn is None or conn.dead:
+            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
+                                   + (f": {conn.error}" if conn is not None else ""))
+        if self.fast_max:
+            small = self._small(op, lp, lidx, rp, ridx)
+            if small is not None:
+                req = self._fast_post(conn, op, *small, notify)
+                if req is not None:
+                    return req
+        li, ri = _i64(lidx), _i64(ridx)
+        if li.shape != ri.shape:
+            raise ValueError("index lists differ in length")
+        if li.size == 0:
+            return DoneRequest(0)
+        if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
+            raise IndexError("descriptor index out of range")
+        ln = lp.nbytes[li]
+        if not np.array_equal(ln, rp.nbytes[ri]):
+            raise ValueError("paired descriptors differ in length")
+        laddr, raddr = lp.addr[li], rp.addr[ri]
+        laddr, raddr, ln = _split_large(laddr, raddr, ln, self.chunk)
+        total = int(ln.sum())
+        cum = np.cumsum(ln)
+        g = np.maximum((cum - _U64(1)) // _U64(self.chunk), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
+        edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
+        bounds = [0, *edges.tolist(), ln.shape[0]]
+        req = _TcpRequest(total, len(bounds) - 1, conn, notify)
+        chunks = []
+        for a, b in zip(bounds, bounds[1:]):
+            la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            chunks.append(_Chunk(op, req, la, lnb, raddr[a:b].tobytes(), ln[a:b].tobytes(),
+                                 int(cum[b - 1] - (cum[a - 1] if a else 0))))
+        if len(chunks) == 1 and total <= self.inline:
+            # small: send from the posting thread when a stream is free (saves a thread hop)
+            for st in conn.streams:
+                if st.send_lock.acquire(blocking=False):
+                    try:
+                        st.send_chunk(chunks[0])
+                    except OSError as exc:
+                        err = PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}")
+                        conn.fail(err)
+                        raise err from exc
+                    finally:
+                        st.send_lock.release()
+                    return req
+        conn.put(chunks)
+        return req
+
+    def _small(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any
+               ) -> tuple[bytes, bytes, bytes, bytes, int] | None:
+        """The fast path's descriptors, computed without numpy, or None when not small:
+        (local addr, local nbytes as native u64; target addr, nbytes as little-endian u64; bytes)."""
+        if type(lidx) is int:
+            lidx = [lidx]
+        if type(ridx) is int:
+            ridx = [ridx]
+        if isinstance(lidx, np.ndarray) and lidx.size <= SMALL_DESCS:
+            lidx = lidx.tolist()
+        if isinstance(ridx, np.ndarray) and ridx.size <= SMALL_DESCS:
+            ridx = ridx.tolist()
+        if not isinstance(lidx, (list, tuple)) or not isinstance(ridx, (list, tuple)):
+            return None
+        k = len(lidx)
+        if k == 0 or k > SMALL_DESCS or len(ridx) != k:
+            return None
+        nl, nr = lp.addr.shape[0], rp.addr.shape[0]
+        la, ln, ra, rn = [], [], [], []
+        for i, j in zip(lidx, ridx):
+            if type(i) is not int or type(j) is not int:
+                return None  # numpy scalars, bools...: the general path checks them
+            if not (0 <= i < nl and 0 <= j < nr):
+                raise IndexError("descriptor index out of range")
+            la.append(int(lp.addr[i]))
+            ln.append(int(lp.nbytes[i]))
+            ra.append(int(rp.addr[j]))
+            rn.append(int(rp.nbytes[j]))
+        if ln != rn:
+            raise ValueError("paired descriptors differ in length")
+        total = sum(ln)
+        if total > self.fast_max:
+            return None
+        return (struct.pack(f"={k}Q", *la), struct.pack(f"={k}Q", *ln), struct.pack(f"<{k}Q", *ra),
+                struct.pack(f"<{k}Q", *rn), total)
+
+    def _fast_post(self, conn: _PeerConn, op: Op, la: bytes, ln: bytes, ra: bytes, rn: bytes, total: int,
+                   notify: bytes | None) -> Request | None:
+        """Send a small transfer on the peer's fast stream; None when that stream is busy."""
+        fs = conn.fast
+        if fs is None:
+            return None
+        if not fs.owner.acquire(blocking=False):
+            fs.reap(0.0)  # the previous reply may be in: reading it frees the stream
+            if not fs.owner.acquire(blocking=False):
+                return None
+        req = _FastRequest(fs, total, la, ln, notify)
+        req.rid = rid = conn.next_rid()
+        body = wire.pack("w" if op is Op.WRITE else "r", rid=rid, addr=ra, nbytes=rn)
+        head = wire.frame_header(_K_MSG, len(body)) + body
+        if op is Op.WRITE:
+            fs.send(req, head, la, ln)
+        else:
+            fs.send(req, head, None, None)
+        return req
+
+    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+                  notify: bytes | None) -> Callable[[], Request | int]:
+        """Small transfers: descriptors computed once, each post goes straight to the fast stream."""
+        small = self._small(op, local.bdata[self.name], lidx, remote.bdata[self.name], ridx) \
+            if self.fast_max else None
+        if small is None:
+            return super().make_plan(op, local, lidx, remote, ridx, notify)
+        peer = remote.peer
+
+        def post() -> Request | int:
+            conn = self._peers.get(peer)  # type: ignore[arg-type]
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
+                                       + (f": {conn.error}" if conn is not None else ""))
+            req = self._fast_post(conn, op, *small, notify)
+            return req if req is not None else self.post(op, local, lidx, remote, ridx, notify)
+
+        return post
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        conn = self._peers.get(peer_name)
+        if conn is None or conn.dead:
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected over tcp")
+        conn.put([(wire.pack("notif", msg=message), 0, None)])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(timeout=5.0)
+        for p in peers:
+            p.close()
+        with self._lock:
+            served = list(self._served.values())
+        for s, _t, _p in served:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _s, t, _p in served:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
+        self.refused.flush()
+
+

@@ -1,0 +1,484 @@
+"""The tcp backend's initiator side: transfer requests, chunks, the streams and their threads, the
+thread-less fast stream, and the connection to one peer."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import wire
+from ...errors import (
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+)
+from ..base import Op, Request, ThreadRequest
+from .common import _K_MSG, ERRORS, _net, _why
+
+if TYPE_CHECKING:
+    from .backend import TcpBackend
+
+log = logging.getLogger(__name__)
+
+
+# ---- initiator side --------------------------------------------------------------------------
+class _TcpRequest(ThreadRequest):
+    """A transfer in flight: done when every chunk is acknowledged."""
+
+    def __init__(self, nbytes: int, nchunks: int, conn: "_PeerConn", notify: bytes | None) -> None:
+        super().__init__(nbytes)
+        self._left = nchunks
+        self._lock = threading.Lock()
+        self._conn = conn
+        self._notify = notify
+
+    @property
+    def failed(self) -> bool:
+        return self._err is not None
+
+    def chunk_done(self, err: BaseException | None = None) -> None:
+        with self._lock:
+            if self._ev.is_set():
+                return
+            if err is not None:
+                self._err = err
+                self._ev.set()
+                return
+            self._left -= 1
+            if self._left > 0:
+                return
+        if self._notify is not None:
+            self._conn.enqueue_notif(self._notify)
+        self._ev.set()
+
+    def cancel(self) -> bool:
+        """Chunks not yet sent are dropped; chunks on the wire still land."""
+        self.cancelled = True
+        self.chunk_done(TransferError("transfer cancelled"))
+        return True
+
+
+@dataclass(slots=True)
+class _Chunk:
+    op: Op
+    req: _TcpRequest
+    laddr: np.ndarray  # local addresses (coalesced where contiguous)
+    lnb: np.ndarray
+    raddr: bytes  # target descriptors, raw uint64
+    rnb: bytes
+    nbytes: int
+    rid: int = 0
+
+
+class _Stream:
+    """One TCP connection to a peer, with a sender and a reader thread."""
+
+    def __init__(self, conn: "_PeerConn", sock: socket.socket, idx: int) -> None:
+        self.conn = conn
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.idx = idx
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, Any] = {}  # rid -> _Chunk | control slot
+        self.plock = threading.Lock()
+        self.last = time.monotonic()
+        self._exits = 0
+        self._xlock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._sender, name=f"kvx-tcp-send-{conn.name}-{idx}", daemon=True),
+            threading.Thread(target=self._reader, name=f"kvx-tcp-recv-{conn.name}-{idx}", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _exit(self) -> None:
+        with self._xlock:
+            self._exits += 1
+            last = self._exits == len(self.threads)
+        if last:  # both threads left native I/O: the fd can go
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def add_pending(self, rid: int, item: Any) -> None:
+        with self.plock:
+            if not self.pending:
+                self.last = time.monotonic()
+            self.pending[rid] = item
+
+    def send_chunk(self, ch: _Chunk) -> None:
+        """Send one chunk (caller holds ``send_lock``); raises OSError."""
+        conn = self.conn
+        ch.rid = conn.next_rid()
+        t = "w" if ch.op is Op.WRITE else "r"
+        body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb)
+        head = wire.frame_header(_K_MSG, len(body)) + body
+        self.add_pending(ch.rid, ch)
+        if ch.op is Op.WRITE:
+            _net.sendv(self.fd, head, ch.laddr, ch.lnb, conn.timeout)
+        else:
+            _net.sendv(self.fd, head, None, None, conn.timeout)
+        self.last = time.monotonic()
+
+    def _sender(self) -> None:
+        conn = self.conn
+        try:
+            while True:
+                item = conn.take()
+                if item is None:
+                    return
+                try:
+                    with self.send_lock:
+                        if isinstance(item, _Chunk):
+                            if item.req.failed:
+                                continue
+                            self.send_chunk(item)
+                        else:  # a control frame: (body, rid, slot) or notification bytes
+                            body, rid, slot = item
+                            if rid:
+                                self.add_pending(rid, slot)
+                            _net.sendv(self.fd, wire.frame_header(_K_MSG, len(body)) + body, None, None,
+                                       conn.timeout)
+                except OSError as exc:
+                    if isinstance(item, _Chunk):
+                        item.req.chunk_done(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
+                    conn.fail(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
+                    return
+        finally:
+            self._exit()
+
+    def _reader(self) -> None:
+        conn = self.conn
+        idle = min(0.5, conn.timeout / 4)
+        try:
+            while not conn.dead:
+                try:
+                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, idle, 0.0)
+                except ValueError as exc:
+                    raise ProtocolError(str(exc)) from None
+                if body == -1:
+                    with self.plock:
+                        stalled = bool(self.pending) and time.monotonic() - self.last > conn.timeout
+                    if stalled:
+                        raise TransferTimeout(f"peer {conn.name!r} made no progress for {conn.timeout:.1f} s")
+                    continue
+                if body == 0:
+                    raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
+                msg = wire.unpack(body, max_bytes=conn.max_msg)
+                self.last = time.monotonic()
+                self._handle(msg)
+        except (KVXError, OSError) as exc:
+            if not conn.dead:
+                err = ERRORS(exc, conn.name)
+                if isinstance(exc, ProtocolError):
+                    log.warning("dropping the connection to %s: %s", conn.name, exc)
+                conn.fail(err)
+        finally:
+            self._exit()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == "notif":
+            wire.check(msg, "notif", {"msg": bytes})
+            self.conn.backend.ctx.deliver(self.conn.name, msg["msg"])
+            return
+        rid = msg.get("re")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise ProtocolError(f"unexpected {t!r} frame from the target")
+        with self.plock:
+            item = self.pending.pop(rid, None)
+        if t == "rd":
+            wire.check(msg, "rd", {"n": int})
+            take = isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed
+            try:
+                if take:
+                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat)
+                else:
+                    _net.discard(self.fd, msg["n"], self.conn.timeout)
+            except (KVXError, OSError) as exc:
+                # the chunk left ``pending`` with this reply: the connection's failure cannot reach it
+                if isinstance(item, _Chunk):
+                    item.req.chunk_done(ERRORS(exc, self.conn.name))
+                raise
+            if isinstance(item, _Chunk):
+                item.req.chunk_done(None if take else ProtocolError("read reply of the wrong size"))
+            return
+        if item is None:
+            return  # a cancelled request's reply
+        if isinstance(item, _Chunk):
+            if t == "ok":
+                item.req.chunk_done()
+            elif t == "err":
+                item.req.chunk_done(RemoteError(f"{self.conn.name}: {msg.get('msg', 'refused')}"))
+            else:
+                raise ProtocolError(f"unexpected reply {t!r}")
+        else:  # control request slot: [event, result]
+            item[1] = msg
+            item[0].set()
+
+
+class _FastRequest(Request):
+    """A small transfer on the fast stream: done when its reply was read (by whoever tests)."""
+
+    __slots__ = ("done", "err", "fs", "laddr", "lnb", "nbytes", "notify", "rid")
+
+    def __init__(self, fs: "_FastStream", nbytes: int, laddr: Any, lnb: Any, notify: bytes | None) -> None:
+        self.fs = fs
+        self.nbytes = nbytes
+        self.rid = 0
+        self.laddr = laddr
+        self.lnb = lnb
+        self.notify = notify
+        self.done = False
+        self.err: BaseException | None = None
+
+    def finish(self, err: BaseException | None) -> None:
+        if self.done:
+            return
+        self.err = err
+        self.done = True
+        if err is None and self.notify is not None:
+            self.fs.conn.enqueue_notif(self.notify)
+
+    def test(self) -> bool:
+        if not self.done:
+            self.fs.reap(0.0)
+            if not self.done:
+                return False
+        if self.err is not None:
+            raise self.err
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.fs.reap(left)
+        return self.test()
+
+    def cancel(self) -> bool:
+        """The reply is still consumed later (the bytes may still land)."""
+        self.finish(TransferError("transfer cancelled"))
+        return True
+
+
+class _FastStream:
+    """A peer's dedicated connection for small transfers, without threads.
+
+    One request at a time: the posting thread sends request and payload (``owner`` stays held
+    until the reply was read); the thread that tests or waits reads the reply itself, first
+    retrying the socket for ``SPIN`` seconds so a quick reply costs no wakeup. ``io`` serializes
+    native I/O on the fd with closing it.
+    """
+
+    def __init__(self, conn: "_PeerConn", sock: socket.socket) -> None:
+        self.conn = conn
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.owner = threading.Lock()
+        self.io = threading.Lock()
+        self.cur: _FastRequest | None = None
+        self.closed = False
+
+    def send(self, req: _FastRequest, head: bytes, laddr: Any, lnb: Any) -> None:
+        """Send a request (caller holds ``owner``); raises PeerDisconnected."""
+        conn = self.conn
+        try:
+            with self.io:
+                if self.closed or conn.dead:
+                    raise OSError(errno.ECONNRESET, "the fast stream is closed")
+                self.cur = req
+                _net.sendv(self.fd, head, laddr, lnb, conn.timeout)
+        except OSError as exc:
+            err = PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}")
+            conn.fail(err)
+            raise err from exc
+
+    def reap(self, wait: float) -> None:
+        """Read the outstanding reply if it comes within ``wait`` seconds (0: only if there)."""
+        req = self.cur
+        if req is None:
+            return
+        if not (self.io.acquire(blocking=False) if wait <= 0 else self.io.acquire(timeout=wait)):
+            return
+        err: BaseException | None = None
+        conn = self.conn
+        try:
+            if self.cur is not req:
+                return
+            if self.closed:
+                err = conn.error or PeerDisconnected(f"peer {conn.name!r} is disconnected")
+            else:
+                try:
+                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, max(0.0, wait),
+                                           min(self.conn.backend.spin, wait) if wait > 0 else 0.0)
+                    if body == -1:
+                        return
+                    if body == 0:
+                        raise PeerDisconnected(f"peer {conn.name!r} closed the connection")
+                    msg = wire.unpack(body, max_bytes=conn.max_msg)
+                    t = msg["t"]
+                    if msg.get("re") != req.rid:
+                        raise ProtocolError(f"unexpected {t!r} frame on the fast stream")
+                    if t == "rd":
+                        wire.check(msg, "rd", {"n": int})
+                        if msg["n"] != req.nbytes:
+                            raise ProtocolError("read reply of the wrong size")
+                        _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0)
+                    elif t == "err":
+                        err = RemoteError(f"{conn.name}: {msg.get('msg', 'refused')}")
+                    elif t != "ok":
+                        raise ProtocolError(f"unexpected reply {t!r}")
+                except (KVXError, OSError, ValueError) as exc:
+                    if isinstance(exc, ProtocolError):
+                        log.warning("dropping the connection to %s: %s", conn.name, exc)
+                    err = ERRORS(exc, conn.name)
+                    self.closed = True  # the stream is out of sync: never reuse it
+            self.cur = None
+        finally:
+            self.io.release()
+        req.finish(err)
+        if self.closed:
+            conn.fail(err or PeerDisconnected(f"peer {conn.name!r} is disconnected"))
+        else:
+            self.owner.release()
+
+    def fail(self, err: BaseException) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        req = self.cur
+        if req is not None:
+            req.finish(err)
+
+    def close(self) -> None:
+        got = self.io.acquire(timeout=5.0)  # shutdown() woke any call blocked in I/O
+        try:
+            self.closed = True
+            self.sock.close()
+        finally:
+            if got:
+                self.io.release()
+
+
+class _PeerConn:
+    """The streams to one peer and their shared chunk queue."""
+
+    def __init__(self, backend: "TcpBackend", name: str) -> None:
+        self.backend = backend
+        self.name = name
+        self.timeout = float(backend.cfg.peer_timeout)
+        self.max_msg = backend.max_msg
+        self.streams: list[_Stream] = []
+        self.fast: _FastStream | None = None
+        self.dead = False
+        self.error: BaseException | None = None
+        self._q: collections.deque[Any] = collections.deque()
+        self._cv = threading.Condition()
+        self._rid = 0
+        self._rlock = threading.Lock()
+
+    def next_rid(self) -> int:
+        with self._rlock:
+            self._rid += 1
+            return self._rid
+
+    def put(self, items: list[Any], front: bool = False) -> None:
+        with self._cv:
+            if self.dead:
+                raise PeerDisconnected(f"peer {self.name!r} is disconnected: {self.error}")
+            if front:
+                self._q.extendleft(reversed(items))
+            else:
+                self._q.extend(items)
+            self._cv.notify(len(items))
+
+    def enqueue_notif(self, message: bytes) -> None:
+        try:
+            self.put([(wire.pack("notif", msg=message), 0, None)], front=True)
+        except PeerDisconnected:
+            log.warning("notification to %s lost: the peer is disconnected", self.name)
+
+    def take(self) -> Any:
+        with self._cv:
+            while not self._q and not self.dead:
+                self._cv.wait()
+            if self.dead:
+                return None
+            return self._q.popleft()
+
+    def control(self, t: str, timeout: float, **fields: Any) -> dict[str, Any]:
+        """A request/reply on the streams (e.g. the region table)."""
+        rid = self.next_rid()
+        slot: list[Any] = [threading.Event(), None]
+        self.put([(wire.pack(t, rid=rid, **fields), rid, slot)], front=True)
+        if not slot[0].wait(timeout):
+            raise TransferTimeout(f"no reply from {self.name!r} to {t!r} within {timeout:.1f} s")
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        if slot[1].get("t") == "err":
+            raise RemoteError(f"{self.name}: {slot[1].get('msg')}")
+        return slot[1]  # type: ignore[no-any-return]
+
+    def fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self.dead:
+                return
+            self.dead = True
+            self.error = err
+            queued = list(self._q)
+            self._q.clear()
+            self._cv.notify_all()
+        log.info("tcp peer %s failed: %s", self.name, err)
+        for s in self.streams:
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        e0 = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
+        if self.fast is not None:
+            self.fast.fail(e0)
+        items = queued
+        for s in self.streams:
+            with s.plock:
+                items += list(s.pending.values())
+                s.pending.clear()
+        e = err if isinstance(err, TransferError) else PeerDisconnected(str(err))
+        for it in items:
+            if isinstance(it, _Chunk):
+                it.req.chunk_done(e)
+            elif isinstance(it, list):
+                it[1] = e
+                it[0].set()
+            elif isinstance(it, tuple) and it[2] is not None:
+                it[2][1] = e
+                it[2][0].set()
+
+    def close(self) -> None:
+        self.fail(PeerDisconnected(f"peer {self.name!r} was disconnected locally"))
+        me = threading.current_thread()
+        for s in self.streams:
+            for t in s.threads:
+                if t is not me and t.ident is not None:
+                    t.join(timeout=5.0)
+        if self.fast is not None:
+            self.fast.close()
+
+
