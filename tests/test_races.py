@@ -32,7 +32,7 @@ def _start_all() -> None:
     if _runs:
         return
     for path in PATHS:
-        cmd = [sys.executable, "-m", "kvx.testing.races", "run", "--path", path, "--limit", str(LIMIT)]
+        cmd = [sys.executable, "-m", "kvx.testing.races", "run", "--path", path, "--rounds", "1", "--limit", str(LIMIT)]
         _runs[path] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        start_new_session=True)
 

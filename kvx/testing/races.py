@@ -55,7 +55,7 @@ from kvx.testing.procs import PeerProcess
 __all__ = ["PATHS", "SCENARIOS", "RaceTarget", "run_scenario"]
 
 BS = 1 << 20  # block size: transfers above inline_bytes run on native threads (in flight)
-NBLOCKS = 32
+NBLOCKS = 16
 NBYTES = BS * NBLOCKS
 #: seconds within which every transfer must end once its fate is sealed
 BOUND = 10.0
@@ -63,7 +63,7 @@ BOUND = 10.0
 WATCH = 0.25
 ALLOWED = (kvx.TransferError, kvx.UsageError)
 #: seconds a target process may take to quit (close its agent) when asked
-QUIT = 15.0
+QUIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ PATHS: dict[str, PathSpec] = {
 
 
 def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
 
 
 def _digest(buf: Any) -> str:
