@@ -34,6 +34,9 @@ class HiCacheKVXConfig:
         Size of the slab; pages beyond it evict the least recently used.
     fsync
         fdatasync the index journal after each batch.
+    direct_io
+        Read and write the slab with ``O_DIRECT`` (bypassing the page cache), as SGLang's
+        HiCacheNixl does by default.
     timeout_s
         Bound on one batch transfer.
     policy
@@ -44,6 +47,7 @@ class HiCacheKVXConfig:
     path: str = "/tmp/kvx_hicache"
     capacity_gb: float = 16.0
     fsync: bool = False
+    direct_io: bool = False
     timeout_s: float = 60.0
     host_gb: float = 4.0
     disk_path: str | None = None
@@ -68,7 +72,7 @@ class HiCacheKVXConfig:
             if f is None:
                 raise UsageError(f"unknown kvx HiCache setting {k!r} (known: {', '.join(sorted(mine))})")
             want = {"store": str, "path": str, "disk_path": str, "s3_bucket": str, "policy": str,
-                    "fsync": bool}.get(k, float)
+                    "fsync": bool, "direct_io": bool}.get(k, float)
             if want is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise UsageError(f"kvx HiCache setting {k!r} must be a positive number, not {v!r}")

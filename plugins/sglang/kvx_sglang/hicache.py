@@ -209,6 +209,8 @@ class HiCacheKVX(HiCacheStorage):
         else:
             self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}")
             try:
+                if self.cfg.direct_io:
+                    self.agent.backend("posix").configure(direct=True)  # before the slab is opened
                 self._reg = self.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
                 self._host = self.agent.prepare(DescList.from_arrays(
                     kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))

@@ -60,6 +60,9 @@ class SlabStore:
         Seconds a batch transfer may take.
     """
 
+    #: A get is read and verified in this many pieces (checksumming overlaps the reading).
+    CHUNKS = 4
+
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
                  fsync: bool = False) -> None:
@@ -103,18 +106,26 @@ class SlabStore:
         self._plist = agent.prepare(DescList.from_arrays(
             kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity), dev=file_id))
         self._log_pos = 0
+        self._log_ino = -1
+        self._records = 0
         self._log: Any = None
         self._replay()
         if writer:
-            self._log = open(self.log_path, "ab")
+            self._compact()
         used = {s for s, _ in self._index.values()}
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
 
     # ------------------------------------------------------------------------------------
     def _replay(self) -> None:
-        """Apply journal records past ``_log_pos`` (all of them at start)."""
+        """Apply journal records past ``_log_pos`` (all of them at start, or when the writer
+        compacted the journal into a new file)."""
         try:
             with open(self.log_path, "rb") as f:
+                ino = os.fstat(f.fileno()).st_ino
+                if ino != self._log_ino:  # a new journal: read it from the start
+                    self._index.clear()
+                    self._log_pos = 0
+                    self._log_ino = ino
                 f.seek(self._log_pos)
                 data = f.read()
         except FileNotFoundError:
@@ -141,12 +152,32 @@ class SlabStore:
                     if cur is not None and cur[0] == slot:
                         del self._index[key]
                 pos = unpacker.tell()
+                self._records += 1
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
             log.warning("journal %s: unreadable record (%s); ignoring the rest", self.log_path, exc)
         self._log_pos += pos
 
+    def _compact(self) -> None:
+        """Rewrite the journal as one record per stored page (a new file, renamed into place)."""
+        tmp = self.log_path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(msgpack.packb([_PUT, k, slot, c]) for k, (slot, c) in self._index.items()))
+            f.flush()
+            if self.fsync:
+                os.fdatasync(f.fileno())
+        if self._log is not None:
+            self._log.close()
+        os.replace(tmp, self.log_path)
+        self._log = open(self.log_path, "ab")
+        self._log_ino = os.fstat(self._log.fileno()).st_ino
+        self._records = len(self._index)
+
     def _append(self, records: list[list[Any]]) -> None:
         if self._log is None or not records:
+            return
+        self._records += len(records)
+        if self._records > 4 * self.capacity + 4096:  # mostly dead records: start a fresh journal
+            self._compact()
             return
         self._log.write(b"".join(msgpack.packb(r) for r in records))
         self._log.flush()
@@ -207,12 +238,13 @@ class SlabStore:
         src = self.geom.frag_index(pages[new_i])
         dst = self.geom.frag_index(np.asarray(slots, dtype=np.int64))
         try:
-            self.agent.write(host, src, self._plist, dst).wait(self.timeout)
+            x = self.agent.write(host, src, self._plist, dst)
+            sums = self.digest(pages[new_i])  # while the native threads write the same bytes out
+            x.wait(self.timeout)
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
             raise
-        sums = self.digest(pages[new_i])
         with self._lock:
             recs = []
             for i, slot, c in zip(new_i, slots, sums.tolist()):
@@ -243,9 +275,16 @@ class SlabStore:
         if n == 0:
             return ok
         slots = np.fromiter((s for s, _ in found), dtype=np.int64, count=n)
-        self.agent.read(host, self.geom.frag_index(pages[:n]), self._plist,
-                        self.geom.frag_index(slots)).wait(self.timeout)
-        sums = self.digest(pages[:n])
+        # all reads go out at once, in chunks; each chunk is checked as soon as it has landed,
+        # while the native threads still read the next ones
+        bounds = list(range(0, n, max(1, -(-n // self.CHUNKS)))) + [n]
+        xs = [self.agent.read(host, self.geom.frag_index(pages[a:b]), self._plist,
+                              self.geom.frag_index(slots[a:b])) for a, b in zip(bounds, bounds[1:])]
+        parts = []
+        for x, a, b in zip(xs, bounds, bounds[1:]):
+            x.wait(self.timeout)
+            parts.append(self.digest(pages[a:b]))
+        sums = np.concatenate(parts)
         bad: list[int] = []
         for i, ((slot, want), got) in enumerate(zip(found, sums.tolist())):
             if want == got:
@@ -282,9 +321,7 @@ class SlabStore:
                 return
             self._index.clear()
             self._free = list(range(self.capacity - 1, -1, -1))
-            if self._log is not None:
-                self._log.truncate(0)
-                self._log.seek(0)
+            self._compact()  # an empty journal in a new file: readers start over too
 
     def close(self) -> None:
         with self._lock:

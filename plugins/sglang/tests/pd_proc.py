@@ -159,13 +159,17 @@ def main() -> None:
         r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_AUX)
         st, dt = wait_for(r.poll, (KVPoll.Success, KVPoll.Failed), "room 1 transfer")
         want_kv, want_aux = buffers(1234), aux_buffers(4321)
-        kv_ok = all(torch.equal(kv[b].view(PAGES, -1)[d].view(torch.int16), want_kv[b].view(PAGES, -1)[s].view(torch.int16))
+        def page(t, p):
+            return t.view(PAGES, -1)[p].view(torch.int16)
+
+        kv_ok = all(torch.equal(page(kv[b], d), page(want_kv[b], s))
                     for b in range(len(kv)) for s, d in zip(SRC_PAGES, DST_PAGES))
         others = [p for p in range(PAGES) if p not in DST_PAGES]
         untouched = all(torch.equal(kv[b].view(PAGES, -1)[others].view(torch.int16),
                                     before[b].view(PAGES, -1)[others].view(torch.int16)) for b in range(len(kv)))
         mine, theirs = _aux_tensors(aux), _aux_tensors(want_aux)
-        aux_ok = all(torch.equal(a[DST_AUX].view(torch.uint8), b[SRC_AUX].view(torch.uint8)) for a, b in zip(mine, theirs))
+        aux_ok = all(torch.equal(a[DST_AUX].view(torch.uint8), b[SRC_AUX].view(torch.uint8))
+                     for a, b in zip(mine, theirs))
         say(event="room", room=1, state=int(st), seconds=dt, kv_ok=kv_ok, aux_ok=aux_ok, untouched=untouched)
         r2 = recv_cls(mgr, addr, 2)
         r2.init(0)

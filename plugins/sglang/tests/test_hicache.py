@@ -240,3 +240,33 @@ def test_bad_host_indices_are_refused(tmp_path):
             b.batch_get_v1(keys(2), token_indices([0], 16))
     finally:
         b.close()
+
+
+def test_journal_is_compacted_and_readers_follow(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 11)
+    pb = pool.page_size * pool.size_per_token
+    b = make(tmp_path, pool, capacity_gb=2 * pb / (1 << 30))
+    try:
+        st = b.pages
+        limit = 4 * st.capacity + 4096
+        i = 0
+        while st._records <= limit - 4:  # each set of a new key past capacity: a DEL and a PUT
+            assert all(b.batch_set_v1([f"j{i:063x}"], token_indices([i % 64], 16)))
+            i += 1
+        size_before = os.path.getsize(st.log_path)
+        for j in range(4):
+            assert all(b.batch_set_v1([f"j{i + j:063x}"], token_indices([j], 16)))
+        assert os.path.getsize(st.log_path) < size_before / 100  # one record per stored page now
+        assert st._records <= 2 * st.capacity + 2
+    finally:
+        b.close()
+    b = make(tmp_path, pool, capacity_gb=2 * pb / (1 << 30))  # and the compacted journal replays
+    try:
+        assert b.batch_exists([f"j{i + 2:063x}", f"j{i + 3:063x}"]) == 2
+        assert all(b.batch_get_v1([f"j{i + 3:063x}"], token_indices([40], 16)))
+        assert page_bytes(pool, 40) == page_bytes(pool, 3)
+        b.clear()
+        assert b.batch_exists([f"j{i + 3:063x}"]) == 0
+    finally:
+        b.close()
