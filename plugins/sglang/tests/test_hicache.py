@@ -270,3 +270,18 @@ def test_journal_is_compacted_and_readers_follow(tmp_path):
         assert b.batch_exists([f"j{i + 3:063x}"]) == 0
     finally:
         b.close()
+
+
+def test_direct_io_roundtrip(tmp_path):
+    pool = mha_pool("page_first", page_size=64)  # K and V halves of 32 KiB: O_DIRECT without bounces
+    fill(pool, 12)
+    b = make(tmp_path, pool, direct_io=True)
+    try:
+        ks = keys(3)
+        want = [page_bytes(pool, p) for p in (1, 2, 3)]
+        assert all(b.batch_set_v1(ks, token_indices([1, 2, 3], 64)))
+        fill(pool, 13)
+        assert all(b.batch_get_v1(ks, token_indices([7, 8, 9], 64)))
+        assert [page_bytes(pool, p) for p in (7, 8, 9)] == want
+    finally:
+        b.close()
