@@ -9,7 +9,8 @@ one item per page); the aux rows come from SGLang's real ``MetadataBuffers``. Pr
 stdout as one JSON object per line.
 
 Rooms: 1 moves pages and an aux row (decode checks them byte for byte); 2 is aborted by decode
-after its metadata went out; 3 is aborted by prefill; 4 waits until the test kills the prefill.
+after its metadata went out; 3 is aborted by prefill; 5 belongs to a second decode process
+(``victim``) that the test kills before prefill sends; 4 waits until the test kills the prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import time
 
 ROLE, PORT, MODEL = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+VICTIM = len(sys.argv) > 4 and sys.argv[4] == "victim"  # a second decode, killed by the test
 os.environ["SGLANG_HOST_IP"] = "127.0.0.1"
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 16, 4, 32
@@ -127,7 +129,7 @@ def main() -> None:
         mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, False)
         say(event="ready", manager=type(mgr).__name__, server=type(server).__name__)
         sender_cls = get_kv_class(backend, KVClassType.SENDER)
-        senders = {room: sender_cls(mgr, addr, room) for room in (1, 2, 3, 4)}
+        senders = {room: sender_cls(mgr, addr, room) for room in (1, 2, 3, 4, 5)}
         s = senders[1]
         st, _ = wait_for(s.poll, (KVPoll.WaitingForInput, KVPoll.Failed), "room 1 bootstrap")
         s.init(len(SRC_PAGES), SRC_AUX)
@@ -139,8 +141,29 @@ def main() -> None:
         wait_for(senders[3].poll, (KVPoll.WaitingForInput,), "room 3 bootstrap")
         senders[3].abort()
         say(event="room", room=3, state=int(senders[3].poll()), seconds=0.0)
+        # room 5: its decode process is killed after sending its page list; the test says when
+        wait_for(senders[5].poll, (KVPoll.WaitingForInput,), "room 5 bootstrap")
+        say(event="waiting", room=5)
+        assert sys.stdin.readline().strip() == "send"
+        s5 = senders[5]
+        s5.init(2, SRC_AUX)
+        s5.send(np.array(SRC_PAGES[:2], dtype=np.int32))
+        st, dt = wait_for(s5.poll, (KVPoll.Success, KVPoll.Failed), "room 5 dead decode")
+        say(event="room", room=5, state=int(st), seconds=dt)
         wait_for(senders[4].poll, (KVPoll.WaitingForInput,), "room 4 bootstrap")
         say(event="waiting", room=4)
+        time.sleep(3600)  # the test kills this process
+    elif ROLE == "decode" and VICTIM:
+        mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, False)
+        t0 = time.monotonic()
+        while not mgr.try_ensure_parallel_info(addr):
+            if time.monotonic() - t0 > BOUND:
+                raise TimeoutError("prefill bootstrap info never appeared")
+            time.sleep(0.2)
+        r5 = get_kv_class(backend, KVClassType.RECEIVER)(mgr, addr, 5)
+        r5.init(0)
+        r5.send_metadata(np.array(DST_PAGES[:2], dtype=np.int32), DST_AUX)
+        say(event="waiting", room=5)
         time.sleep(3600)  # the test kills this process
     else:
         mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, False)

@@ -32,11 +32,11 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, role: str, port: int, model: str, log: str) -> None:
+    def __init__(self, role: str, port: int, model: str, log: str, *extra: str) -> None:
         env = dict(os.environ, **HEARTBEAT_ENV)
         self.err = open(log, "wb")
-        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_proc.py"), role, str(port), model],
-                                  stdout=subprocess.PIPE, stderr=self.err, env=env, cwd=HERE)
+        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_proc.py"), role, str(port), model, *extra],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env, cwd=HERE)
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -74,10 +74,11 @@ def model_dir(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_prefill_to_decode_success_aborts_and_dead_prefill(tmp_path, model_dir):
+def test_prefill_to_decode_success_aborts_and_dead_peers(tmp_path, model_dir):
     port = free_port()
     pre = Proc("prefill", port, model_dir, str(tmp_path / "prefill.log"))
     dec = Proc("decode", port, model_dir, str(tmp_path / "decode.log"))
+    victim = Proc("decode", port, model_dir, str(tmp_path / "victim.log"), "victim")
     try:
         start = 300.0  # importing SGLang takes a while on a loaded 2-core machine
         assert pre.next(start)["event"] == "ready"
@@ -93,6 +94,16 @@ def test_prefill_to_decode_success_aborts_and_dead_prefill(tmp_path, model_dir):
         p3, d3 = pre.next(60), dec.next(60)
         assert (p3["room"], p3["state"], d3["room"], d3["state"]) == (3, FAILED, 3, FAILED)
         assert d3["seconds"] < 10
+        # room 5: its decode process dies after sending its page list -> the prefill's transfer fails
+        assert pre.next(60) == {"event": "waiting", "room": 5}
+        assert victim.next(300) == {"event": "waiting", "room": 5}
+        victim.p.send_signal(signal.SIGKILL)
+        victim.p.wait(timeout=30)
+        assert pre.p.stdin is not None
+        pre.p.stdin.write(b"send\n")
+        pre.p.stdin.flush()
+        p5 = pre.next(DEAD_PEER_BOUND + 30)
+        assert (p5["room"], p5["state"]) == (5, FAILED) and p5["seconds"] < DEAD_PEER_BOUND
         # room 4: the prefill process dies mid-request -> decode reaches Failed within the bound
         assert pre.next(60) == {"event": "waiting", "room": 4}
         assert dec.next(60) == {"event": "waiting", "room": 4}
@@ -102,5 +113,5 @@ def test_prefill_to_decode_success_aborts_and_dead_prefill(tmp_path, model_dir):
         assert (d4["room"], d4["state"]) == (4, FAILED)
         assert d4["seconds"] < DEAD_PEER_BOUND and time.monotonic() - t0 < DEAD_PEER_BOUND
     finally:
-        pre.stop()
-        dec.stop()
+        for p in (pre, dec, victim):
+            p.stop()
