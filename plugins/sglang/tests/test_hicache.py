@@ -134,8 +134,7 @@ def test_corrupt_page_is_a_miss(tmp_path):
 
 
 def test_unsupported_layout_is_refused(tmp_path):
-    pool = mha_pool("page_first")
-    pool.layout = "page_unified"  # what SGLang's page-unified pool reports; it has no page meta
+    pool = mha_pool("page_unified")  # SGLang's fused K/V layout: no zero-copy page meta
     cfg = storage_config(dict(EXTRA, path=str(tmp_path), capacity_gb=0.01))
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     with pytest.raises(LayoutError, match="page_unified.*supported"):
