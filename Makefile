@@ -48,6 +48,18 @@ test: $(STAMP) services
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
+# The SGLang plugin (HiCache storage + PD transfer backend) against SGLang 0.5.23, in its own
+# cached venv (~11 GB, ~10 min the first time; KVX_SGLANG_VENV overrides where it lives).
+.PHONY: test-sglang bench-sglang
+test-sglang:
+	plugins/sglang/run_tests.sh -q
+
+# HiCache L3 backends side by side: kvx vs SGLang's HiCacheNixl (POSIX) and HiCacheFile.
+bench-sglang:
+	@mkdir -p $(OUT)
+	$$(plugins/sglang/setup_venv.sh | tail -n 1)/bin/python plugins/sglang/bench/bench_hicache.py \
+	  --json $(OUT)/bench-sglang.json
+
 lint: $(STAMP)
 	$(BIN)/ruff check kvx tests benchmarks
 	$(BIN)/mypy

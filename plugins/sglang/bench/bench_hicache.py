@@ -1,0 +1,160 @@
+"""HiCache L3 storage backends side by side: kvx vs SGLang's HiCacheNixl (POSIX) and HiCacheFile.
+
+Each backend stores and loads the same pages of one real SGLang host pool (MHA, page_first,
+the default layout), through the very functions SGLang's ``HiCacheController`` uses for it:
+the zero-copy ``_page_set_zero_copy``/``_page_get_zero_copy`` for kvx (``dynamic`` with
+``interface_v1``) and NIXL, the copying ``_generic_page_set``/``_generic_page_get`` for the
+file backend. Batches of 128 pages (SGLang's ``STORAGE_BATCH_SIZE``), fresh keys every
+round, backends interleaved round by round; every loaded page is compared byte for byte
+outside the timed region. All stores write buffered files under one directory (one
+filesystem); reads therefore come from the page cache for every backend alike.
+
+    python bench/bench_hicache.py [--dir DIR] [--rounds N] [--page-sizes 16,64] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import torch
+from pools import fill, mha_pool, page_bytes, storage_config, token_indices
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+#: Qwen2.5-0.5B's KV geometry (24 layers, 2 KV heads of 64, bf16): 12 KiB per token.
+GEOMETRY = {"layers": 24, "heads": 2, "head_dim": 64}
+
+
+def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any, Any]:
+    """The backend and the controller's (page_set, page_get) functions for it."""
+    d = os.path.join(root, f"{name}-{pool.page_size}")
+    os.makedirs(d, exist_ok=True)
+    if name in ("kvx", "kvx-full", "kvx-direct"):
+        if name == "kvx-full":  # a slab of exactly one batch: every set evicts and overwrites slots
+            capacity_gb = (STORAGE_BATCH_SIZE + 0.5) * pool.page_size * pool.size_per_token / (1 << 30)
+        extra = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
+                 "interface_v1": 1, "path": d, "capacity_gb": capacity_gb, "direct_io": name == "kvx-direct"}
+        b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+        fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
+    elif name in ("nixl", "nixl-direct"):
+        os.environ["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = d
+        os.environ["SGLANG_HICACHE_NIXL_BACKEND_PLUGIN"] = "POSIX"
+        # nixl-direct: O_DIRECT, SGLang's default for HiCacheNixl; nixl: buffered, like the others
+        extra = {"use_direct_io": name == "nixl-direct", "l3_cleaner_enabled": False}
+        b = StorageBackendFactory.create_backend("nixl", storage_config(extra), pool)
+        fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
+    else:
+        extra = {"file_storage_path": d}
+        b = StorageBackendFactory.create_backend("file", storage_config(extra), pool)
+        fns = (HiCacheController._generic_page_set, HiCacheController._generic_page_get)
+    b.register_mem_pool_host(pool)
+    ctl = SimpleNamespace(storage_backend=b, storage_host_pool=pool, mem_pool_host=pool,
+                          page_size=pool.page_size)
+    return b, ctl, fns
+
+
+def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, Any]:
+    n = STORAGE_BATCH_SIZE
+    pool = mha_pool("page_first", page_size=page_size, pages=2 * n + 1, **GEOMETRY)
+    fill(pool, page_size)
+    pb = page_size * pool.size_per_token
+    src = list(range(n))
+    dst = list(range(n, 2 * n))
+    src_idx, dst_idx = token_indices(src, page_size), token_indices(dst, page_size)
+    want = [page_bytes(pool, p) for p in src]
+    op = SimpleNamespace(request_id="bench", is_terminated=lambda: False)
+    cap = (rounds + 1) * n * pb / (1 << 30)  # every round's pages stay stored, as in the other stores
+    backends = {nm: build(nm, root, pool, cap) for nm in names}
+    times: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
+    for r in range(rounds + 1):  # round 0 warms up (first files, first transfers) and is not counted
+        order = names[r % len(names):] + names[: r % len(names)]
+        for nm in order:
+            _b, ctl, (pset, pget) = backends[nm]
+            keys = [f"{page_size:04x}{r:08x}{i:052x}" for i in range(n)]
+            t0 = time.perf_counter()
+            ok = pset(ctl, keys, src_idx)
+            t1 = time.perf_counter()
+            assert ok, f"{nm}: batch set failed"
+            pool.kv_buffer[:, n * page_size:].zero_()
+            t2 = time.perf_counter()
+            got = pget(ctl, op, keys, dst_idx)
+            t3 = time.perf_counter()
+            assert got == n, f"{nm}: loaded {got} of {n} pages"
+            assert [page_bytes(pool, p) for p in dst] == want, f"{nm}: loaded pages differ"
+            if r:
+                times[nm]["set"].append(t1 - t0)
+                times[nm]["get"].append(t3 - t2)
+    for b, _c, _f in backends.values():
+        if hasattr(b, "close"):
+            b.close()
+    out: dict[str, Any] = {"page_size": page_size, "page_bytes": pb, "batch": n, "backends": {}}
+    for nm in names:
+        row = {}
+        for opn in ("set", "get"):
+            for stat, f in (("median", statistics.median), ("best", min)):
+                t = f(times[nm][opn])
+                row[f"{opn}_{stat}"] = {"s_per_batch": t, "pages_per_s": n / t, "GB_per_s": n * pb / t / 1e9}
+        out["backends"][nm] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=None, help="directory for all stores (default: a temp dir)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--page-sizes", default="16,64")
+    ap.add_argument("--backends", default="kvx,kvx-full,nixl,file,kvx-direct,nixl-direct",
+                    help="kvx: every page stays stored, so each set writes slab slots for the first time; "
+                         "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
+                         "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
+                         "default for HiCacheNixl)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="kvx-hicache-bench-", dir=a.dir)
+    names = a.backends.split(",")
+    results = []
+    try:
+        for ps in [int(x) for x in a.page_sizes.split(",")]:
+            results.append(run(ps, a.rounds, root, names))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    # like against like: buffered kvx against the buffered stores, O_DIRECT against O_DIRECT
+    pairs = [(k, r) for k in names if k.startswith("kvx") for r in names
+             if not r.startswith("kvx") and k.endswith("-direct") == r.endswith("-direct")]
+    print(f"# {platform.node()} {os.cpu_count()} cpus, stores under {os.path.dirname(root)}, "
+          f"batch {STORAGE_BATCH_SIZE} pages, {a.rounds} rounds")
+    print(f"{'page':>5} {'page KiB':>8} {'op':>4} " + " ".join(f"{nm + ' pages/s':>17} {'GB/s':>6}" for nm in names)
+          + "".join(f" {k + '/' + r:>14}" for k, r in pairs))
+    for stat in ("median", "best"):
+        print(f"## {stat} of {a.rounds} rounds")
+        for res in results:
+            rows = res["backends"]
+            for op in ("set", "get"):
+                opn = f"{op}_{stat}"
+                line = f"{res['page_size']:>5} {res['page_bytes'] / 1024:>8.0f} {op:>4} "
+                line += " ".join(f"{rows[nm][opn]['pages_per_s']:>17.0f} {rows[nm][opn]['GB_per_s']:>6.2f}"
+                                 for nm in names)
+                line += "".join(f" {rows[k][opn]['pages_per_s'] / rows[r][opn]['pages_per_s']:>13.2f}x"
+                                for k, r in pairs)
+                print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

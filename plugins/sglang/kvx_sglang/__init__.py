@@ -1,0 +1,1 @@
+"""kvx for SGLang: HiCache storage backend (``HiCacheKVX``) and PD transfer backend."""

@@ -1,0 +1,89 @@
+"""The extra config of ``--hicache-storage-backend dynamic`` as kvx reads it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvx import UsageError
+
+log = logging.getLogger(__name__)
+
+#: Keys SGLang itself reads from the same JSON object (not ours, not errors).
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+                         "enable_metadata_cache", "metadata_ttl"})
+STORES = ("file", "tiered")
+_GB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheKVXConfig:
+    """Settings of :class:`kvx_sglang.HiCacheKVX` (keys of the extra-config JSON).
+
+    Attributes
+    ----------
+    store
+        ``"file"``: a slab file of pages with a journaled index under ``path`` (one kvx
+        transfer per batch). ``"tiered"``: a ``kvx.tiers.TieredStore`` -- host memory
+        (``host_gb``), then optionally disk (``disk_path``, ``disk_gb``) and S3
+        (``s3_bucket``, ``s3_gb``).
+    path
+        Directory of the slab (``store="file"``).
+    capacity_gb
+        Size of the slab; pages beyond it evict the least recently used.
+    fsync
+        fdatasync the index journal after each batch.
+    direct_io
+        Read and write the slab with ``O_DIRECT`` (bypassing the page cache), as SGLang's
+        HiCacheNixl does by default.
+    timeout_s
+        Bound on one batch transfer.
+    policy
+        Eviction policy of the tiered store (``kvx.tiers.POLICIES``), default adaptive.
+    """
+
+    store: str = "file"
+    path: str = "/tmp/kvx_hicache"
+    capacity_gb: float = 16.0
+    fsync: bool = False
+    direct_io: bool = False
+    timeout_s: float = 60.0
+    host_gb: float = 4.0
+    disk_path: str | None = None
+    disk_gb: float = 64.0
+    s3_bucket: str | None = None
+    s3_gb: float = 256.0
+    policy: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "HiCacheKVXConfig":
+        """Validate the extra config; unknown keys are errors (typos lose data silently)."""
+        extra = dict(extra or {})
+        if not extra.get("interface_v1"):
+            raise UsageError('kvx HiCache storage is zero-copy only: add "interface_v1": 1 to '
+                             "--hicache-storage-backend-extra-config")
+        mine = {f.name: f for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        for k, v in extra.items():
+            if k in SGLANG_KEYS:
+                continue
+            f = mine.get(k)
+            if f is None:
+                raise UsageError(f"unknown kvx HiCache setting {k!r} (known: {', '.join(sorted(mine))})")
+            want = {"store": str, "path": str, "disk_path": str, "s3_bucket": str, "policy": str,
+                    "fsync": bool, "direct_io": bool}.get(k, float)
+            if want is float:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise UsageError(f"kvx HiCache setting {k!r} must be a positive number, not {v!r}")
+                v = float(v)
+            elif not isinstance(v, want):
+                raise UsageError(f"kvx HiCache setting {k!r} must be a {want.__name__}, not {v!r}")
+            kw[k] = v
+        cfg = cls(**kw)
+        if cfg.store not in STORES:
+            raise UsageError(f"kvx HiCache store must be one of {STORES}, not {cfg.store!r}")
+        return cfg
+
+    def bytes_of(self, gb: float) -> int:
+        return int(gb * _GB)

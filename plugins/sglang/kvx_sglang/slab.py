@@ -1,0 +1,334 @@
+"""A slab file of fixed-size KV pages with a journaled, checksummed key index.
+
+One ``kvx.FileRegion`` holds ``capacity`` slots of ``page_bytes``; a page is stored as its
+fragments back to back (see :mod:`kvx_sglang.layout`), so a batch of pages moves between the
+host pool and the slab in one kvx transfer (the ``posix`` backend's vectored I/O).
+
+The index (key -> slot, checksum) lives in memory and in an append-only journal next to the
+slab: ``[op, key, slot, checksum]`` msgpack records, one write per batch, appended only after
+the pages' bytes were written. At start the journal is replayed (a torn tail is ignored), so
+stored pages survive a restart; a page whose bytes did not reach the file fails its checksum
+when read and is a miss, never returned. Readers that do not write (MLA ranks other than the
+writer) follow the writer's journal.
+
+Eviction is least-recently-used over whole pages when the slab is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+import kvx
+from kvx import DescList, MemoryKind, UsageError
+
+from .layout import PageGeometry
+
+log = logging.getLogger(__name__)
+
+#: Longest key the index accepts (SGLang's are 64 hex digits plus a short scope suffix).
+MAX_KEY = 1024
+_PUT, _DEL = 0, 1
+_FORMAT = 1
+
+
+class SlabStore:
+    """Pages of one host-pool geometry in ``{directory}/{name}.slab`` (+ ``.log``, ``.meta``).
+
+    Parameters
+    ----------
+    agent
+        The kvx agent that moves the bytes (holds the host pool's registration).
+    directory, name
+        Where the files go; ``name`` carries the model/rank scope.
+    geom
+        The page geometry (fragment sizes and offsets) of the host pool.
+    capacity
+        Slots (pages) in the slab.
+    writer
+        False: only read, following the journal another process writes.
+    digest
+        ``digest(host_pages) -> uint64 array``: checksum of host-pool pages.
+    timeout
+        Seconds a batch transfer may take.
+    """
+
+    #: A get is read and verified in this many pieces (checksumming overlaps the reading).
+    CHUNKS = 4
+
+    def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
+                 digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
+                 fsync: bool = False) -> None:
+        if capacity <= 0:
+            raise UsageError("slab capacity must be at least one page")
+        self.agent = agent
+        self.geom = geom
+        self.capacity = int(capacity)
+        self.digest = digest
+        self.writer = writer
+        self.timeout = timeout
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._free: list[int] = []
+        os.makedirs(directory, exist_ok=True)
+        self.slab_path = os.path.join(directory, f"{name}.slab")
+        self.log_path = os.path.join(directory, f"{name}.log")
+        meta_path = os.path.join(directory, f"{name}.meta")
+        want = f"kvx-sglang {_FORMAT} {geom.page_bytes} {capacity} {','.join(map(str, geom.sizes.tolist()))}\n"
+        have = None
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                have = f.read()
+        if have != want:
+            if not writer:
+                raise UsageError(f"no slab of this geometry at {self.slab_path} (the writer has not created it)")
+            for p in (self.log_path, self.slab_path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            tmp = meta_path + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(want)
+            os.replace(tmp, meta_path)
+        self._reg = agent.register(kvx.FileRegion(self.slab_path, self.capacity * geom.page_bytes))
+        file_id = int(self._reg.descs.dev[0])
+        slot_base = np.arange(self.capacity, dtype=np.int64)[:, None] * geom.page_bytes
+        addr = (slot_base + geom.offsets[None, :]).ravel()
+        self._plist = agent.prepare(DescList.from_arrays(
+            kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity), dev=file_id))
+        self._log_pos = 0
+        self._log_ino = -1
+        self._records = 0
+        self._log: Any = None
+        self._replay()
+        if writer:
+            self._compact()
+        used = {s for s, _ in self._index.values()}
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+
+    # ------------------------------------------------------------------------------------
+    def _replay(self) -> None:
+        """Apply journal records past ``_log_pos`` (all of them at start, or when the writer
+        compacted the journal into a new file)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                ino = os.fstat(f.fileno()).st_ino
+                if ino != self._log_ino:  # a new journal: read it from the start
+                    self._index.clear()
+                    self._log_pos = 0
+                    self._log_ino = ino
+                f.seek(self._log_pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 16),
+                                    max_str_len=MAX_KEY, max_array_len=4)
+        unpacker.feed(data)
+        pos = 0
+        try:
+            for rec in unpacker:
+                if (not isinstance(rec, list) or len(rec) != 4 or rec[0] not in (_PUT, _DEL)
+                        or not isinstance(rec[1], str) or not isinstance(rec[2], int)
+                        or not isinstance(rec[3], int) or not 0 <= rec[2] < self.capacity):
+                    log.warning("journal %s: bad record at byte %d; ignoring the rest",
+                                self.log_path, self._log_pos + pos)
+                    break
+                op, key, slot, csum = rec
+                if op == _PUT:
+                    for k in [k for k, (s, _) in self._index.items() if s == slot]:
+                        del self._index[k]  # the slot was reused
+                    self._index[key] = (slot, csum)
+                else:
+                    cur = self._index.get(key)
+                    if cur is not None and cur[0] == slot:
+                        del self._index[key]
+                pos = unpacker.tell()
+                self._records += 1
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+            log.warning("journal %s: unreadable record (%s); ignoring the rest", self.log_path, exc)
+        self._log_pos += pos
+
+    def _compact(self) -> None:
+        """Rewrite the journal as one record per stored page (a new file, renamed into place)."""
+        tmp = self.log_path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(msgpack.packb([_PUT, k, slot, c]) for k, (slot, c) in self._index.items()))
+            f.flush()
+            if self.fsync:
+                os.fdatasync(f.fileno())
+        if self._log is not None:
+            self._log.close()
+        os.replace(tmp, self.log_path)
+        self._log = open(self.log_path, "ab")
+        self._log_ino = os.fstat(self._log.fileno()).st_ino
+        self._records = len(self._index)
+
+    def _append(self, records: list[list[Any]]) -> None:
+        if self._log is None or not records:
+            return
+        self._records += len(records)
+        if self._records > 4 * self.capacity + 4096:  # mostly dead records: start a fresh journal
+            self._compact()
+            return
+        self._log.write(b"".join(msgpack.packb(r) for r in records))
+        self._log.flush()
+        if self.fsync:
+            os.fdatasync(self._log.fileno())
+
+    # ------------------------------------------------------------------------------------
+    def prefix(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` stored."""
+        with self._lock:
+            if not self.writer:
+                self._replay()
+            idx = self._index
+            n = 0
+            for k in keys:
+                if k not in idx:
+                    break
+                n += 1
+            return n
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix([key]) == 1
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def put(self, keys: Sequence[str], pages: np.ndarray, host: kvx.PreparedList) -> list[bool]:
+        """Store host pages ``pages`` under ``keys`` (already stored keys are touched)."""
+        if not self.writer:
+            raise UsageError("this slab is read-only here (another rank writes it)")
+        for k in keys:
+            if not isinstance(k, str) or not k or len(k) > MAX_KEY:
+                raise UsageError(f"bad page key {k!r}: a non-empty str of at most {MAX_KEY} characters")
+        new_i: list[int] = []
+        slots: list[int] = []
+        with self._lock:
+            batch = set(keys)
+            seen: set[str] = set()
+            for i, k in enumerate(keys):
+                if k in self._index:
+                    self._index.move_to_end(k)
+                    continue
+                if k in seen:
+                    continue  # the same key twice in one batch: store it once
+                seen.add(k)
+                if not self._free:
+                    victim = next((v for v in self._index if v not in batch), None)
+                    if victim is None:
+                        break  # the batch alone overflows the slab: store what fits
+                    slot, _ = self._index.pop(victim)
+                    self._append([[_DEL, victim, slot, 0]])
+                    self._free.append(slot)
+                slots.append(self._free.pop())
+                new_i.append(i)
+        ok = [k in self._index for k in keys]
+        if not new_i:
+            return ok
+        src = self.geom.frag_index(pages[new_i])
+        dst = self.geom.frag_index(np.asarray(slots, dtype=np.int64))
+        try:
+            x = self.agent.write(host, src, self._plist, dst)
+            sums = self.digest(pages[new_i])  # while the native threads write the same bytes out
+            x.wait(self.timeout)
+        except BaseException:
+            with self._lock:
+                self._free.extend(slots)
+            raise
+        with self._lock:
+            recs = []
+            for i, slot, c in zip(new_i, slots, sums.tolist()):
+                self._index[keys[i]] = (slot, c)
+                recs.append([_PUT, keys[i], slot, c])
+            self._append(recs)
+            return [k in self._index for k in keys]
+
+    def get(self, keys: Sequence[str], pages: np.ndarray, host: kvx.PreparedList) -> list[bool]:
+        """Read the stored prefix of ``keys`` into host pages ``pages``; verify each page.
+
+        Returns one flag per key: True where the page is now in the host pool, checksum
+        verified. A page that fails its checksum is dropped from the index (a miss).
+        """
+        with self._lock:
+            if not self.writer:
+                self._replay()
+            found: list[tuple[int, int]] = []
+            for k in keys:
+                v = self._index.get(k)
+                if v is None:
+                    break
+                if self.writer:
+                    self._index.move_to_end(k)
+                found.append(v)
+        n = len(found)
+        ok = [False] * len(keys)
+        if n == 0:
+            return ok
+        slots = np.fromiter((s for s, _ in found), dtype=np.int64, count=n)
+        # all reads go out at once, in chunks; each chunk is checked as soon as it has landed,
+        # while the native threads still read the next ones
+        bounds = list(range(0, n, max(1, -(-n // self.CHUNKS)))) + [n]
+        xs = [self.agent.read(host, self.geom.frag_index(pages[a:b]), self._plist,
+                              self.geom.frag_index(slots[a:b])) for a, b in zip(bounds, bounds[1:])]
+        parts = []
+        for x, a, b in zip(xs, bounds, bounds[1:]):
+            x.wait(self.timeout)
+            parts.append(self.digest(pages[a:b]))
+        sums = np.concatenate(parts)
+        bad: list[int] = []
+        for i, ((slot, want), got) in enumerate(zip(found, sums.tolist())):
+            if want == got:
+                ok[i] = True
+            else:
+                bad.append(i)
+        if bad:
+            with self._lock:
+                for i in bad:
+                    cur = self._index.get(keys[i])
+                    if cur is not None and cur == found[i]:
+                        log.warning("page %s failed its checksum: dropped", keys[i])
+                        del self._index[keys[i]]
+                        if self.writer:
+                            self._append([[_DEL, keys[i], cur[0], 0]])
+                            self._free.append(cur[0])
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                cur = self._index.pop(k, None)
+                if cur is not None:
+                    self._append([[_DEL, k, cur[0], 0]])
+                    self._free.append(cur[0])
+                    n += 1
+        return n
+
+    def clear(self) -> None:
+        """Forget every page (the slab's bytes stay until overwritten)."""
+        with self._lock:
+            if not self.writer:
+                return
+            self._index.clear()
+            self._free = list(range(self.capacity - 1, -1, -1))
+            self._compact()  # an empty journal in a new file: readers start over too
+
+    def close(self) -> None:
+        with self._lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            try:
+                self._reg.release()
+            except kvx.KVXError:
+                log.debug("slab release", exc_info=True)

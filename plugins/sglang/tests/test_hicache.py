@@ -1,0 +1,286 @@
+"""HiCacheKVX against SGLang's own storage factory and host pools (CPU, no model)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kvx_sglang.hicache import HiCacheKVX
+from kvx_sglang.layout import LayoutError
+from pools import MHA_LAYOUTS, fill, mha_pool, mla_pool, page_bytes, storage_config, token_indices
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+import kvx
+
+EXTRA = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
+         "interface_v1": 1}
+
+
+def make(tmp_path, pool, store="file", **kw):
+    extra = dict(EXTRA, **kw)
+    gb = 64 * pool.page_size * pool.size_per_token / (1 << 30)  # as much as the host pool holds
+    if store == "file":
+        extra.setdefault("path", str(tmp_path / "slab"))
+        extra.setdefault("capacity_gb", gb)
+    else:  # a host tier of half that, then disk
+        extra["store"] = "tiered"
+        extra.setdefault("host_gb", gb / 2)
+        extra.setdefault("disk_path", str(tmp_path / "disk"))
+        extra.setdefault("disk_gb", gb)
+    cfg = storage_config(extra)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def keys(n, tag="k"):
+    return [f"{tag}{i:062x}" for i in range(n)]
+
+
+def test_factory_builds_from_cli_json(tmp_path):
+    pool = mha_pool("page_first")
+    b = make(tmp_path, pool)
+    try:
+        assert isinstance(b, HiCacheKVX)
+        assert b.geom is not None and b.geom.nfrag == 2 and b.geom.page_bytes == pool.page_size * pool.size_per_token
+    finally:
+        b.close()
+
+
+POOLS = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", "page_first"), ("mla", "layer_first")]
+
+
+@pytest.mark.parametrize("store", ["file", "tiered"])
+@pytest.mark.parametrize("kind,layout", POOLS)
+def test_roundtrip_set_evict_get(tmp_path, kind, layout, store):
+    pool = mha_pool(layout) if kind == "mha" else mla_pool(layout)
+    fill(pool, 1)
+    b = make(tmp_path, pool, store)
+    try:
+        src = [3, 7, 8, 20, 41, 63, 0, 1]
+        ks = keys(len(src))
+        want = [page_bytes(pool, p) for p in src]
+        assert b.batch_set_v1(ks, token_indices(src, pool.page_size)) == [True] * len(src)
+        fill(pool, 2)  # the host copies are gone (evicted and reused)
+        dst = [50, 2, 30, 31, 5, 6, 62, 9]
+        assert [page_bytes(pool, p) for p in dst] != want
+        assert b.batch_get_v1(ks, token_indices(dst, pool.page_size)) == [True] * len(src)
+        assert [page_bytes(pool, p) for p in dst] == want
+    finally:
+        b.close()
+
+
+def test_file_store_survives_restart(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 3)
+    ks = keys(4)
+    want = [page_bytes(pool, p) for p in range(4)]
+    b = make(tmp_path, pool)
+    assert all(b.batch_set_v1(ks, token_indices([0, 1, 2, 3], pool.page_size)))
+    b.close()
+    fill(pool, 4)
+    b = make(tmp_path, pool)
+    try:
+        assert b.batch_exists(ks) == 4
+        assert all(b.batch_get_v1(ks, token_indices([10, 11, 12, 13], pool.page_size)))
+        assert [page_bytes(pool, p) for p in (10, 11, 12, 13)] == want
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("store", ["file", "tiered"])
+def test_batch_exists_is_a_prefix(tmp_path, store):
+    pool = mha_pool("page_first")
+    fill(pool, 5)
+    b = make(tmp_path, pool, store)
+    try:
+        a, c, d, x = keys(4)
+        assert b.batch_exists([a, c, d]) == 0
+        assert all(b.batch_set_v1([a, c, d], token_indices([1, 2, 3], pool.page_size)))
+        assert b.batch_exists([a, c, d]) == 3
+        assert b.batch_exists([a, c, x, d]) == 2
+        assert b.batch_exists([x, a]) == 0
+        assert b.exists(c) and not b.exists(x)
+        # a get stops at the first missing page as well
+        assert b.batch_get_v1([a, x, c], token_indices([4, 5, 6], pool.page_size)) == [True, False, False]
+    finally:
+        b.close()
+
+
+def test_corrupt_page_is_a_miss(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 6)
+    b = make(tmp_path, pool)
+    try:
+        ks = keys(3)
+        want = [page_bytes(pool, p) for p in (0, 1, 2)]
+        assert all(b.batch_set_v1(ks, token_indices([0, 1, 2], pool.page_size)))
+        slot, _ = b.pages._index[ks[1] + b.config_suffix]
+        with open(b.pages.slab_path, "r+b") as f:  # flip one byte of the middle page on disk
+            f.seek(slot * b.geom.page_bytes + b.geom.page_bytes // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        ok = b.batch_get_v1(ks, token_indices([10, 11, 12], pool.page_size))
+        assert ok == [True, False, True]
+        assert page_bytes(pool, 10) == want[0] and page_bytes(pool, 12) == want[2]
+        assert b.batch_exists(ks) == 1  # the corrupt page was dropped
+        assert all(b.batch_set_v1(ks, token_indices([0, 1, 2], pool.page_size)))  # and can be stored again
+        assert b.batch_exists(ks) == 3
+    finally:
+        b.close()
+
+
+def test_unsupported_layout_is_refused(tmp_path):
+    pool = mha_pool("page_unified")  # SGLang's fused K/V layout: no zero-copy page meta
+    cfg = storage_config(dict(EXTRA, path=str(tmp_path), capacity_gb=0.01))
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    with pytest.raises(LayoutError, match="page_unified.*supported"):
+        b.register_mem_pool_host(pool)
+    b.close()
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"interface_v1": 0}, "interface_v1"),
+    ({"capcity_gb": 2}, "unknown kvx HiCache setting 'capcity_gb'"),
+    ({"capacity_gb": -1}, "positive number"),
+    ({"store": "nvme"}, "store must be one of"),
+    ({"fsync": "yes"}, "must be a bool"),
+])
+def test_bad_extra_config_is_a_clear_error(tmp_path, extra, msg):
+    cfg = storage_config(dict(EXTRA, path=str(tmp_path), **extra))
+    with pytest.raises(kvx.UsageError, match=msg):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def test_keys_are_scoped_by_rank_and_mla_has_one_writer(tmp_path):
+    extra = dict(EXTRA, path=str(tmp_path), capacity_gb=0.01)
+    pools = [mha_pool("page_first"), mha_pool("page_first")]
+    fill(pools[0], 7)
+    r0, r1 = (StorageBackendFactory.create_backend("dynamic", storage_config(extra, tp_rank=r, tp_size=2), None)
+              for r in (0, 1))
+    r0.register_mem_pool_host(pools[0])
+    r1.register_mem_pool_host(pools[1])
+    try:
+        ks = keys(2)
+        assert all(r0.batch_set_v1(ks, token_indices([0, 1], 16)))
+        assert r0.batch_exists(ks) == 2 and r1.batch_exists(ks) == 0  # TP shards differ: no sharing
+    finally:
+        r0.close()
+        r1.close()
+    # MLA: the KV is the same on every rank; rank 0 writes, the others read its pages
+    mp = [mla_pool("page_first"), mla_pool("page_first")]
+    fill(mp[0], 8)
+    m0, m1 = (StorageBackendFactory.create_backend("dynamic", storage_config(extra, tp_rank=r, tp_size=2, mla=True),
+                                                    None) for r in (0, 1))
+    m0.register_mem_pool_host(mp[0])
+    m1.register_mem_pool_host(mp[1])
+    try:
+        ks = keys(3, "m")
+        assert m1.batch_set_v1(ks, token_indices([0, 1, 2], 16)) == [True] * 3  # not the writer: skipped
+        assert m1.batch_exists(ks) == 0
+        assert all(m0.batch_set_v1(ks, token_indices([0, 1, 2], 16)))
+        assert m1.batch_exists(ks) == 3
+        assert all(m1.batch_get_v1(ks, token_indices([5, 6, 7], 16)))
+        assert [page_bytes(mp[1], p) for p in (5, 6, 7)] == [page_bytes(mp[0], p) for p in (0, 1, 2)]
+    finally:
+        m0.close()
+        m1.close()
+
+
+def test_full_slab_evicts_least_recently_used(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 9)
+    pb = pool.page_size * pool.size_per_token
+    b = make(tmp_path, pool, capacity_gb=4 * pb / (1 << 30))
+    try:
+        ks = keys(6)
+        assert all(b.batch_set_v1(ks[:4], token_indices([0, 1, 2, 3], 16)))
+        assert b.batch_exists(ks[:1]) == 1
+        assert all(b.batch_get_v1(ks[:1], token_indices([9], 16)))  # k0 is now the most recent
+        assert all(b.batch_set_v1(ks[4:], token_indices([4, 5], 16)))  # evicts k1, k2
+        assert [b.exists(k) for k in ks] == [True, False, False, True, True, True]
+        assert all(b.batch_get_v1([ks[4], ks[5]], token_indices([20, 21], 16)))
+        assert [page_bytes(pool, p) for p in (20, 21)] == [page_bytes(pool, p) for p in (4, 5)]
+    finally:
+        b.close()
+
+
+def test_stats_clear_and_close(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 10)
+    b = make(tmp_path, pool)
+    ks = keys(3)
+    assert all(b.batch_set_v1(ks, token_indices([0, 1, 2], 16)))
+    assert all(b.batch_get_v1(ks, token_indices([3, 4, 5], 16)))
+    m = b.get_stats()
+    assert isinstance(m, StorageMetrics)
+    assert m.backup_pgs == [3] and m.prefetch_pgs == [3] and m.prefetch_bandwidth[0] > 0
+    assert b.get_stats().backup_pgs == []  # drained
+    b.clear()
+    assert b.batch_exists(ks) == 0
+    b.close()
+    b.close()
+    with pytest.raises(kvx.UsageError, match="closed"):
+        b.batch_exists(ks)
+
+
+def test_bad_host_indices_are_refused(tmp_path):
+    pool = mha_pool("page_first")
+    b = make(tmp_path, pool)
+    try:
+        with pytest.raises(kvx.UsageError, match="whole pages"):
+            b.batch_set_v1(keys(1), torch.arange(0, 5))
+        with pytest.raises(kvx.UsageError, match="outside the host pool"):
+            b.batch_set_v1(keys(1), torch.arange(64 * 16, 65 * 16))
+        with pytest.raises(kvx.UsageError, match="2 keys but 1 pages"):
+            b.batch_get_v1(keys(2), token_indices([0], 16))
+    finally:
+        b.close()
+
+
+def test_journal_is_compacted_and_readers_follow(tmp_path):
+    pool = mha_pool("page_first")
+    fill(pool, 11)
+    pb = pool.page_size * pool.size_per_token
+    b = make(tmp_path, pool, capacity_gb=2 * pb / (1 << 30))
+    try:
+        st = b.pages
+        limit = 4 * st.capacity + 4096
+        i = 0
+        while st._records <= limit - 4:  # each set of a new key past capacity: a DEL and a PUT
+            assert all(b.batch_set_v1([f"j{i:063x}"], token_indices([i % 64], 16)))
+            i += 1
+        size_before = os.path.getsize(st.log_path)
+        for j in range(4):
+            assert all(b.batch_set_v1([f"j{i + j:063x}"], token_indices([j], 16)))
+        assert os.path.getsize(st.log_path) < size_before / 100  # one record per stored page now
+        assert st._records <= 2 * st.capacity + 2
+    finally:
+        b.close()
+    b = make(tmp_path, pool, capacity_gb=2 * pb / (1 << 30))  # and the compacted journal replays
+    try:
+        assert b.batch_exists([f"j{i + 2:063x}", f"j{i + 3:063x}"]) == 2
+        assert all(b.batch_get_v1([f"j{i + 3:063x}"], token_indices([40], 16)))
+        assert page_bytes(pool, 40) == page_bytes(pool, 3)
+        b.clear()
+        assert b.batch_exists([f"j{i + 3:063x}"]) == 0
+    finally:
+        b.close()
+
+
+def test_direct_io_roundtrip(tmp_path):
+    pool = mha_pool("page_first", page_size=64)  # K and V halves of 32 KiB: O_DIRECT without bounces
+    fill(pool, 12)
+    b = make(tmp_path, pool, direct_io=True)
+    try:
+        ks = keys(3)
+        want = [page_bytes(pool, p) for p in (1, 2, 3)]
+        assert all(b.batch_set_v1(ks, token_indices([1, 2, 3], 64)))
+        fill(pool, 13)
+        assert all(b.batch_get_v1(ks, token_indices([7, 8, 9], 64)))
+        assert [page_bytes(pool, p) for p in (7, 8, 9)] == want
+    finally:
+        b.close()
