@@ -6,7 +6,7 @@
 
 /* A C-contiguous buffer of uint64 values from ``o`` (``what`` names it in the error); 0 or -1 with
  * an exception set. The caller releases ``b``. */
-static int get_u64(PyObject *o, Py_buffer *b, const char *what) {
+static inline int get_u64(PyObject *o, Py_buffer *b, const char *what) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (b->len % 8) {
         PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
