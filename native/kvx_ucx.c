@@ -35,10 +35,11 @@
 #include <time.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 
 #define MAX_EPS 4096
 #define AM_ID 0
-#define AM_MAX (1 << 20) /* largest control message accepted */
+#define AM_MAX (16 << 20) /* largest control message accepted */
 #define AM_QMAX 65536    /* most queued, undrained messages */
 
 static PyObject *UcxError;
@@ -494,7 +495,8 @@ static kep *get_ep(kworker *w, int id) {
 
 static PyObject *worker_ep_create(kworker *w, PyObject *args) {
     Py_buffer a;
-    if (!PyArg_ParseTuple(args, "y*", &a)) return NULL;
+    int peer_errors = 1;
+    if (!PyArg_ParseTuple(args, "y*|p", &a, &peer_errors)) return NULL;
     if (!w->is_open || !w->worker) { PyBuffer_Release(&a); PyErr_SetString(PyExc_RuntimeError, "UCX worker is closed"); return NULL; }
     if (a.len < 8 || a.len > (1 << 16)) {
         PyBuffer_Release(&a);
@@ -514,10 +516,16 @@ static PyObject *worker_ep_create(kworker *w, PyObject *args) {
         ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
         ep.address = (const ucp_address_t *)a.buf;
-        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
         ep.err_handler.cb = ep_err_cb;
         ep.err_handler.arg = e;
+        /* a first try with peer failure handling may be refused by the transports in use (UCX's
+           shared-memory transports): keep UCX from logging that expected refusal as an error */
+        char lvl[64] = "";
+        int quiet = peer_errors && ucs_global_opts_get_value("LOG_LEVEL", lvl, sizeof(lvl)) == UCS_OK &&
+                    ucs_global_opts_set_value("LOG_LEVEL", "fatal") == UCS_OK;
         st = ucp_ep_create(w->worker, &ep, &e->ep);
+        if (quiet) ucs_global_opts_set_value("LOG_LEVEL", lvl);
         if (st == UCS_OK) {
             e->id = id;
             e->last = now_s();
@@ -534,9 +542,9 @@ static PyObject *worker_ep_create(kworker *w, PyObject *args) {
 
 /* Close an endpoint (graceful flush within ``timeout``, then forced) and forget it. */
 static PyObject *worker_ep_close(kworker *w, PyObject *args) {
-    int id;
+    int id, force = 0;
     double timeout = 2.0;
-    if (!PyArg_ParseTuple(args, "i|d", &id, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "i|dp", &id, &timeout, &force)) return NULL;
     CHECK_OPEN(w);
     pthread_mutex_lock(&w->lk);
     kep *e = get_ep(w, id);
@@ -548,10 +556,10 @@ static PyObject *worker_ep_close(kworker *w, PyObject *args) {
         ucp_request_param_t prm;
         memset(&prm, 0, sizeof(prm));
         prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        prm.flags = e->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        prm.flags = (e->failed || force) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        if (!e->failed) { e->failed = 1; e->status = UCS_ERR_CANCELED; }
         ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &prm);
         e->closed = 1;
-        if (!e->failed) { e->failed = 1; e->status = UCS_ERR_CANCELED; }
         if (UCS_PTR_IS_PTR(r)) {
             double until = now_s() + timeout;
             while (ucp_request_check_status(r) == UCS_INPROGRESS && now_s() < until) {
@@ -863,8 +871,8 @@ static PyMethodDef worker_methods[] = {
     {"address", (PyCFunction)worker_address, METH_NOARGS, "This worker's UCP address (bytes)."},
     {"mem_map", (PyCFunction)worker_mem_map, METH_VARARGS, "mem_map(addr, nbytes, cuda) -> (memh, packed rkey)."},
     {"mem_unmap", (PyCFunction)worker_mem_unmap, METH_VARARGS, "mem_unmap(memh)."},
-    {"ep_create", (PyCFunction)worker_ep_create, METH_VARARGS, "ep_create(worker address) -> endpoint id."},
-    {"ep_close", (PyCFunction)worker_ep_close, METH_VARARGS, "ep_close(id, timeout=2.0)."},
+    {"ep_create", (PyCFunction)worker_ep_create, METH_VARARGS, "ep_create(worker address, peer_errors=True) -> endpoint id (UCP_ERR_HANDLING_MODE_PEER, or NONE)."},
+    {"ep_close", (PyCFunction)worker_ep_close, METH_VARARGS, "ep_close(id, timeout=2.0, force=False): graceful (bounded) or forced; pending transfers fail."},
     {"ep_status", (PyCFunction)worker_ep_status, METH_VARARGS, "ep_status(id) -> 0 or the UCS error that failed it."},
     {"rkey_unpack", (PyCFunction)worker_rkey_unpack, METH_VARARGS, "rkey_unpack(ep id, packed) -> rkey handle."},
     {"rkey_destroy", (PyCFunction)worker_rkey_destroy, METH_VARARGS, "rkey_destroy(handle)."},
