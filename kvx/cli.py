@@ -29,7 +29,7 @@ def _size(s: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-BENCH_BACKENDS = ("host", "cuda", "tcp", "posix", "gds", "s3")
+BENCH_BACKENDS = ("host", "cuda", "tcp", "ucx", "posix", "gds", "s3")
 
 
 def _bench_unavailable(name: str) -> str | None:

@@ -27,6 +27,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,7 @@
 #define AM_ID 0
 #define AM_MAX (16 << 20) /* largest control message accepted */
 #define AM_QMAX 65536    /* most queued, undrained messages */
+#define WAIT_SPIN_S 50e-6 /* how long a waiter progresses the worker itself */
 
 static PyObject *UcxError;
 
@@ -230,22 +232,49 @@ static void reap_failed(kworker *w) {
 }
 
 /* ---- progress thread --------------------------------------------------------------------- */
+/*
+ * UCX's wakeup does not signal everything a transport still holds after ucp_worker_arm: a tcp
+ * send waiting for the socket to drain is pushed on only by the next progress call. So the
+ * thread escalates: within SPIN_S of the last progress made (or while a transfer of this
+ * worker is pending and progressing) it keeps progressing, yielding the CPU between rounds;
+ * within ACTIVE_S it sleeps at most NAP_NS between rounds; idle, it sleeps until the event fd
+ * or a post wakes it (no busy core).
+ */
+#define ACTIVE_S 0.05
+#define SPIN_S 100e-6
+#define NAP_NS 200000L
+
 static void *progress_main(void *arg) {
     kworker *w = arg;
     struct epoll_event evs[4];
+    double last_active = 0;
     for (;;) {
         pthread_mutex_lock(&w->lk);
         if (w->stop) { pthread_mutex_unlock(&w->lk); break; }
-        while (ucp_worker_progress(w->worker) != 0) {}
+        unsigned got = 0, k;
+        while ((k = ucp_worker_progress(w->worker)) != 0) got += k;
         reap_failed(w);
-        ucs_status_t st = ucp_worker_arm(w->worker);
         int busy = 0;
         for (int i = 0; i < MAX_EPS; i++)
             if (w->eps[i] && !w->eps[i]->closed && w->eps[i]->pending > 0) { busy = 1; break; }
+        double t = now_s();
+        if (got) last_active = t;
+        if (t - last_active < SPIN_S) {
+            pthread_mutex_unlock(&w->lk);
+            sched_yield();
+            continue;
+        }
+        ucs_status_t st = ucp_worker_arm(w->worker);
         pthread_mutex_unlock(&w->lk);
         if (st == UCS_ERR_BUSY) continue;
-        /* pending work: wake at least every 100 ms to check the peer bound */
-        int n = epoll_wait(w->epfd, evs, 4, busy ? 100 : 1000);
+        if (busy) last_active = last_active > t - ACTIVE_S ? last_active : t - ACTIVE_S / 2;
+        int n;
+        if (t - last_active < ACTIVE_S) {
+            struct timespec ts = {0, NAP_NS};
+            n = epoll_pwait2(w->epfd, evs, 4, &ts, NULL);
+        } else {
+            n = epoll_wait(w->epfd, evs, 4, 1000);
+        }
         for (int i = 0; i < n; i++) {
             if (evs[i].data.fd == w->wakefd) {
                 uint64_t v;
@@ -942,6 +971,17 @@ static PyObject *xfer_wait(XferObject *o, PyObject *args) {
     ucs_status_t st;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
+    /* a short transfer completes within a few round trips: the waiter progresses the worker
+       itself for up to WAIT_SPIN_S (no thread hop), then sleeps until the progress thread
+       finishes the transfer */
+    double spin_until = now_s() + (timeout < WAIT_SPIN_S ? timeout : WAIT_SPIN_S);
+    while (!o->x->done && w->is_open && !w->stop && now_s() < spin_until) {
+        if (ucp_worker_progress(w->worker) == 0) {
+            pthread_mutex_unlock(&w->lk);
+            sched_yield();
+            pthread_mutex_lock(&w->lk);
+        }
+    }
     if (!o->x->done && timeout > 0) {
         struct timespec ts;
         abs_deadline(&ts, timeout);
