@@ -25,8 +25,7 @@ Design (see ``docs/networking.md``):
 - **Failure bounds.** Endpoints use UCX's peer error handling: a dead or cut-off peer fails
   the endpoint and its pending transfers with :class:`~kvx.errors.PeerDisconnected`; an
   endpoint with pending work that completes nothing for ``peer_timeout`` seconds is failed the
-  same way. UCX's keepalive (``UCX_KEEPALIVE_INTERVAL``) and TCP keepalive are set from
-  ``peer_timeout`` unless set in the environment.
+  same way (this bound, not UCX's keepalive, is what fails a cut link's transfers in time).
 - **Progress.** A native thread progresses the worker and sleeps on its event fd (no busy
   core when idle); a Python service thread handles control messages.
 """
@@ -83,6 +82,9 @@ def load() -> Any:
         return _mod
     if _why is not None:
         raise BackendUnavailable(_why)
+    # UCX logs to stdout by default, which corrupts programs that speak a protocol on stdout:
+    # unless the user chose a destination, its log goes to stderr (read once, when UCX loads)
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     try:
         import libucx  # type: ignore[import-not-found]
 
@@ -114,8 +116,8 @@ class UcxOptions:
     Attributes
     ----------
     peer_timeout
-        Seconds without progress after which a peer with pending work is declared gone; also
-        sets UCX's keepalive unless ``UCX_KEEPALIVE_INTERVAL``/``UCX_TCP_KEEP*`` are set.
+        Seconds without progress after which a peer with pending work is declared gone. UCX's
+        own keepalive is off unless ``UCX_KEEPALIVE_INTERVAL`` is set (see ``worker_settings``).
     handshake_timeout
         Bound on the control handshake with a new peer and on control round trips.
     auth_token
@@ -137,15 +139,13 @@ class UcxOptions:
 
     def worker_settings(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
-        t = max(1.0, self.peer_timeout)
         if "UCX_KEEPALIVE_INTERVAL" not in os.environ:
-            out.append(("KEEPALIVE_INTERVAL", f"{max(0.5, t / 3):.3f}s"))
-        if "UCX_TCP_KEEPIDLE" not in os.environ:
-            out.append(("TCP_KEEPIDLE", f"{max(1, int(t / 3))}s"))
-        if "UCX_TCP_KEEPINTVL" not in os.environ:
-            out.append(("TCP_KEEPINTVL", "1s"))
-        out.extend(self.ucx)
-        return out
+            # UCX 1.22's keepalive aborted a process (ucp_request_try_send: "unexpected error:
+            # Endpoint timeout") when it probed a peer that had died on the same machine; the
+            # backend's own bound (peer_timeout on pending work) and the transports' errors
+            # detect dead peers instead
+            out.append(("KEEPALIVE_INTERVAL", "inf"))
+        return out + list(self.ucx)
 
 
 # ---- errors ---------------------------------------------------------------------------------
