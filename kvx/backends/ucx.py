@@ -116,8 +116,8 @@ class UcxOptions:
     Attributes
     ----------
     peer_timeout
-        Seconds without progress after which a peer with pending work is declared gone. UCX's
-        own keepalive is off unless ``UCX_KEEPALIVE_INTERVAL`` is set (see ``worker_settings``).
+        Seconds without progress after which a peer with pending work is declared gone (UCX's
+        own keepalive, ``UCX_KEEPALIVE_INTERVAL``, stays as UCX sets it).
     handshake_timeout
         Bound on the control handshake with a new peer and on control round trips.
     auth_token
@@ -138,14 +138,7 @@ class UcxOptions:
                    auth_token=cfg.auth_token or None)
 
     def worker_settings(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        if "UCX_KEEPALIVE_INTERVAL" not in os.environ:
-            # UCX 1.22's keepalive aborted a process (ucp_request_try_send: "unexpected error:
-            # Endpoint timeout") when it probed a peer that had died on the same machine; the
-            # backend's own bound (peer_timeout on pending work) and the transports' errors
-            # detect dead peers instead
-            out.append(("KEEPALIVE_INTERVAL", "inf"))
-        return out + list(self.ucx)
+        return list(self.ucx)
 
 
 # ---- errors ---------------------------------------------------------------------------------
