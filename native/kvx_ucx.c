@@ -67,6 +67,7 @@ static void abs_deadline(struct timespec *ts, double timeout) {
 typedef struct kep {
     ucp_ep_h ep;
     int id;
+    int peer_errors;     /* created with UCP_ERR_HANDLING_MODE_PEER */
     int failed;          /* error seen: no new work; force-close pending */
     int closed;          /* ucp_ep_close done */
     ucs_status_t status; /* why it failed */
@@ -556,6 +557,7 @@ static PyObject *worker_ep_create(kworker *w, PyObject *args) {
         st = ucp_ep_create(w->worker, &ep, &e->ep);
         if (quiet) ucs_global_opts_set_value("LOG_LEVEL", lvl);
         if (st == UCS_OK) {
+            e->peer_errors = peer_errors;
             e->id = id;
             e->last = now_s();
             w->eps[id] = e;
@@ -622,6 +624,18 @@ static PyObject *worker_ep_status(kworker *w, PyObject *args) {
     pthread_mutex_unlock(&w->lk);
     if (!e) return NULL;
     return PyLong_FromLong(st);
+}
+
+static PyObject *worker_ep_peer_errors(kworker *w, PyObject *args) {
+    int id;
+    if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
+    CHECK_OPEN(w);
+    pthread_mutex_lock(&w->lk);
+    kep *e = get_ep(w, id);
+    int pe = e ? e->peer_errors : 0;
+    pthread_mutex_unlock(&w->lk);
+    if (!e) return NULL;
+    return PyBool_FromLong(pe);
 }
 
 static PyObject *worker_rkey_unpack(kworker *w, PyObject *args) {
@@ -903,6 +917,7 @@ static PyMethodDef worker_methods[] = {
     {"ep_create", (PyCFunction)worker_ep_create, METH_VARARGS, "ep_create(worker address, peer_errors=True) -> endpoint id (UCP_ERR_HANDLING_MODE_PEER, or NONE)."},
     {"ep_close", (PyCFunction)worker_ep_close, METH_VARARGS, "ep_close(id, timeout=2.0, force=False): graceful (bounded) or forced; pending transfers fail."},
     {"ep_status", (PyCFunction)worker_ep_status, METH_VARARGS, "ep_status(id) -> 0 or the UCS error that failed it."},
+    {"ep_peer_errors", (PyCFunction)worker_ep_peer_errors, METH_VARARGS, "ep_peer_errors(id) -> whether it has peer failure handling."},
     {"rkey_unpack", (PyCFunction)worker_rkey_unpack, METH_VARARGS, "rkey_unpack(ep id, packed) -> rkey handle."},
     {"rkey_destroy", (PyCFunction)worker_rkey_destroy, METH_VARARGS, "rkey_destroy(handle)."},
     {"post", (PyCFunction)worker_post, METH_VARARGS, "Post a transfer (see the module docstring)."},

@@ -234,6 +234,7 @@ class _Peer:
         self.rkeys: dict[int, tuple[int, int]] = {}  # slot -> (gen, unpacked rkey handle)
         self.rgen = np.zeros(MAX_SLOTS, dtype=np.int64)  # gen of the live unpacked rkey per slot
         self.dead: str | None = None
+        self.peer_errors = True  # the endpoint has UCX's peer failure handling
 
 
 class _Client:
@@ -394,13 +395,14 @@ class UcxBackend(Backend):
             raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
         packed = _parse_rkeys(sec["rkeys"])
         try:
-            ep = self._ep_create(sec["addr"])
+            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer))
         except ValueError as exc:
             raise ProtocolError(f"malformed UCX address in {peer.name!r} metadata") from exc
         except OSError as exc:
             raise PeerDisconnected(f"cannot reach {peer.name!r} over UCX: {exc.strerror or exc}") from exc
         p = _Peer(peer.name, peer.agent_id, ep)
         p.packed = packed
+        p.peer_errors = bool(self.w.ep_peer_errors(ep))
         try:
             self._handshake(p)
         except BaseException:
@@ -417,15 +419,17 @@ class UcxBackend(Backend):
             self._drop_peer(old)
         return True
 
-    def _ep_create(self, addr: bytes) -> int:
+    def _ep_create(self, addr: bytes, peer_errors: bool = True) -> int:
         """An endpoint with UCX's peer failure handling; where the transports cannot offer it
-        (UCX's shared-memory transports alone), one without: then a dead peer is noticed by the
-        ``peer_timeout`` watchdog only."""
-        try:
-            return int(self.w.ep_create(addr, True))
-        except OSError as exc:
-            if exc.errno != _mod.ERR_UNREACHABLE:
-                raise
+        (UCX's shared-memory transports alone), or for a same-host peer while shared memory is
+        allowed (with peer failure handling UCX leaves its shared-memory transports out), one
+        without: then a dead peer is noticed by the ``peer_timeout`` watchdog only."""
+        if peer_errors:
+            try:
+                return int(self.w.ep_create(addr, True))
+            except OSError as exc:
+                if exc.errno != _mod.ERR_UNREACHABLE:
+                    raise
         ep = int(self.w.ep_create(addr, False))
         log.info("ucx: the transports in use (UCX_TLS) have no peer failure handling; a dead peer is "
                  "detected by the %.1f s progress bound only", self.opts.peer_timeout)
@@ -465,7 +469,7 @@ class UcxBackend(Backend):
         hto = self.opts.handshake_timeout
         rid = self._next_rid()
         ch = self._rpc(p.ep, wire.pack("hello", **{"from": self.me, "to": p.id, "name": self.ctx.agent_name,
-                                                    "addr": self._address, "rid": rid}),
+                                                    "addr": self._address, "rid": rid, "pe": p.peer_errors}),
                        rid, hto, f"handshake with {p.name!r}")
         if ch.get("t") != "challenge" or not isinstance(ch.get("nonce"), bytes):
             raise ProtocolError(f"{p.name!r} answered the ucx hello with something else")
@@ -730,8 +734,8 @@ class UcxBackend(Backend):
             return
         if old is not None:
             self._drop_client(old)
-        try:
-            ep = self._ep_create(msg["addr"])
+        try:  # the same failure handling as the initiator's endpoint (UCX pairs the two)
+            ep = self._ep_create(msg["addr"], peer_errors=msg.get("pe") is not False)
         except (ValueError, OSError) as exc:
             log.debug("ucx: cannot reach back a peer in handshake: %s", exc)
             return
@@ -848,6 +852,21 @@ class UcxBackend(Backend):
             except OSError:
                 pass
         self.w.close()
+
+
+_SHM_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
+
+
+def _shm_peer(peer: PeerInfo) -> bool:
+    """Whether ``peer`` runs on this host and UCX may use shared memory to reach it."""
+    from ..agent import BOOT_ID
+
+    if peer.sections.get("_boot") != BOOT_ID:
+        return False
+    tls = os.environ.get("UCX_TLS", "all").replace("^", "")
+    if os.environ.get("UCX_TLS", "").startswith("^"):
+        return True  # an exclusion list: shared memory stays unless named, keep it simple
+    return any(t.strip() in _SHM_TLS for t in tls.split(","))
 
 
 def _parse_rkeys(rk: list[Any]) -> dict[int, tuple[int, bytes]]:
