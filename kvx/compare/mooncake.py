@@ -17,7 +17,9 @@ TCP (found on this kind of machine): ``MC_FORCE_TCP=1``; ``MC_TCP_ENABLE_CONNECT
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` raised
 above the batch size. Callers may override any of them through ``env``. The engine's
 ``engine.so`` links libibverbs and libnl even for TCP (Debian ``libibverbs1``, ``libnl-3-200``,
-``libnl-route-3-200``).
+``libnl-route-3-200``). Installing those has a side effect: NIXL's bundled UCX then loads its
+InfiniBand modules and, on a host without an RDMA device, its processes were seen dying with
+SIGSEGV at exit; run NIXL comparisons there with ``UCX_MODULES='^ib,rdmacm'``.
 
 The calling process only orchestrates: both roles run as ``python -m kvx.compare.mooncake
 --role ...`` speaking JSON lines on stdin/stdout, every wait bounded by ``timeout``.
