@@ -21,6 +21,7 @@ all: test
 $(STAMP): pyproject.toml setup.py $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip setuptools wheel
+	$(PIP) install 'libucx-cu12>=1.22,<1.23' || echo "libucx-cu12 not installed: the ucx backend and its tests will be skipped"
 	$(PIP) install -e '.[test,bench,s3,etcd,dev]'
 	$(PIP) install torch==2.13.0 || echo "torch CPU build not installed: torch tests will be skipped"
 	touch $@

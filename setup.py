@@ -2,8 +2,37 @@
 
 from setuptools import Extension, setup
 
+
+# ---- optional: kvx._ucx (the ucx backend), built only where the libucx wheel's headers are ----
+def _ucx_extensions() -> list[Extension]:
+    """kvx._ucx when UCX 1.22 (``pip install libucx-cu12``/``-cu13``) is installed in this
+    environment; without it the build goes on and the ucx backend reports itself unavailable."""
+    import os
+    import sys
+    import sysconfig
+
+    roots = []
+    for key in ("purelib", "platlib"):
+        roots.append(sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})[key])
+    roots += [p for p in sys.path if p.endswith("site-packages")]
+    for root in roots:
+        home = os.path.join(root, "libucx")
+        if os.path.isfile(os.path.join(home, "include", "ucp", "api", "ucp.h")):
+            lib = os.path.join(home, "lib")
+            return [Extension(
+                "kvx._ucx",
+                sources=["native/kvx_ucx.c"],
+                include_dirs=[os.path.join(home, "include")],
+                library_dirs=[lib],
+                libraries=["ucp", "ucs"],
+                extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
+                extra_link_args=["-pthread", f"-Wl,-rpath,{lib}"],
+            )]
+    return []
+
+
 setup(
-    ext_modules=[
+    ext_modules=_ucx_extensions() + [
         Extension(
             "kvx._native",
             sources=["native/kvx_native.c", "native/kvx_copy.c", "native/kvx_jobs.c", "native/kvx_gpu.c"],

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed transfers per point (median), after a warm-up of at least 20 ms")
     b.add_argument("--no-permute", action="store_true", help="contiguous block ids (default: permuted)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--compare", default="", help="comma list of comparisons: nixl")
+    b.add_argument("--compare", default="", help="comma list of comparisons: nixl, mooncake (tcp)")
     b.add_argument("--mem", default="alloc", choices=["alloc", "numpy"],
                    help="host memory: kvx.alloc_host (shared mappings) or plain numpy (CMA)")
     b.add_argument("--seg", default="dram", help="cuda: local,remote memory: vram, pinned or dram")

@@ -13,7 +13,7 @@ from ..errors import BackendUnavailable, UsageError
 if TYPE_CHECKING:
     from .base import Backend
 
-__all__ = ["BUILTIN", "register_backend", "get", "names", "ordered"]
+__all__ = ["BUILTIN", "OPT_IN", "register_backend", "get", "names", "ordered"]
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +22,16 @@ BUILTIN: dict[str, str] = {
     "cuda": "kvx.backends.cuda:CudaBackend",
     "host": "kvx.backends.host:HostBackend",
     "tcp": "kvx.backends.tcp:TcpBackend",
+    "ucx": "kvx.backends.ucx:UcxBackend",  # optional: needs the libucx wheel (pip install kvx[ucx])
     "gds": "kvx.backends.gds:GdsBackend",
     "posix": "kvx.backends.posix:PosixBackend",
     "s3": "kvx.backends.s3:S3Backend",
 }
+
+#: Built-in backends that run only when named (``AgentConfig.backends`` / ``KVX_BACKENDS``): ucx
+#: starts a UCX context, worker and threads per agent and reaches peers by UCX's own transport
+#: selection, so agents that did not ask for it do not pay for it.
+OPT_IN: frozenset[str] = frozenset({"ucx"})
 
 _extra: dict[str, "type[Backend] | str"] = {}
 _loaded_eps = False
@@ -81,7 +87,7 @@ def get(name: str) -> "type[Backend]":
 def ordered(prefer: tuple[str, ...] | list[str] = ()) -> list[tuple[str, "type[Backend]"]]:
     """Backend classes in preference order (``prefer`` only, if given)."""
     out = []
-    for n in (list(prefer) if prefer else names()):
+    for n in (list(prefer) if prefer else [n for n in names() if n not in OPT_IN]):
         try:
             out.append((n, get(n)))
         except BackendUnavailable:

@@ -22,10 +22,10 @@ from . import BenchOptions, fmt_size
 __all__ = ["BACKENDS", "COMPARES", "check", "check_output_file"]
 
 #: Backends ``kvx bench`` has a runner for.
-BACKENDS = ("host", "cuda", "tcp", "posix", "gds", "s3")
+BACKENDS = ("host", "cuda", "tcp", "ucx", "posix", "gds", "s3")
 
 #: Comparisons (``--compare``) and the backends each is wired for.
-COMPARES: dict[str, tuple[str, ...]] = {"nixl": ("host", "tcp", "posix", "cuda", "s3")}
+COMPARES: dict[str, tuple[str, ...]] = {"nixl": ("host", "tcp", "ucx", "posix", "cuda", "s3"), "mooncake": ("tcp",)}
 
 #: Buffers of ``--total`` bytes each runner holds in host memory at its peak (both processes).
 _HOST_BUFFERS = {"host": 3, "tcp": 4, "posix": 3, "s3": 3, "gds": 2, "cuda": 2}
@@ -105,6 +105,12 @@ def _check_backend(opts: BenchOptions) -> None:
             why = nixl_available()
             if why is not None:
                 raise UsageError(f"--compare nixl: {why}")
+        elif c == "mooncake":
+            from ..compare.mooncake import mooncake_available
+
+            why = mooncake_available()
+            if why is not None:
+                raise UsageError(f"--compare mooncake: {why}")
 
 
 def _mem_available() -> int | None:

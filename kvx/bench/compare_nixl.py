@@ -13,6 +13,7 @@ from . import BenchOptions, Progress
 _MODES: dict[str, tuple[str, str, dict[str, str]]] = {
     "host": ("dram", "UCX", {}),
     "tcp": ("dram", "UCX", {"UCX_TLS": "tcp,self"}),
+    "ucx": ("dram", "UCX", {}),  # the environment's UCX_TLS, as kvx's ucx backend runs with
     "posix": ("file", "POSIX", {}),
     "cuda": ("vram", "UCX", {}),  # --seg vram,vram; vram,pinned -> "pinned" (see _mode)
 }

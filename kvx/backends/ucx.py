@@ -1,0 +1,878 @@
+"""``ucx``: host and GPU memory between agents on any nodes, through UCX (UCP).
+
+UCX comes from the ``libucx-cu12``/``libucx-cu13`` wheels (``pip install kvx[ucx]``); the native
+half is ``kvx._ucx`` (``native/kvx_ucx.c``). Transports are UCX's choice (``UCX_TLS``): RDMA
+(rc/dc/ud, with GPUDirect where the NIC allows it), cuda_ipc/cuda_copy, tcp, shared memory.
+
+Design (see ``docs/networking.md``):
+
+- **One-sided data path.** Each registration is mapped with ``ucp_mem_map`` and its remote key
+  packed once; the metadata section carries this worker's UCP address and the packed key of
+  every live registration. A peer unpacks the keys it needs at ``prepare`` (after the agent
+  validated the descriptors against the registrations this agent published) and posts a whole
+  transfer's index list in one native call: a ``ucp_put_nbx``/``ucp_get_nbx`` per descriptor
+  pair, then one ``ucp_ep_flush_nbx`` whose completion is the transfer's completion.
+- **Control channel.** UCX active messages carry a small msgpack protocol: ``hello`` /
+  ``challenge`` / ``auth`` / ``welcome`` (the HMAC handshake of :mod:`kvx.auth`, so the target
+  knows who its peers are and has an endpoint back to each), then *sealed* messages: each
+  carries a sequence number and, with ``auth_token``, an HMAC under a per-session key (a peer
+  without the token can neither forge nor replay notifications, revocations or acks).
+- **Release.** ``deregister`` on the target sends ``revoke`` to every connected peer; a peer
+  stops posting to that registration, flushes its endpoint (operations already posted
+  complete), destroys the remote key and acknowledges; the target waits for the
+  acknowledgements (bounded by ``peer_timeout``) and then unmaps the memory, which destroys the
+  key (on RDMA the NIC refuses it from then on).
+- **Failure bounds.** Endpoints use UCX's peer error handling: a dead or cut-off peer fails
+  the endpoint and its pending transfers with :class:`~kvx.errors.PeerDisconnected`; an
+  endpoint with pending work that completes nothing for ``peer_timeout`` seconds is failed the
+  same way (this bound, not UCX's keepalive, is what fails a cut link's transfers in time).
+- **Progress.** A native thread progresses the worker and sleeps on its event fd (no busy
+  core when idle); a Python service thread handles control messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import auth, wire
+from .._slots import BOOT_ID, MAX_SLOTS
+from ..errors import (
+    AuthError,
+    BackendUnavailable,
+    KVXError,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    UsageError,
+)
+from ..memory import MemoryKind, Region
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
+
+__all__ = ["UcxBackend", "UcxOptions", "INSTALL_HINT", "load"]
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install kvx[ucx] (the libucx-cu12 wheel; libucx-cu13 for CUDA 13), then reinstall kvx"
+_U64 = np.uint64
+#: Most unauthenticated handshakes a target keeps at once.
+MAX_HANDSHAKES = 32
+#: Sequence numbers a receiver remembers per session (replay window).
+_WINDOW = 1 << 16
+
+_mod: Any = None
+_why: str | None = None
+
+
+def load() -> Any:
+    """Import ``kvx._ucx`` (loading the libucx wheel's libraries first); raise BackendUnavailable."""
+    global _mod, _why
+    if _mod is not None:
+        return _mod
+    if _why is not None:
+        raise BackendUnavailable(_why)
+    # UCX logs to stdout by default, which corrupts programs that speak a protocol on stdout:
+    # unless the user chose a destination, its log goes to stderr (read once, when UCX loads)
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    try:
+        import libucx  # type: ignore[import-not-found]
+
+        libucx.load_library()
+    except ImportError:
+        pass  # a system UCX may still satisfy kvx._ucx's link
+    except OSError as exc:  # pragma: no cover - broken wheel
+        _why = f"the libucx wheel's libraries do not load ({exc}); {INSTALL_HINT}"
+        raise BackendUnavailable(_why) from exc
+    try:
+        from .. import _ucx  # type: ignore[attr-defined]
+    except ImportError as exc:
+        import importlib.util
+
+        if importlib.util.find_spec("libucx") is not None:
+            _why = (f"kvx._ucx is not built ({exc}): reinstall kvx with the libucx wheel present "
+                    "(pip install -e . after pip install libucx-cu12)")
+        else:
+            _why = f"UCX is not installed: {INSTALL_HINT}"
+        raise BackendUnavailable(_why) from exc
+    _mod = _ucx
+    return _mod
+
+
+@dataclass(frozen=True, slots=True)
+class UcxOptions:
+    """Settings of the ucx backend (seeded from the agent's configuration).
+
+    Attributes
+    ----------
+    peer_timeout
+        Seconds without progress after which a peer with pending work is declared gone (UCX's
+        own keepalive, ``UCX_KEEPALIVE_INTERVAL``, stays as UCX sets it).
+    handshake_timeout
+        Bound on the control handshake with a new peer and on control round trips.
+    auth_token
+        Shared secret for the handshake and the sealed control messages, or None.
+    ucx
+        Extra UCX settings as ``(name, value)`` pairs without the ``UCX_`` prefix (applied after
+        the environment, e.g. ``(("TLS", "tcp"),)``); the environment's ``UCX_*`` apply too.
+    """
+
+    peer_timeout: float = 10.0
+    handshake_timeout: float = 5.0
+    auth_token: str | None = None
+    ucx: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "UcxOptions":
+        return cls(peer_timeout=float(cfg.peer_timeout), handshake_timeout=float(cfg.handshake_timeout),
+                   auth_token=cfg.auth_token or None)
+
+    def worker_settings(self) -> list[tuple[str, str]]:
+        return list(self.ucx)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def _translate(exc: OSError, where: str) -> TransferError:
+    """One table from UCS status codes to kvx errors."""
+    m = _mod
+    code = exc.errno if isinstance(exc.errno, int) else 0
+    text = exc.strerror or str(exc)
+    if m is not None and code == m.ERR_ENDPOINT_TIMEOUT:
+        return PeerDisconnected(f"{where}: no progress within the peer timeout (dead or cut off)")
+    if m is not None and code in (m.ERR_CANCELED, m.ERR_CONNECTION_RESET, m.ERR_UNREACHABLE,
+                                  m.ERR_NOT_CONNECTED, m.ERR_REJECTED, m.ERR_IO_ERROR):
+        return PeerDisconnected(f"{where}: {text}")
+    if m is not None and code == m.ERR_TIMED_OUT:
+        return TransferTimeout(f"{where}: {text}")
+    return TransferError(f"{where}: {text}")
+
+
+class _UcxRequest(Request):
+    __slots__ = ("nbytes", "where", "x")
+
+    def __init__(self, x: Any, where: str) -> None:
+        self.x = x
+        self.nbytes = int(x.nbytes)
+        self.where = where
+
+    def test(self) -> bool:
+        try:
+            return bool(self.x.test())
+        except OSError as exc:
+            raise _translate(exc, self.where) from exc
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            return bool(self.x.wait(timeout))
+        except OSError as exc:
+            raise _translate(exc, self.where) from exc
+
+
+# ---- sessions -------------------------------------------------------------------------------
+class _Session:
+    """The sealed channel between this agent and one peer in one role."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self.send_seq = 0
+        self.top = 0
+        self.seen: set[int] = set()
+
+    def seal(self, me: str, role: str, body: bytes) -> bytes:
+        self.send_seq += 1
+        seq = self.send_seq
+        mac = b"" if self.key is None else _mac(self.key, me, role, seq, body)
+        return wire.pack("s", **{"from": me, "r": role, "seq": seq, "body": body, "mac": mac})
+
+    def open(self, msg: dict[str, Any]) -> bytes | None:
+        """The body of a sealed message if it is authentic and fresh, else None."""
+        seq, body = msg["seq"], msg["body"]
+        if self.key is not None and not hmac.compare_digest(_mac(self.key, msg["from"], msg["r"], seq, body),
+                                                            msg["mac"]):
+            return None
+        if seq <= self.top - _WINDOW or seq in self.seen or seq <= 0:
+            return None
+        self.seen.add(seq)
+        if seq > self.top:
+            self.top = seq
+        if len(self.seen) > 2 * _WINDOW:
+            floor = self.top - _WINDOW
+            self.seen = {s for s in self.seen if s > floor}
+        return body  # type: ignore[no-any-return]
+
+
+def _mac(key: bytes, sender: str, role: str, seq: int, body: bytes) -> bytes:
+    return hmac.new(key, f"{sender}|{role}|{seq}|".encode() + body, hashlib.sha256).digest()
+
+
+def _session_key(token: str | None, nonce: bytes, client_id: str, server_id: str) -> bytes | None:
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"kvx-ucx-session|" + nonce + client_id.encode() + b"|" + server_id.encode(),
+                    hashlib.sha256).digest()
+
+
+class _Peer:
+    """A target this agent reaches (initiator role)."""
+
+    def __init__(self, name: str, agent_id: str, ep: int) -> None:
+        self.name = name
+        self.id = agent_id
+        self.ep = ep
+        self.session: _Session | None = None
+        self.packed: dict[int, tuple[int, bytes]] = {}  # slot -> (gen, packed rkey)
+        self.rkeys: dict[int, tuple[int, int]] = {}  # slot -> (gen, unpacked rkey handle)
+        self.rgen = np.zeros(MAX_SLOTS, dtype=np.int64)  # gen of the live unpacked rkey per slot
+        self.dead: str | None = None
+        self.peer_errors = True  # the endpoint has UCX's peer failure handling
+
+
+class _Client:
+    """An initiator that reaches this agent (target role)."""
+
+    def __init__(self, name: str, agent_id: str, ep: int, nonce: bytes, started: float) -> None:
+        self.name = name
+        self.id = agent_id
+        self.ep = ep
+        self.nonce = nonce
+        self.started = started
+        self.session: _Session | None = None  # set once authenticated
+
+
+@dataclass(slots=True)
+class _Prep:
+    addr: np.ndarray
+    nbytes: np.ndarray
+    handle: np.ndarray  # memh (local) or rkey (remote) per descriptor
+    used: np.ndarray  # slots used
+    gens: np.ndarray  # their generations
+
+
+def _index(x: Any) -> np.ndarray:
+    if type(x) is int:
+        return np.array([x], dtype=np.int64)
+    a = np.asarray(x)
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, not {a.dtype}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
+        raise IndexError("index out of range")
+    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+
+
+# ---- the backend ----------------------------------------------------------------------------
+class UcxBackend(Backend):
+    """HOST and CUDA memory to and from agents on any node through UCX; see the module docstring."""
+
+    name = "ucx"
+    kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
+    remote = True
+    local = False
+    notifications = True
+
+    def __init__(self, ctx: BackendContext, options: UcxOptions | None = None) -> None:
+        super().__init__(ctx)
+        m = load()
+        self.opts = options if options is not None else UcxOptions.from_config(ctx.config)
+        try:
+            self.w = m.Worker(self.opts.worker_settings(), self.opts.peer_timeout)
+        except OSError as exc:
+            raise BackendUnavailable(f"UCX cannot start here: {exc.strerror or exc}") from exc
+        self.me = ctx.agent_id
+        self._lock = threading.RLock()  # posts, peer tables, revocation marks
+        self._cv = threading.Condition(self._lock)
+        self._closed = False
+        self._address: bytes = self.w.address()
+        self._mem: dict[int, tuple[int, bytes, int, Any]] = {}  # slot -> (memh, packed rkey, gen, region)
+        self._lgen = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._memh = np.zeros(MAX_SLOTS, dtype=_U64)
+        self._peers: dict[str, _Peer] = {}
+        self._peers_by_id: dict[str, _Peer] = {}
+        self._clients: dict[str, _Client] = {}
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._acks: dict[int, set[str]] = {}
+        self._rid = 0
+        self._svc = threading.Thread(target=self._service, name=f"kvx-ucx-{ctx.agent_name}", daemon=True)
+        self._svc.start()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            load()
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None
+
+    # ---- memory ----------------------------------------------------------------------------
+    def register(self, region: Any, slot: int, gen: int) -> Any:
+        if not isinstance(region, Region) or region.kind not in self.kinds:
+            raise RegistrationError("ucx backend registers HOST and CUDA memory only")
+        try:
+            memh, packed = self.w.mem_map(region.addr, region.nbytes, region.kind == MemoryKind.CUDA)
+        except OSError as exc:
+            raise RegistrationError(f"UCX cannot map {region.kind.name} memory at 0x{region.addr:x}: "
+                                    f"{exc.strerror or exc}") from exc
+        with self._lock:
+            self._mem[slot] = (memh, packed, gen, region)
+            self._memh[slot] = memh
+            self._lgen[slot] = gen
+        return slot
+
+    def deregister(self, region: Any, handle: Any) -> None:
+        slot = int(handle)
+        with self._lock:
+            ent = self._mem.get(slot)
+            if ent is None or ent[3] is not region:
+                return
+            memh, _packed, gen, _r = ent
+            self._lgen[slot] = 0  # our own posts from this memory stop here
+            self._memh[slot] = 0
+            del self._mem[slot]
+            clients = [c for c in self._clients.values() if c.session is not None]
+            peers = [p for p in self._peers.values() if p.dead is None]
+        # peers stop writing into it: revoke and wait for their acknowledgements (bounded)
+        self._revoke(clients, slot, gen)
+        # our own operations from this memory (initiator role) complete before it goes
+        for p in peers:
+            try:
+                self.w.flush(p.ep).wait(self.opts.peer_timeout)
+            except OSError:
+                pass
+        try:
+            self.w.mem_unmap(memh)
+        except OSError as exc:  # pragma: no cover - UCX refused
+            raise RegistrationError(f"UCX cannot unmap a region: {exc.strerror or exc}") from exc
+
+    def _revoke(self, clients: list[_Client], slot: int, gen: int) -> None:
+        if not clients:
+            return
+        with self._lock:
+            self._rid += 1
+            rid = self._rid
+            self._acks[rid] = {c.id for c in clients}
+        for c in clients:
+            if not self._send(c, "t", wire.pack("revoke", slot=slot, gen=gen, rid=rid)):
+                with self._lock:
+                    self._acks[rid].discard(c.id)
+        deadline = time.monotonic() + self.opts.peer_timeout
+        with self._cv:
+            while self._acks[rid]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # a client whose endpoint failed will not answer
+                for cid in list(self._acks[rid]):
+                    cl = self._clients.get(cid)
+                    if cl is None or self.w.ep_status(cl.ep) != 0:
+                        self._acks[rid].discard(cid)
+                self._cv.wait(min(left, 0.1))
+            late = self._acks.pop(rid)
+        if late:
+            log.warning("ucx: %d peer(s) did not acknowledge the release of a region within %.1f s; "
+                        "unmapping it anyway", len(late), self.opts.peer_timeout)
+
+    # ---- peers -----------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        with self._lock:
+            rk = [[s, g, p] for s, (_m, p, g, _r) in self._mem.items()]
+        return {"addr": self._address, "rkeys": rk}
+
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if sec is None:
+            return False
+        if (not isinstance(sec, dict) or not isinstance(sec.get("addr"), bytes)
+                or not isinstance(sec.get("rkeys"), list)):
+            raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
+        packed = _parse_rkeys(sec["rkeys"])
+        try:
+            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer))
+        except ValueError as exc:
+            raise ProtocolError(f"malformed UCX address in {peer.name!r} metadata") from exc
+        except OSError as exc:
+            raise PeerDisconnected(f"cannot reach {peer.name!r} over UCX: {exc.strerror or exc}") from exc
+        p = _Peer(peer.name, peer.agent_id, ep)
+        p.packed = packed
+        p.peer_errors = bool(self.w.ep_peer_errors(ep))
+        try:
+            self._handshake(p)
+        except BaseException:
+            self.w.ep_close(ep, 0.2, True)
+            raise
+        with self._lock:
+            if self._closed:
+                self.w.ep_close(ep, 0.2, True)
+                return False
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = p
+            self._peers_by_id[p.id] = p
+        if old is not None and old is not p:
+            self._drop_peer(old)
+        return True
+
+    def _ep_create(self, addr: bytes, peer_errors: bool = True) -> int:
+        """An endpoint with UCX's peer failure handling; where the transports cannot offer it
+        (UCX's shared-memory transports alone), or for a same-host peer while shared memory is
+        allowed (with peer failure handling UCX leaves its shared-memory transports out), one
+        without: then a dead peer is noticed by the ``peer_timeout`` watchdog only."""
+        if peer_errors:
+            try:
+                return int(self.w.ep_create(addr, True))
+            except OSError as exc:
+                if exc.errno != _mod.ERR_UNREACHABLE:
+                    raise
+        ep = int(self.w.ep_create(addr, False))
+        log.info("ucx: the transports in use (UCX_TLS) have no peer failure handling; a dead peer is "
+                 "detected by the %.1f s progress bound only", self.opts.peer_timeout)
+        return ep
+
+    def _rpc(self, ep: int, msg: bytes, rid: int, timeout: float, what: str, sealed: _Peer | None = None
+             ) -> dict[str, Any]:
+        with self._lock:
+            self._replies.pop(rid, None)
+        try:
+            if sealed is not None:
+                assert sealed.session is not None
+                msg = sealed.session.seal(self.me, "i", msg)
+            self.w.am_send(ep, msg)
+        except OSError as exc:
+            raise PeerDisconnected(f"{what}: {exc.strerror or exc}") from exc
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while rid not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                if self.w.ep_status(ep) != 0:
+                    raise PeerDisconnected(f"{what}: the peer's endpoint failed")
+                self._cv.wait(min(left, 0.1))
+            rep = self._replies.pop(rid, None)
+        if rep is None:
+            raise PeerDisconnected(f"{what}: no answer within {timeout:.1f} s")
+        return rep
+
+    def _next_rid(self) -> int:
+        with self._lock:
+            self._rid += 1
+            return self._rid
+
+    def _handshake(self, p: _Peer) -> None:
+        hto = self.opts.handshake_timeout
+        rid = self._next_rid()
+        ch = self._rpc(p.ep, wire.pack("hello", **{"from": self.me, "to": p.id, "name": self.ctx.agent_name,
+                                                    "addr": self._address, "rid": rid, "pe": p.peer_errors}),
+                       rid, hto, f"handshake with {p.name!r}")
+        if ch.get("t") != "challenge" or not isinstance(ch.get("nonce"), bytes):
+            raise ProtocolError(f"{p.name!r} answered the ucx hello with something else")
+        mac = auth.prove(self.opts.auth_token, ch["nonce"], self.me, p.id)
+        rid2 = self._next_rid()
+        rep = self._rpc(p.ep, wire.pack("auth", **{"from": self.me, "mac": mac, "rid": rid2}), rid2, hto,
+                        f"handshake with {p.name!r}")
+        if rep.get("t") == "denied":
+            raise AuthError(f"{p.name!r} refused us over ucx (wrong or missing KVX_AUTH_TOKEN)")
+        if rep.get("t") != "welcome":
+            raise ProtocolError(f"{p.name!r} answered the ucx handshake with something else")
+        p.session = _Session(_session_key(self.opts.auth_token, ch["nonce"], self.me, p.id))
+
+    def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
+        p = self._peers.get(peer_name)
+        if p is None or p.dead is not None:
+            return None
+        rid = self._next_rid()
+        rep = self._rpc(p.ep, wire.pack("regions", rid=rid), rid, self.opts.handshake_timeout,
+                        f"region table of {peer_name!r}", sealed=p)
+        rows, rk = rep.get("rows"), rep.get("rkeys")
+        if not isinstance(rows, list) or not isinstance(rk, list):
+            raise ProtocolError("malformed region table")
+        out = []
+        for r in rows:
+            if (not isinstance(r, list) or len(r) != 6
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)
+                    or not 0 < r[4] < MAX_SLOTS):
+                raise ProtocolError("malformed region row")
+            out.append(tuple(r))
+        packed = _parse_rkeys(rk)
+        with self._lock:
+            p.packed.update(packed)
+        return out  # type: ignore[return-value]
+
+    def disconnect(self, peer_name: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer_name, None)
+            if p is not None and self._peers_by_id.get(p.id) is p:
+                del self._peers_by_id[p.id]
+        if p is not None:
+            self._drop_peer(p)
+
+    def _drop_peer(self, p: _Peer) -> None:
+        if p.dead is None and p.session is not None:
+            try:
+                self.w.am_send(p.ep, p.session.seal(self.me, "i", wire.pack("bye")))
+            except OSError:
+                pass
+        p.dead = p.dead or "disconnected"
+        with self._lock:
+            keys = list(p.rkeys.values())
+            p.rkeys.clear()
+            p.rgen[:] = 0
+        self.w.ep_close(p.ep, 0.0, True)  # pending transfers fail with PeerDisconnected
+        for _g, h in keys:
+            self.w.rkey_destroy(h)
+
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        slots = np.asarray(plist.slots, dtype=np.int64)
+        used = np.fromiter(plist.gens.keys(), dtype=np.int64, count=len(plist.gens))
+        gens = np.fromiter(plist.gens.values(), dtype=np.int64, count=len(plist.gens))
+        addr = np.ascontiguousarray(d.addr, dtype=_U64)
+        nb = np.ascontiguousarray(d.nbytes, dtype=_U64)
+        if plist.peer is None:
+            with self._lock:
+                if not np.array_equal(self._lgen[used], gens):
+                    raise RegistrationError("a local registration of this list is not mapped for ucx")
+                handle = self._memh[slots].copy()
+            return _Prep(addr, nb, handle, used, gens)
+        p = self._peers.get(plist.peer)
+        if p is None or p.dead is not None:
+            raise PeerDisconnected(f"not connected to {plist.peer!r} over ucx")
+        table = np.zeros(MAX_SLOTS, dtype=_U64)
+        for s, g in zip(used.tolist(), gens.tolist()):
+            table[s] = self._rkey(p, s, g)
+        return _Prep(addr, nb, table[slots], used, gens)
+
+    def _rkey(self, p: _Peer, slot: int, gen: int) -> int:
+        with self._lock:
+            have = p.rkeys.get(slot)
+            if have is not None and have[0] == gen:
+                return have[1]
+            pk = p.packed.get(slot)
+        if pk is None or pk[0] != gen:
+            self.refresh_regions(p.name)
+            with self._lock:
+                pk = p.packed.get(slot)
+            if pk is None or pk[0] != gen:
+                raise RegistrationError(f"peer {p.name!r} published no ucx remote key for its region {slot} "
+                                        f"(generation {gen})")
+        try:
+            h = self.w.rkey_unpack(p.ep, pk[1])
+        except ValueError as exc:
+            raise ProtocolError(f"malformed ucx remote key from {p.name!r}") from exc
+        except OSError as exc:
+            raise _translate(exc, f"peer {p.name!r}") from exc
+        with self._lock:
+            old = p.rkeys.get(slot)
+            if old is not None and old[0] == gen:  # another thread won
+                self.w.rkey_destroy(h)
+                return old[1]
+            p.rkeys[slot] = (gen, h)
+            p.rgen[slot] = gen
+        if old is not None:
+            self.w.rkey_destroy(old[1])
+        return int(h)
+
+    # ---- transfers -------------------------------------------------------------------------
+    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+             notify: bytes | None) -> Request:
+        lp: _Prep = local.bdata[self.name]
+        rp: _Prep = remote.bdata[self.name]
+        li, ri = _index(lidx), _index(ridx)
+        if li.shape != ri.shape:
+            raise ValueError("index lists differ in length")
+        p = self._peers.get(remote.peer)  # type: ignore[arg-type]
+        if p is None or p.dead is not None:
+            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over ucx"
+                                   + (f": {p.dead}" if p is not None else ""))
+        if li.size == 0 and notify is None:
+            return DoneRequest(0)
+        with self._lock:
+            if not np.array_equal(p.rgen[rp.used], rp.gens):
+                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
+            if not np.array_equal(self._lgen[lp.used], lp.gens):
+                raise UsageError("a registration under this prepared list was released; prepare again")
+            note = None
+            if notify is not None:
+                assert p.session is not None
+                note = p.session.seal(self.me, "i", wire.pack("notif", msg=notify))
+            try:
+                x = self.w.post(1 if op is Op.READ else 0, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr,
+                                rp.nbytes, rp.handle, note)
+            except OSError as exc:
+                raise _translate(exc, f"peer {p.name!r}") from exc
+        return _UcxRequest(x, f"peer {p.name!r}")
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        p = self._peers.get(peer_name)
+        if p is None or p.dead is not None:
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected over ucx")
+        if len(message) > (8 << 20):
+            raise UsageError("a notification holds at most 8 MiB")
+        with self._lock:
+            assert p.session is not None
+            body = p.session.seal(self.me, "i", wire.pack("notif", msg=message))
+        try:
+            self.w.am_send(p.ep, body)
+        except OSError as exc:
+            raise _translate(exc, f"peer {peer_name!r}") from exc
+
+    # ---- control messages (service thread) -------------------------------------------------
+    def _send(self, c: _Client, role: str, body: bytes) -> bool:
+        try:
+            with self._lock:
+                assert c.session is not None
+                msg = c.session.seal(self.me, role, body)
+            self.w.am_send(c.ep, msg)
+            return True
+        except OSError:
+            return False
+
+    def _service(self) -> None:
+        last_sweep = time.monotonic()
+        while not self._closed:
+            try:
+                msgs = self.w.am_recv(0.25)
+            except RuntimeError:  # the worker is closed
+                return
+            for raw in msgs:
+                try:
+                    self._handle(wire.unpack(raw, max_bytes=16 << 20))
+                except KVXError as exc:
+                    log.debug("ucx: dropped a control message: %s", exc)
+                except Exception:  # pragma: no cover - a bug; keep serving
+                    log.exception("ucx: error handling a control message")
+            now = time.monotonic()
+            if now - last_sweep > 0.25:
+                last_sweep = now
+                self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Drop clients whose endpoint failed or whose handshake expired; mark failed peers."""
+        with self._lock:
+            clients = list(self._clients.values())
+            peers = list(self._peers.values())
+        for c in clients:
+            try:
+                bad = self.w.ep_status(c.ep) != 0
+            except (ValueError, RuntimeError):
+                bad = True
+            if bad or (c.session is None and now - c.started > self.opts.handshake_timeout):
+                self._drop_client(c)
+        for p in peers:
+            if p.dead is None:
+                try:
+                    st = self.w.ep_status(p.ep)
+                except (ValueError, RuntimeError):
+                    continue
+                if st != 0:
+                    p.dead = f"endpoint failed ({_mod.status_string(st)})"
+
+    def _drop_client(self, c: _Client) -> None:
+        with self._lock:
+            if self._clients.get(c.id) is not c:
+                return
+            del self._clients[c.id]
+            for s in self._acks.values():
+                s.discard(c.id)
+            self._cv.notify_all()
+        try:
+            self.w.ep_close(c.ep, 0.0, True)
+        except (ValueError, RuntimeError):
+            pass
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == "s":
+            wire.check(msg, "s", {"from": str, "r": str, "seq": int, "body": bytes, "mac": bytes})
+            if msg["r"] == "i":  # from an initiator of ours
+                c = self._clients.get(msg["from"])
+                if c is None or c.session is None:
+                    return
+                body = c.session.open(msg)
+                if body is not None:
+                    self._from_client(c, wire.unpack(body))
+            elif msg["r"] == "t":  # from a target we reach
+                p = self._peers_by_id.get(msg["from"])
+                if p is None or p.session is None:
+                    return
+                body = p.session.open(msg)
+                if body is not None:
+                    self._from_target(p, wire.unpack(body))
+            return
+        if t == "hello":
+            wire.check(msg, "hello", {"from": str, "to": str, "name": str, "addr": bytes, "rid": int})
+            self._on_hello(msg)
+        elif t == "auth":
+            wire.check(msg, "auth", {"from": str, "mac": bytes, "rid": int})
+            self._on_auth(msg)
+        elif t in ("challenge", "welcome", "denied"):
+            wire.check(msg, t, {"rid": int})
+            self._reply(msg)
+
+    def _reply(self, msg: dict[str, Any]) -> None:
+        with self._cv:
+            self._replies[msg["rid"]] = msg
+            if len(self._replies) > 4096:  # nobody waits for these any more
+                self._replies.pop(next(iter(self._replies)))
+            self._cv.notify_all()
+
+    def _on_hello(self, msg: dict[str, Any]) -> None:
+        if msg["to"] != self.me or not msg["name"] or len(msg["name"]) > 256:
+            return
+        with self._lock:
+            pending = sum(1 for c in self._clients.values() if c.session is None)
+            old = self._clients.get(msg["from"])
+        if pending >= MAX_HANDSHAKES:
+            log.warning("ucx: refused a handshake: too many peers in handshake")
+            return
+        if old is not None:
+            self._drop_client(old)
+        try:  # the same failure handling as the initiator's endpoint (UCX pairs the two)
+            ep = self._ep_create(msg["addr"], peer_errors=msg.get("pe") is not False)
+        except (ValueError, OSError) as exc:
+            log.debug("ucx: cannot reach back a peer in handshake: %s", exc)
+            return
+        c = _Client(msg["name"], msg["from"], ep, auth.new_nonce(), time.monotonic())
+        with self._lock:
+            self._clients[c.id] = c
+        try:
+            self.w.am_send(ep, wire.pack("challenge", nonce=c.nonce, id=self.me, rid=msg["rid"]))
+        except OSError:
+            self._drop_client(c)
+
+    def _on_auth(self, msg: dict[str, Any]) -> None:
+        c = self._clients.get(msg["from"])
+        if c is None or c.session is not None:
+            return
+        try:
+            auth.verify(self.opts.auth_token, c.nonce, c.id, self.me, msg["mac"])
+        except AuthError:
+            log.warning("ucx: peer %r failed authentication", c.name)
+            try:
+                self.w.am_send(c.ep, wire.pack("denied", rid=msg["rid"]))
+            except OSError:
+                pass
+            self._drop_client(c)
+            return
+        c.session = _Session(_session_key(self.opts.auth_token, c.nonce, c.id, self.me))
+        try:
+            self.w.am_send(c.ep, wire.pack("welcome", rid=msg["rid"]))
+        except OSError:
+            self._drop_client(c)
+
+    def _from_client(self, c: _Client, m: dict[str, Any]) -> None:
+        t = m["t"]
+        if t == "notif":
+            wire.check(m, "notif", {"msg": bytes})
+            self.ctx.deliver(c.name, m["msg"])
+        elif t == "regions":
+            wire.check(m, "regions", {"rid": int})
+            with self._lock:
+                rk = [[s, g, p] for s, (_m, p, g, _r) in self._mem.items()]
+                rows = [[int(r.kind), r.addr, r.nbytes, r.dev, s, g] for s, (_m, _p, g, r) in self._mem.items()]
+            self._send(c, "t", wire.pack("regions_rep", rid=m["rid"], rows=rows, rkeys=rk))
+        elif t == "revoked":
+            wire.check(m, "revoked", {"rid": int})
+            with self._cv:
+                s = self._acks.get(m["rid"])
+                if s is not None:
+                    s.discard(c.id)
+                    self._cv.notify_all()
+        elif t == "bye":
+            self._drop_client(c)
+
+    def _from_target(self, p: _Peer, m: dict[str, Any]) -> None:
+        t = m["t"]
+        if t == "revoke":
+            wire.check(m, "revoke", {"slot": int, "gen": int, "rid": int})
+            slot, gen = m["slot"], m["gen"]
+            if not 0 < slot < MAX_SLOTS:
+                return
+            with self._lock:
+                have = p.rkeys.get(slot)
+                drop = have is not None and have[0] == gen
+                if drop:
+                    del p.rkeys[slot]
+                    p.rgen[slot] = 0
+                pk = p.packed.get(slot)
+                if pk is not None and pk[0] == gen:
+                    del p.packed[slot]
+            # operations already posted to it complete before we acknowledge
+            try:
+                self.w.flush(p.ep).wait(self.opts.peer_timeout)
+            except OSError:
+                pass
+            if drop:
+                assert have is not None
+                self.w.rkey_destroy(have[1])
+            if p.dead is None and p.session is not None:
+                try:
+                    with self._lock:
+                        body = p.session.seal(self.me, "i", wire.pack("revoked", rid=m["rid"]))
+                    self.w.am_send(p.ep, body)
+                except OSError:
+                    pass
+        elif t == "regions_rep":
+            wire.check(m, "regions_rep", {"rid": int, "rows": list, "rkeys": list})
+            self._reply(m)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            self._peers_by_id.clear()
+            clients = list(self._clients.values())
+            mem = list(self._mem.values())
+            self._mem.clear()
+            self._cv.notify_all()
+        self.w.interrupt()
+        if self._svc is not threading.current_thread():
+            self._svc.join(timeout=5.0)
+        for p in peers:
+            self._drop_peer(p)
+        for c in clients:
+            try:
+                self.w.ep_close(c.ep, 0.0, True)
+            except (ValueError, RuntimeError):
+                pass
+        for memh, _p, _g, _r in mem:
+            try:
+                self.w.mem_unmap(memh)
+            except OSError:
+                pass
+        self.w.close()
+
+
+_SHM_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
+
+
+def _shm_peer(peer: PeerInfo) -> bool:
+    """Whether ``peer`` runs on this host and UCX may use shared memory to reach it."""
+    if peer.sections.get("_boot") != BOOT_ID:
+        return False
+    tls = os.environ.get("UCX_TLS", "all").replace("^", "")
+    if os.environ.get("UCX_TLS", "").startswith("^"):
+        return True  # an exclusion list: shared memory stays unless named, keep it simple
+    return any(t.strip() in _SHM_TLS for t in tls.split(","))
+
+
+def _parse_rkeys(rk: list[Any]) -> dict[int, tuple[int, bytes]]:
+    out: dict[int, tuple[int, bytes]] = {}
+    for e in rk:
+        if (not isinstance(e, list) or len(e) != 3 or not isinstance(e[0], int) or isinstance(e[0], bool)
+                or not 0 < e[0] < MAX_SLOTS or not isinstance(e[1], int) or isinstance(e[1], bool)
+                or not isinstance(e[2], bytes) or not 0 < len(e[2]) <= (1 << 16)):
+            raise ProtocolError("malformed ucx remote key entry")
+        out[e[0]] = (e[1], e[2])
+    return out

@@ -1,0 +1,219 @@
+"""The ucx backend (UCX 1.22 from the libucx wheel): the conformance suite between two processes
+on host memory, over UCX's tcp transport and over its shared-memory transports, plus the parts
+only ucx has (the control-channel handshake and its token, release revoking remote keys)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.backends import registry
+from kvx.testing.conformance import TransferConformance, digest, pattern
+from kvx.testing.procs import PeerProcess
+
+_reason = registry.get("ucx").unavailable_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"ucx backend unavailable: {_reason}")
+
+TCP = {"UCX_TLS": "tcp,self"}
+SHM = {"UCX_TLS": "sm,self"}
+TOKEN = "ucx-s3cret"
+
+
+class _UcxConformance(TransferConformance):
+    backend = "ucx"
+    mem = "numpy"
+    env: ClassVar[dict[str, str]] = {}
+
+    @pytest.fixture(autouse=True)
+    def _ucx_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for k, v in self.env.items():  # the initiator (this process) uses the peer's transports
+            monkeypatch.setenv(k, v)
+
+
+class TestUcxTcp(_UcxConformance):
+    env = TCP
+
+
+class TestUcxShm(_UcxConformance):
+    env = SHM
+    mem = "alloc"
+
+
+class TestUcxTcpToken(_UcxConformance):
+    """The same suite with authentication on (sealed control messages)."""
+
+    env = TCP
+    config: ClassVar[dict[str, Any]] = {"auth_token": TOKEN}
+
+
+# ---- two agents in one process ---------------------------------------------------------------
+@pytest.fixture
+def tcp_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in TCP.items():
+        monkeypatch.setenv(k, v)
+
+
+def _agent(name: str, **kw: Any) -> kvx.Agent:
+    kw.setdefault("peer_timeout", 3.0)
+    return kvx.Agent(name, kvx.AgentConfig(backends=("ucx",), **kw))
+
+
+def test_two_agents_in_one_process(tcp_env: None) -> None:
+    with _agent("a") as a, _agent("b") as b:
+        n, bs = 128, 4096
+        src = pattern(n * bs, 1)
+        dst = np.zeros(n * bs, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.add_peer(b.metadata())
+        loc = a.prepare(kvx.DescList.blocks(ra, bs))
+        rem = a.prepare(kvx.DescList.blocks(rb.descs, bs), peer=peer)
+        perm = np.random.default_rng(2).permutation(n)
+        x = a.write(loc, np.arange(n), rem, perm, notify=b"landed").wait(10)
+        assert x.backend == "ucx" and x.nbytes == n * bs
+        exp = np.zeros_like(dst).reshape(n, bs)
+        exp[perm] = src.reshape(n, bs)
+        assert np.array_equal(dst, exp.reshape(-1))
+        assert b.notifications(timeout=5) == {"a": [b"landed"]}
+        back = np.zeros_like(src)
+        rback = a.register(back)
+        lb = a.prepare(kvx.DescList.blocks(rback, bs))
+        a.read(lb, perm, rem, np.arange(n)).wait(10)
+        assert np.array_equal(back.reshape(n, bs)[perm], dst.reshape(n, bs))
+
+
+def test_registration_after_add_peer_is_reachable(tcp_env: None) -> None:
+    """A region the target registers after the initiator read its metadata: prepare refreshes
+    the region table and remote keys over the control channel."""
+    with _agent("a") as a, _agent("b") as b:
+        peer = a.add_peer(b.metadata())
+        dst = np.zeros(1 << 16, np.uint8)
+        rb = b.register(dst)
+        src = pattern(1 << 16, 3)
+        loc = a.prepare(kvx.DescList.blocks(a.register(src), 4096))
+        rem = a.prepare(kvx.DescList.blocks(rb.descs, 4096), peer=peer)
+        a.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+        assert digest(dst) == digest(src)
+
+
+def test_release_revokes_and_later_writes_fail(tcp_env: None) -> None:
+    """After the target's release returns, the initiator's remote key for it is gone: a post
+    fails at once with RemoteError and the released memory keeps its bytes."""
+    with _agent("a") as a, _agent("b") as b:
+        dst = np.zeros(1 << 16, np.uint8)
+        rb = b.register(dst)
+        peer = a.add_peer(b.metadata())
+        loc = a.prepare(kvx.DescList.blocks(a.register(pattern(1 << 16, 4)), 4096))
+        rem = a.prepare(kvx.DescList.blocks(rb.descs, 4096), peer=peer)
+        a.write(loc, [0], rem, [0]).wait(10)
+        before = digest(dst)
+        rb.release()
+        with pytest.raises(kvx.RemoteError):
+            a.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+        assert digest(dst) == before
+        assert a.backend("ucx")._peers[peer].rkeys == {}  # destroyed after the revoke
+
+
+def test_wrong_token_is_refused(tcp_env: None) -> None:
+    with _agent("target", auth_token=TOKEN) as t:
+        dst = np.zeros(4096, np.uint8)
+        t.register(dst)
+        for tok in ("wrong", None):
+            with _agent("intruder", auth_token=tok) as a:
+                with pytest.raises(kvx.AuthError):
+                    a.add_peer(t.metadata())
+                assert a.peers() == []
+        with _agent("good", auth_token=TOKEN) as g:
+            g.add_peer(t.metadata())
+            g.notify("target", b"hi")
+            assert t.notifications(timeout=5) == {"good": [b"hi"]}
+
+
+def test_forged_and_replayed_control_messages_are_dropped(tcp_env: None) -> None:
+    """With a token, a sealed message with a wrong MAC or a replayed sequence number is dropped."""
+    from kvx import wire
+    from kvx.backends.ucx import _Session
+
+    with _agent("target", auth_token=TOKEN) as t, _agent("a", auth_token=TOKEN) as a:
+        a.add_peer(t.metadata())
+        ub = a.backend("ucx")
+        p = ub._peers["target"]
+        good = p.session.seal(ub.me, "i", wire.pack("notif", msg=b"one"))
+        ub.w.am_send(p.ep, good)
+        assert t.notifications(timeout=5) == {"a": [b"one"]}
+        ub.w.am_send(p.ep, good)  # replay
+        forged = _Session(b"k" * 32).seal(ub.me, "i", wire.pack("notif", msg=b"forged"))
+        ub.w.am_send(p.ep, forged)
+        garbage = os.urandom(64)
+        ub.w.am_send(p.ep, garbage)
+        assert t.notifications(timeout=1.0) == {}
+        a.notify("target", b"two")  # the channel still works
+        assert t.notifications(timeout=5) == {"a": [b"two"]}
+
+
+def test_malformed_ucx_section_is_a_protocol_error(tcp_env: None) -> None:
+    from kvx import wire
+
+    with _agent("target") as t, _agent("a") as a:
+        info = wire.unpack(t.metadata())
+        for bad in ({"addr": "text", "rkeys": []}, {"addr": b"x" * 4, "rkeys": []},
+                    {"addr": info["backends"]["ucx"]["addr"], "rkeys": [[0, 1, b"k"]]},
+                    {"addr": info["backends"]["ucx"]["addr"], "rkeys": [[1, 1, "k"]]}, []):
+            meta = dict(info)
+            meta["backends"] = {"ucx": bad}
+            fields = {k: v for k, v in meta.items() if k not in ("v", "t")}
+            with pytest.raises(kvx.ProtocolError):
+                a.add_peer(wire.pack("meta", **fields))
+        assert a.peers() == []
+
+
+def _round_trip() -> None:
+    with _agent("a") as a, _agent("b") as b:
+        rb = b.register(np.zeros(4096, np.uint8))
+        peer = a.add_peer(b.metadata())
+        loc = a.prepare(kvx.DescList.blocks(a.register(pattern(4096, 1)), 4096))
+        rem = a.prepare(kvx.DescList.blocks(rb.descs, 4096), peer=peer)
+        a.write(loc, [0], rem, [0]).wait(10)
+
+
+def test_close_leaves_no_threads_or_fds(tcp_env: None) -> None:
+    """Agents with ucx, connected and used, then closed: no thread and no file descriptor stays
+    (after one warm-up round, which lets UCX open what it keeps for the process)."""
+    _round_trip()
+    time.sleep(0.2)
+    threads = {t.ident for t in threading.enumerate()}
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        _round_trip()
+    time.sleep(0.2)
+    assert [t.name for t in threading.enumerate() if t.ident not in threads] == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_killed_initiator_leaves_the_target_serving() -> None:
+    """A peer process that reached us is killed mid-stream; we keep serving another peer."""
+    env = dict(TCP)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with _agent("target") as t:
+            dst = np.zeros(1 << 20, np.uint8)
+            rt = t.register(dst)
+            p = PeerProcess("doomed", {"backends": ["ucx"], "peer_timeout": 3.0}, env)
+            try:
+                name = p.call(cmd="add_peer", meta=__import__("base64").b64encode(t.metadata()).decode())
+                assert name
+            finally:
+                p.kill()
+                p.close()
+            with _agent("other") as o:
+                peer = o.add_peer(t.metadata())
+                loc = o.prepare(kvx.DescList.blocks(o.register(pattern(1 << 20, 9)), 1 << 16))
+                rem = o.prepare(kvx.DescList.blocks(rt.descs, 1 << 16), peer=peer)
+                o.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+                assert digest(dst) == digest(pattern(1 << 20, 9))
