@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 from collections import Counter
 from typing import Any
 
@@ -33,6 +35,15 @@ BUCKET = "kvx-soak"
 
 def _digest(b: Any) -> str:
     return hashlib.blake2b(np.ascontiguousarray(b).data, digest_size=16).hexdigest()
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line in function)`` of the innermost kvx frame that raised ``exc``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/kvx/" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename.split('/kvx/', 1)[1]}:{f.lineno} in {f.name})"
 
 
 def _sample() -> dict[str, int]:
@@ -112,7 +123,7 @@ class Worker:
             self.errors[key] += 1
             self.examples.setdefault(key, str(exc)[:200])
         else:
-            self.foreign[f"{what}: {type(exc).__name__}: {exc}"[:300]] += 1
+            self.foreign[f"{what}: {type(exc).__name__}: {exc}"[:200] + _where(exc)] += 1
 
     def check(self, what: str, got: np.ndarray, want: str) -> None:
         if _digest(got) == want:
@@ -133,9 +144,11 @@ class Worker:
             try:
                 self.step()
             except Exception as exc:  # a bug of the worker or a non-kvx error out of kvx
-                self.foreign[f"step: {type(exc).__name__}: {exc}"[:300]] += 1
+                self.foreign[f"step: {type(exc).__name__}: {exc}"[:200] + _where(exc)] += 1
                 time.sleep(0.5)
             time.sleep(self.a.pause)
+        gc.collect()
+        time.sleep(2.0)  # let transient state go (mappings of dead incarnations, finished threads)
         end = _sample()
         deadline = time.time() + 180
         while self.a.restored and not os.path.exists(self.a.restored) and time.time() < deadline:
