@@ -118,7 +118,11 @@ def main() -> None:
             _reply({"ok": bool(ok), **state()})
         elif c == "stats":
             kvw = getattr(worker_conn, "worker", None)
-            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, **state()})
+            tiers = {str(g): st.store.stats().tiers for g, st in (kvw._stores.items() if kvw is not None else ())}
+            ks = getattr(core.scheduler.connector, "scheduler", None)
+            known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
+            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers,
+                    "scheduler_known_blocks": known, **state()})
         elif c == "quit":
             del llm
             _reply({"bye": True})

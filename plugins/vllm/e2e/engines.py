@@ -32,7 +32,9 @@ class EngineProcess:
         self.opts = opts
         self.log_path = log
         self._log = open(log, "w") if log else subprocess.DEVNULL  # closed in close()
-        e = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        # vLLM seeds its block hashes from PYTHONHASHSEED (random when unset): a restarted engine
+        # finds its blocks in a kvx tier only under the same seed
+        e = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, PROC, json.dumps(opts)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=e)
         self.hello: dict[str, Any] | None = None

@@ -56,9 +56,6 @@ class KVXConnectorConfig:
         Optional disk tier below it.
     offload_policy
         Eviction policy name (``kvx.tiers.policies.POLICIES``); empty for the store's default.
-    offload_write_through
-        Write every stored block to the disk tier at once, not only when the host tier evicts
-        it: the disk tier then holds everything, and a restarted engine finds it all there.
     check_model_name
         Also require equal model names (not only equal geometry) between prefill and decode.
     """
@@ -75,7 +72,6 @@ class KVXConnectorConfig:
     offload_disk_path: str = ""
     offload_disk_bytes: int = 0
     offload_policy: str = ""
-    offload_write_through: bool = False
     check_model_name: bool = True
     staging_blocks: int = 64
 
@@ -100,7 +96,7 @@ class KVXConnectorConfig:
                 kw[k] = float(v)
             elif k in ("pd", "offload"):
                 kw[k] = None if v is None else _bool(v)
-            elif k in ("check_model_name", "offload_write_through"):
+            elif k == "check_model_name":
                 kw[k] = _bool(v)
             elif k == "backends":
                 kw[k] = tuple(v.split(",")) if isinstance(v, str) else tuple(v)

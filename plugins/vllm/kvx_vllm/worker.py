@@ -134,8 +134,6 @@ class _GroupStore:
         kw: dict[str, Any] = {"agent": agent}
         if cfg.offload_policy:
             kw["policy"] = cfg.offload_policy
-        if cfg.offload_write_through:
-            kw["write_through"] = True
         self.store = TieredStore(tiers, self.block_bytes, **kw)
         self.slots = max(1, cfg.staging_blocks)
         self.buf = kvx.alloc_host(self.slots * self.block_bytes)
@@ -150,8 +148,6 @@ class _GroupStore:
             nbytes=np.tile(pages, self.slots)))
         self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
         self._off = self.store.events.subscribe(worker._on_store_events)
-        # blocks the disk tier recovered at start-up reach the scheduler's index too
-        self.store.announce()
 
     def _idx(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Indices into the KV block table and into the staging pieces, block-major."""
@@ -303,6 +299,11 @@ class KVXWorker:
     # ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVXConnectorMetadata) -> None:
         """Start this step's pulls and offload loads in the background."""
+        if meta.announce:
+            # what the stores hold (a disk tier recovered at start-up included) reaches the
+            # scheduler with this step's worker metadata
+            for st in self._stores.values():
+                st.store.announce()
         for spec in meta.recv:
             ids = [b for g in spec.local_block_ids for b in g]
             self._recv_blocks[spec.req_id] = ids
