@@ -67,6 +67,7 @@ def main() -> None:
     pool = core.scheduler.kv_cache_manager.block_pool
     initial = pool.get_num_free_blocks()
     spoil = {"on": False}
+    pull_times: dict[str, list[float]] = {}  # request id -> [start, end] of its pull (decode side)
     worker_conn = None
     if role:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -75,6 +76,7 @@ def main() -> None:
         kvw = getattr(worker_conn, "worker", None)
         if kvw is not None:
             _patch_spoil(kvw, spoil)
+        _time_pulls(worker_conn, pull_times)
 
     def state() -> dict[str, Any]:
         return {"free": pool.get_num_free_blocks(), "initial": initial}
@@ -121,14 +123,41 @@ def main() -> None:
             tiers = {str(g): st.store.stats().tiers for g, st in (kvw._stores.items() if kvw is not None else ())}
             ks = getattr(core.scheduler.connector, "scheduler", None)
             known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
+            done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
             _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers,
-                    "scheduler_known_blocks": known, **state()})
+                    "scheduler_known_blocks": known, "pull_s": done, **state()})
         elif c == "quit":
             del llm
             _reply({"bye": True})
             return
         else:
             _reply({"error": f"unknown command {c!r}"})
+
+
+def _time_pulls(conn: Any, times: dict[str, list[float]]) -> None:
+    """Record, per request, when the worker-side connector starts loading its KV and when it
+    reports it received: the decode side's pull time, measured the same way for any connector
+    (KVXConnector's metadata lists ``recv``, NixlConnector's ``reqs_to_recv``)."""
+    start, results = conn.start_load_kv, conn.get_transfer_results
+
+    def start_load_kv(forward_context: Any, **kw: Any) -> None:
+        meta = conn._get_connector_metadata() if conn.has_connector_metadata() else None
+        ids = [r.req_id for r in getattr(meta, "recv", ())] + list(getattr(meta, "reqs_to_recv", {}) or {})
+        now = time.perf_counter()
+        for rid in ids:
+            times.setdefault(rid, [now])
+        start(forward_context, **kw)
+
+    def get_transfer_results(finished_req_ids: set[str]) -> Any:
+        res = results(finished_req_ids)
+        now = time.perf_counter()
+        for rid in res.finished_recving or ():
+            if rid in times and len(times[rid]) == 1:
+                times[rid].append(now)
+        return res
+
+    conn.start_load_kv = start_load_kv
+    conn.get_transfer_results = get_transfer_results
 
 
 def _patch_spoil(kvw: Any, spoil: dict[str, bool]) -> None:

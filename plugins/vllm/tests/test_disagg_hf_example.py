@@ -7,6 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+from engines import why_no_cpu_engine
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "disagg_hf.py")
 
 

@@ -12,9 +12,13 @@ from __future__ import annotations
 import time
 
 import msgspec
+import pytest
 import zmq
-from engines import EngineProcess
+from engines import EngineProcess, why_no_cpu_engine
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
 BLOCK = 32
 PAGE = 2 * (2 * BLOCK * 2 * 32 * 4)  # 2 layers x (2 KV heads x 32 tokens x K+V of 32 floats)

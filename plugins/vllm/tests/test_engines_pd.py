@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines import EngineProcess
+from engines import EngineProcess, why_no_cpu_engine
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
 BLOCK = 32
 # under one block, one block, one token past a block boundary, several blocks
