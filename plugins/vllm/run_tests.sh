@@ -7,6 +7,6 @@ VENV="$("$HERE/setup_venv.sh" | tail -n 1)"
 cd "$HERE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 set +e
-"$VENV/bin/python" -m pytest tests -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider "$@"  # testpaths: tests
 rc=$?
 exit $rc

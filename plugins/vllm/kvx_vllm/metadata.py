@@ -105,12 +105,18 @@ class SendSpec:
 
 @dataclass
 class KVXConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the workers."""
+    """One step's work for the workers.
+
+    ``announce`` asks the workers to report every block their offload stores hold (the
+    scheduler's first step, and the first after ``reset_cache``): a disk tier recovered at
+    start-up becomes known to the scheduler that way.
+    """
 
     recv: list[RecvSpec] = field(default_factory=list)
     load: list[LoadSpec] = field(default_factory=list)
     save: list[SaveSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
+    announce: bool = False
 
 
 @dataclass

@@ -89,6 +89,9 @@ class KVXScheduler:
         self._planned: dict[str, tuple[int, list[list[bytes]]]] = {}
         self._events: list[KVCacheEvent] = []
         self._saving: set[str] = set()
+        # ask the workers what their stores hold at the first step (the events of what a disk
+        # tier recovered at start-up are drained by vLLM's warm-up runs before any real step)
+        self._announce = True
 
     # ------------------------------------------------------------------------------------------
     # handshake
@@ -184,8 +187,10 @@ class KVXScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
         """This step's work for the workers; resets the step state."""
-        meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send)
+        meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send,
+                                    announce=self._announce and self.offload)
         self._recv, self._load, self._save, self._send = [], [], [], []
+        self._announce = False
         return meta
 
     # ------------------------------------------------------------------------------------------
@@ -300,8 +305,10 @@ class KVXScheduler:
         yield from ev
 
     def reset_cache(self) -> bool:
-        """Forget the mirrored offload index (the stores keep their blocks)."""
+        """Forget the mirrored offload index (the stores keep their blocks; the next step asks
+        the workers to report them again)."""
         self._stored.clear()
+        self._announce = True
         return True
 
     def has_pending_work(self) -> bool:

@@ -148,8 +148,6 @@ class _GroupStore:
             nbytes=np.tile(pages, self.slots)))
         self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
         self._off = self.store.events.subscribe(worker._on_store_events)
-        # blocks the disk tier recovered at start-up reach the scheduler's index too
-        self.store.announce()
 
     def _idx(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Indices into the KV block table and into the staging pieces, block-major."""
@@ -243,6 +241,7 @@ class KVXWorker:
         self._stores: dict[int, _GroupStore] = {}
         self._peers: dict[str, _Peer] = {}
         self._peer_lock = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}  # peer name -> held while connecting it
         self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvx-vllm-pull")
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvx-vllm-store")
         self._recv: dict[str, Future[list[int]]] = {}  # req -> future of failed block ids
@@ -255,6 +254,10 @@ class KVXWorker:
         self._invalid: set[int] = set()
         self._events_lock = threading.Lock()
         self._events: list[tuple[str, list[bytes], bytes | None, str]] = []
+        #: counters since start: pulls and pulled blocks (decode side), their total seconds;
+        #: offload blocks loaded, and blocks saved
+        self.stats: dict[str, float] = {"pulls": 0, "pulled_blocks": 0, "pull_s": 0.0, "pull_failures": 0,
+                                        "loaded_blocks": 0, "saved_blocks": 0}
 
     # ------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -296,6 +299,11 @@ class KVXWorker:
     # ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVXConnectorMetadata) -> None:
         """Start this step's pulls and offload loads in the background."""
+        if meta.announce:
+            # what the stores hold (a disk tier recovered at start-up included) reaches the
+            # scheduler with this step's worker metadata
+            for st in self._stores.values():
+                st.store.announce()
         for spec in meta.recv:
             ids = [b for g in spec.local_block_ids for b in g]
             self._recv_blocks[spec.req_id] = ids
@@ -392,26 +400,43 @@ class KVXWorker:
         with self._events_lock:
             self._events.extend(out)
 
+    def _count(self, **kw: float) -> None:
+        with self._events_lock:
+            for k, v in kw.items():
+                self.stats[k] += v
+
     # ------------------------------------------------------------------------------------------
     def _peer(self, name: str, host: str, port: int, layout: list[Any], winfo: dict[str, Any]) -> _Peer:
+        """The prefill worker ``name``, connected once however many pulls ask for it at once.
+
+        A burst of requests to a fresh decode instance starts several pulls from the same prefill
+        worker together; the first connects (side channel, ``add_peer``, ``prepare``) while the
+        others wait on that peer's lock and then share the connection.
+        """
         from kvx.discovery import fetch_metadata
 
         with self._peer_lock:
             p = self._peers.get(name)
             if p is not None:
                 return p
-        meta = fetch_metadata(host, int(port), timeout=min(10.0, self.cfg.load_timeout_s))
-        pname = self.agent.add_peer(meta)
-        if pname != name:
-            raise kvx.ProtocolError(f"the side channel at {host}:{port} serves agent {pname!r}, not {name!r}")
-        layouts = [LayerLayout.from_list(v) for v in layout]
-        descs, offsets = block_table(layouts, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))),
-                                     int(winfo.get("dev", 0)))
-        table = self.agent.prepare(descs, peer=pname)
-        p = _Peer(pname, table, offsets, {lay.name: lay for lay in layouts})
-        with self._peer_lock:
-            self._peers[name] = p
-        return p
+            connecting = self._connecting.setdefault(name, threading.Lock())
+        with connecting:
+            with self._peer_lock:
+                p = self._peers.get(name)
+            if p is not None:
+                return p
+            meta = fetch_metadata(host, int(port), timeout=min(10.0, self.cfg.load_timeout_s))
+            pname = self.agent.add_peer(meta)
+            if pname != name:
+                raise kvx.ProtocolError(f"the side channel at {host}:{port} serves agent {pname!r}, not {name!r}")
+            layouts = [LayerLayout.from_list(v) for v in layout]
+            descs, offsets = block_table(layouts, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))),
+                                         int(winfo.get("dev", 0)))
+            table = self.agent.prepare(descs, peer=pname)
+            p = _Peer(pname, table, offsets, {lay.name: lay for lay in layouts})
+            with self._peer_lock:
+                self._peers[name] = p
+            return p
 
     def _forget_peer(self, name: str) -> None:
         with self._peer_lock:
@@ -462,11 +487,14 @@ class KVXWorker:
                     lidx.append(self.offsets[lay.name] + lb)
                     ridx.append(peer.offsets[lay.name] + rb)
             assert self.table is not None
+            t0 = time.monotonic()
             x = self.agent.read(self.table, np.concatenate(lidx), peer.table, np.concatenate(ridx),
                                 notify=payload)
             x.wait(self.cfg.load_timeout_s)
+            self._count(pulls=1, pulled_blocks=len(local), pull_s=time.monotonic() - t0)
             return []
         except Exception as exc:
+            self._count(pull_failures=1)
             log.error("kvx_vllm: pulling request %s from %s failed: %s", spec.req_id,
                       params.get("remote_host"), exc)
             entry = (params.get("remote_agents") or {}).get(str(self.tp_rank))
@@ -485,6 +513,7 @@ class KVXWorker:
                 log.error("kvx_vllm: offload load of request %s failed: %s", spec.req_id, exc)
                 got = 0
             bad.extend(ids[got:])
+            self._count(loaded_blocks=got)
         return bad
 
     def _save(self, spec: SaveSpec) -> int:
@@ -494,6 +523,7 @@ class KVXWorker:
             st = self._stores.get(g)
             if st is not None and keys:
                 n += st.save(self.agent, self.table, keys, ids, self.cfg.load_timeout_s)
+        self._count(saved_blocks=n)
         return n
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""One real vLLM engine (``vllm.LLM``, in-process engine core) driven over stdin/stdout.
+
+Started by the real-engine tests and the P/D benchmark, one process per engine::
+
+    python engine_proc.py '{"model": DIR, "role": "kv_producer", "extra": {...}, ...}'
+
+It answers one JSON line per command line (prompts are token ids, sampling is greedy):
+
+- ``{"cmd": "generate", "prompts": [[ids], ...], "max_tokens": n, "params": [kv_transfer_params | null, ...]}``
+  -> ``{"outputs": [{"tokens", "kv_transfer_params", "num_cached_tokens", "ttft_s"}], ...}``
+- ``{"cmd": "drain", "timeout": s}``: step the engine until every KV block is free again (the
+  prefill side frees a request's blocks once its decode instance has read them) or ``timeout``;
+- ``{"cmd": "spoil", "on": true}``: from now on, blocks this (decode) engine pulls are
+  overwritten with noise after they arrive and before the model reads them (negative control);
+- ``{"cmd": "reset_prefix_cache"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
+
+Every answer carries ``free`` and ``initial``: free KV blocks now and when the engine started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the answers
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    opts = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    kw: dict[str, Any] = dict(model=opts["model"], enforce_eager=True, skip_tokenizer_init=True,
+                              block_size=int(opts.get("block_size", 32)),
+                              max_model_len=int(opts.get("max_model_len", 256)),
+                              num_gpu_blocks_override=int(opts.get("num_blocks", 64)),
+                              dtype=opts.get("dtype", "float32"),
+                              seed=0, max_num_seqs=int(opts.get("max_num_seqs", 32)),
+                              max_num_batched_tokens=int(opts.get("max_num_batched_tokens", 8192)))
+    role = opts.get("role")
+    if role:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=opts.get("connector", "KVXConnector"),
+            kv_connector_module_path=opts.get("module", "kvx_vllm") or None, kv_role=role,
+            engine_id=opts.get("engine_id"), kv_buffer_device=opts.get("kv_buffer_device", "cpu"),
+            kv_connector_extra_config=opts.get("extra", {}),
+            kv_load_failure_policy=opts.get("failure_policy", "fail"))
+    if opts.get("events_endpoint"):
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=opts["events_endpoint"], topic="kv")
+    t0 = time.monotonic()
+    llm = LLM(**kw)
+    core = llm.llm_engine.engine_core.engine_core  # in-process EngineCore (no multiprocessing)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    initial = pool.get_num_free_blocks()
+    spoil = {"on": False}
+    pull_times: dict[str, list[float]] = {}  # request id -> [start, end] of its pull (decode side)
+    worker_conn = None
+    if role:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker_conn = get_kv_transfer_group()
+        kvw = getattr(worker_conn, "worker", None)
+        if kvw is not None:
+            _patch_spoil(kvw, spoil)
+        _time_pulls(worker_conn, pull_times)
+
+    def state() -> dict[str, Any]:
+        return {"free": pool.get_num_free_blocks(), "initial": initial}
+
+    _reply({"ready": True, "startup_s": time.monotonic() - t0, **state()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        c = cmd.get("cmd")
+        if c == "generate":
+            prompts = cmd["prompts"]
+            params = cmd.get("params") or [None] * len(prompts)
+            sps = []
+            for p in params:
+                extra = {"kv_transfer_params": p} if p is not None else None
+                sps.append(SamplingParams(temperature=0.0, max_tokens=int(cmd.get("max_tokens", 8)), ignore_eos=True,
+                                          extra_args=extra))
+            t = time.monotonic()
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+            wall = time.monotonic() - t
+            res = []
+            for o in outs:
+                m = o.metrics
+                ttft = None
+                if m is not None and getattr(m, "first_token_latency", None):
+                    ttft = float(m.first_token_latency)
+                res.append({"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason,
+                            "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
+                            "ttft_s": ttft})
+            _reply({"outputs": res, "wall_s": wall, **state()})
+        elif c == "drain":
+            end = time.monotonic() + float(cmd.get("timeout", 10))
+            while pool.get_num_free_blocks() != initial and time.monotonic() < end:
+                core.step()
+                time.sleep(0.01)
+            _reply(state())
+        elif c == "spoil":
+            spoil["on"] = bool(cmd.get("on", True))
+            _reply(state())
+        elif c == "reset_prefix_cache":
+            ok = llm.reset_prefix_cache()
+            _reply({"ok": bool(ok), **state()})
+        elif c == "stats":
+            kvw = getattr(worker_conn, "worker", None)
+            tiers = {str(g): st.store.stats().tiers for g, st in (kvw._stores.items() if kvw is not None else ())}
+            ks = getattr(core.scheduler.connector, "scheduler", None)
+            known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
+            done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
+            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers,
+                    "scheduler_known_blocks": known, "pull_s": done, **state()})
+        elif c == "quit":
+            del llm
+            _reply({"bye": True})
+            return
+        else:
+            _reply({"error": f"unknown command {c!r}"})
+
+
+def _time_pulls(conn: Any, times: dict[str, list[float]]) -> None:
+    """Record, per request, when the worker-side connector starts loading its KV and when it
+    reports it received: the decode side's pull time, measured the same way for any connector
+    (KVXConnector's metadata lists ``recv``, NixlConnector's ``reqs_to_recv``)."""
+    start, results = conn.start_load_kv, conn.get_transfer_results
+
+    def start_load_kv(forward_context: Any, **kw: Any) -> None:
+        meta = conn._get_connector_metadata() if conn.has_connector_metadata() else None
+        ids = [r.req_id for r in getattr(meta, "recv", ())] + list(getattr(meta, "reqs_to_recv", {}) or {})
+        now = time.perf_counter()
+        for rid in ids:
+            times.setdefault(rid, [now])
+        start(forward_context, **kw)
+
+    def get_transfer_results(finished_req_ids: set[str]) -> Any:
+        res = results(finished_req_ids)
+        now = time.perf_counter()
+        for rid in res.finished_recving or ():
+            if rid in times and len(times[rid]) == 1:
+                times[rid].append(now)
+        return res
+
+    conn.start_load_kv = start_load_kv
+    conn.get_transfer_results = get_transfer_results
+
+
+def _patch_spoil(kvw: Any, spoil: dict[str, bool]) -> None:
+    """Negative control: overwrite the blocks a pull delivered, while ``spoil["on"]``."""
+    import torch
+
+    orig = kvw._pull
+
+    def pull(spec: Any) -> list[int]:
+        bad = orig(spec)
+        if spoil["on"]:
+            ids = [b for g in spec.local_block_ids for b in g]
+            for t in kvw._kv_refs:
+                t[ids] = torch.randn_like(t[ids]) * 4
+        return bad
+
+    kvw._pull = pull
+
+
+if __name__ == "__main__":
+    main()
