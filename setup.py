@@ -7,16 +7,19 @@ from setuptools import Extension, setup
 def _ucx_extensions() -> list[Extension]:
     """kvx._ucx when UCX 1.22 (``pip install libucx-cu12``/``-cu13``) is installed in this
     environment; without it the build goes on and the ucx backend reports itself unavailable."""
+    import importlib.util
     import os
     import sys
     import sysconfig
 
-    roots = []
+    homes = []
+    spec = importlib.util.find_spec("libucx")  # wherever Python imports it from (venv, --target dir)
+    if spec is not None and spec.submodule_search_locations:
+        homes += list(spec.submodule_search_locations)
     for key in ("purelib", "platlib"):
-        roots.append(sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})[key])
-    roots += [p for p in sys.path if p.endswith("site-packages")]
-    for root in roots:
-        home = os.path.join(root, "libucx")
+        homes.append(os.path.join(sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})[key],
+                                  "libucx"))
+    for home in homes:
         if os.path.isfile(os.path.join(home, "include", "ucp", "api", "ucp.h")):
             lib = os.path.join(home, "lib")
             return [Extension(

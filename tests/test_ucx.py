@@ -52,6 +52,28 @@ class TestUcxTcpToken(_UcxConformance):
     config: ClassVar[dict[str, Any]] = {"auth_token": TOKEN}
 
 
+# ---- GPU memory (make gpu-check; UCX's cuda_copy moves device memory, tcp carries it) ----------
+CUDA_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+
+
+@pytest.mark.gpu
+class TestUcxCudaAcrossGpus(_UcxConformance):
+    env = CUDA_TCP
+    mem, local_mem = "vram:1", "vram:0"
+
+
+@pytest.mark.gpu
+class TestUcxCudaToPinnedHost(_UcxConformance):
+    env = CUDA_TCP
+    mem, local_mem = "pinned", "vram:0"
+
+
+@pytest.mark.gpu
+class TestUcxHostToCuda(_UcxConformance):
+    env = CUDA_TCP
+    mem, local_mem = "vram:1", "numpy"
+
+
 # ---- two agents in one process ---------------------------------------------------------------
 @pytest.fixture
 def tcp_env(monkeypatch: pytest.MonkeyPatch) -> None:
