@@ -5,9 +5,10 @@ See DESIGN section 7 and ``docs/tiers.md``.
 
 from .events import BlockRemoved, BlockStored, ZmqEventPublisher
 from .policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
-from .store import DiskTier, HostTier, LookupResult, ObjectTier, StoreStats, Tier, TieredStore
+from .store import BadKey, DiskTier, HostTier, LookupResult, ObjectTier, StoreStats, Tier, TieredStore
 
 __all__ = [
+    "BadKey",
     "DEFAULT_POLICY",
     "POLICIES",
     "BlockRemoved",

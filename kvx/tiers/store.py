@@ -31,9 +31,34 @@ from .events import BlockRemoved, BlockStored, Event, EventBus
 from .journal import Journal
 from .policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 
-__all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats"]
+__all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats", "BadKey"]
 
 log = logging.getLogger(__name__)
+
+_KEY_TYPES = (bytes, int, str)
+
+
+class BadKey(UsageError, TypeError):
+    """Block hashes were not a sequence of ``bytes``, ``int`` or ``str`` keys."""
+
+
+def _keys(hashes: Any) -> Sequence[Hashable]:
+    """Check a caller's block hashes: a list/tuple (or array) of bytes, int or str keys."""
+    if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, (Sequence, np.ndarray)):
+        raise BadKey(f"block hashes must be a sequence of keys, not {type(hashes).__name__}")
+    if isinstance(hashes, np.ndarray):
+        if hashes.ndim != 1 or hashes.dtype.kind not in "iu":
+            raise BadKey("a numpy array of block hashes must be one-dimensional integers")
+        return hashes.tolist()
+    for h in hashes:
+        if type(h) not in _KEY_TYPES and not isinstance(h, _KEY_TYPES):
+            raise BadKey(f"a block hash must be bytes, int or str, not {type(h).__name__}")
+    return hashes
+
+
+def _prepared(pl: Any, what: str) -> None:
+    if not isinstance(pl, kvx.PreparedList):
+        raise UsageError(f"{what} must be a kvx.PreparedList (agent.prepare(...)), not {type(pl).__name__}")
 
 
 @dataclass(slots=True)
@@ -71,6 +96,8 @@ class Tier:
     """A tier: ``capacity`` slots of ``block_bytes`` over one registered region."""
 
     medium = "?"
+    #: blocks outlive the store (a read keeps the tier's copy rather than moving it up)
+    persistent = False
 
     def __init__(self, nbytes: int | None = None, blocks: int | None = None) -> None:
         if (nbytes is None) == (blocks is None):
@@ -152,14 +179,23 @@ class DiskTier(Tier):
     """
 
     medium = "DISK"
+    persistent = True
 
     def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
                  fsync: bool = False) -> None:
         super().__init__(nbytes, blocks)
+        if not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"DiskTier path must be a str or os.PathLike, not {type(path).__name__}")
         self.path = os.fspath(path)
         self.fsync = fsync
         self.journal: Journal | None = None
         self.parents: dict[Hashable, Hashable | None] = {}
+
+    def attach(self, agent: kvx.Agent, block_bytes: int, policy: str) -> None:
+        try:
+            super().attach(agent, block_bytes, policy)
+        except OSError as exc:
+            raise TierError(f"disk tier {self.path!r}: {exc.strerror or exc}") from exc
 
     def region(self, n: int, block_bytes: int) -> Any:
         os.makedirs(self.path, exist_ok=True)
@@ -327,6 +363,7 @@ class TieredStore:
     def lookup(self, hashes: Sequence[Hashable]) -> LookupResult:
         """Longest stored prefix of ``hashes`` and which tier holds each of its blocks."""
         self._check()
+        hashes = _keys(hashes)
         where = self._where
         tiers: list[int] = []
         for h in hashes:
@@ -436,6 +473,8 @@ class TieredStore:
         Returns the number of blocks newly stored (the policy may decline some: admission).
         """
         self._check()
+        hashes = _keys(hashes)
+        _prepared(src, "src")
         n = len(hashes)
         sidx = np.arange(n, dtype=np.int64) if src_idx is None else np.asarray(src_idx, dtype=np.int64)
         if sidx.shape != (n,):
@@ -544,6 +583,8 @@ class TieredStore:
             in ``hashes`` have been copied; the count is in the exception's ``args[1]``.
         """
         self._check()
+        hashes = _keys(hashes)
+        _prepared(dst, "dst")
         n = len(hashes)
         didx = np.arange(n, dtype=np.int64) if dst_idx is None else np.asarray(dst_idx, dtype=np.int64)
         if didx.shape != (n,):
@@ -619,7 +660,7 @@ class TieredStore:
         top.committed(key, parent, tslot, crc)
         self._where[key] = 0
         t.stats.promoted += 1
-        if not self.write_through:
+        if not self.write_through and not t.persistent:
             self._forget(ti, key, slot, events)
             t.free.append(slot)
         events.append(BlockStored([key], parent, top.medium, self.block_bytes))
@@ -628,6 +669,7 @@ class TieredStore:
     def prefetch(self, hashes: Sequence[Hashable]) -> threading.Thread:
         """Promote the stored prefix of ``hashes`` to the top tier in the background."""
         self._check()
+        hashes = _keys(hashes)
 
         def run() -> None:
             events: list[Event] = []
@@ -648,6 +690,7 @@ class TieredStore:
     def pin(self, hashes: Sequence[Hashable], lease: float | None = None) -> int:
         """Keep blocks from eviction for ``lease`` seconds (default ``pin_lease``); returns count."""
         self._check()
+        hashes = _keys(hashes)
         until = time.monotonic() + (self.pin_lease if lease is None else lease)
         n = 0
         with self._lock:
@@ -662,6 +705,7 @@ class TieredStore:
 
     def unpin(self, hashes: Sequence[Hashable]) -> None:
         """Make blocks evictable again."""
+        hashes = _keys(hashes)
         with self._lock:
             for h in hashes:
                 self._unpin_one(h)
@@ -675,6 +719,7 @@ class TieredStore:
 
     def delete(self, hashes: Sequence[Hashable]) -> int:
         """Remove blocks from every tier; returns how many were stored."""
+        hashes = _keys(hashes)
         events: list[Event] = []
         n = 0
         with self._lock:
