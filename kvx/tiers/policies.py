@@ -521,14 +521,33 @@ class AdaptivePolicy(EvictionPolicy):
     min_rate: ClassVar[float] = 1 / 64
     psel_max: ClassVar[int] = 256
 
-    def __init__(self, capacity: int) -> None:
+    #: the eviction-order experts: lifetime multipliers (0 is exactly LRU order)
+    lifetimes: ClassVar[tuple[float, ...]] = (0.0, 1.5)
+    expert_blocks: ClassVar[int] = 512  # target capacity of each expert's miniature
+    expert_decay: ClassVar[int] = 4096  # sampled accesses per halving of the experts' scores
+
+    def __init__(self, capacity: int, lifetime: float | None = None, expert: bool = False) -> None:
         super().__init__(capacity)
+        self._expert = expert
         rate = min(1.0, max(self.min_rate, self.shadow_blocks / capacity))
-        self._thresh = int(rate * 65536)
+        self._thresh = int(rate * 65536) if not expert else 0
         scap = max(1, round(capacity * rate))
         self._shadow_admit = _MiniCache(scap, self.ghost_mult, self.door_mult, False)
         self._shadow_filter = _MiniCache(scap, self.ghost_mult, self.door_mult, True)
         self._psel = 0  # > 0: the doorkeeper rule wins
+        # eviction order: miniature copies of this policy, one per lifetime, fed with a spatial
+        # sample of keys (as chains of their own); the real order follows the best-scoring one
+        self._experts: list[AdaptivePolicy] = []
+        self._scores: list[float] = []
+        self._ethresh = 0
+        self._esamples = 0
+        if not expert and len(self.lifetimes) > 1:
+            erate = min(1.0, max(self.min_rate, self.expert_blocks / capacity))
+            self._ethresh = int(erate * 65536)
+            ecap = max(2, round(capacity * erate))
+            self._experts = [AdaptivePolicy(ecap, lifetime=lt, expert=True) for lt in self.lifetimes]
+            self._scores = [0.0] * len(self._experts)
+        self._lifetime = self.lifetimes[-1] if lifetime is None else lifetime
         self._door: OrderedDict[Hashable, None] = OrderedDict()
         self._door_cap = max(1, int(capacity * self.door_mult))
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # recently evicted keys
@@ -539,7 +558,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._cls = 0  # class of the key last accessed (hit / miss)
         n = max(1, int(self.classes))
         self._queues: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(n)]
-        self._life = [int(c * self.lifetime_mult * capacity) for c in range(n)]
+        self._life = [int(c * self._lifetime * capacity) for c in range(n)]
         self._class_of: dict[Hashable, int] = {}
 
     @property
@@ -547,8 +566,40 @@ class AdaptivePolicy(EvictionPolicy):
         """True while new blocks are admitted on their second sighting only."""
         return self._psel > 0
 
+    @property
+    def lifetime(self) -> float:
+        """The lifetime multiplier in force (0: LRU order)."""
+        return self._lifetime
+
+    def _consult(self, key: Hashable) -> None:
+        """Feed a sampled key to every expert; follow the one with the best decayed score."""
+        scores = self._scores
+        for i, e in enumerate(self._experts):
+            if key in e._parent:
+                e.hit(key)
+                scores[i] += 1.0
+            else:
+                e.miss(key)
+                if e.admit(key, None):
+                    while len(e._parent) >= e.capacity:
+                        e.removed(e.victim())
+                    e.inserted(key, None)
+        self._esamples += 1
+        if self._esamples >= self.expert_decay:
+            self._esamples = 0
+            self._scores = scores = [x / 2 for x in scores]
+        best = max(range(len(scores)), key=lambda i: (scores[i], i))
+        lt = self.lifetimes[best]
+        if lt != self._lifetime:
+            self._lifetime = lt
+            cap = self.capacity
+            self._life = [int(c * lt * cap) for c in range(len(self._queues))]
+
     def _observe(self, key: Hashable) -> None:
-        if ((hash(key) * 2654435761) & 0xFFFFFFFF) >> 16 < self._thresh:
+        hk = ((hash(key) * 2654435761) & 0xFFFFFFFF) >> 16
+        if hk < self._ethresh:
+            self._consult(key)
+        if hk < self._thresh:
             a = self._shadow_admit.access(key)
             f = self._shadow_filter.access(key)
             if a != f:
