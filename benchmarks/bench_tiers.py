@@ -54,7 +54,7 @@ def replay(pythonpath: str, args: list[str], env: dict[str, str]) -> dict:
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def bench_replay(base_ref: str, limit: int, trace: str) -> None:
+def bench_replay(base_ref: str, limit: int, trace: str, policy: str) -> None:
     from kvx.testing.seaweed import SeaweedFS
 
     tmp = tempfile.mkdtemp(prefix="kvx-bench-tiers-")
@@ -62,14 +62,15 @@ def bench_replay(base_ref: str, limit: int, trace: str) -> None:
     sw.start()
     try:
         base = extract_base(base_ref, _mk(tmp, "base"))
-        args = [trace, "--capacity", "1000", "--disk", "4000", "--s3", "2000", "--limit", str(limit)]
+        args = [trace, "--capacity", "1000", "--disk", "4000", "--s3", "2000", "--limit", str(limit),
+                "--policy", policy]
         rows = []
         for name, path in (("main " + base_ref, base), ("this tree", ROOT)):
             t0 = time.perf_counter()
             res = replay(path, args, sw.env())
             rows.append((name, res, time.perf_counter() - t0))
         print(f"\nkvx replay {os.path.basename(trace)} --capacity 1000 --disk 4000 --s3 2000 --limit {limit}"
-              " (SeaweedFS on loopback)\n")
+              f" --policy {policy} (SeaweedFS on loopback)\n")
         print("| code | hit rate | tier hits | block refs | seconds | block-ops/s | ratio |")
         print("|---|---|---|---|---|---|---|")
         b = rows[0][1]["ops_per_s"]
@@ -142,13 +143,15 @@ def main() -> None:
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--block-bytes", type=int, default=256 << 10, help="block size of the get benchmark")
     ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--policy", default="lru",
+                    help="replay policy (lru: the same decisions in both codes, so the hit rates must match)")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--skip-get", action="store_true")
     a = ap.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, python "
           f"{sys.version.split()[0]}")
     if not a.skip_replay:
-        bench_replay(a.base, a.limit, a.trace)
+        bench_replay(a.base, a.limit, a.trace, a.policy)
     if not a.skip_get:
         bench_get(a.block_bytes, a.iters)
 

@@ -27,7 +27,7 @@ def rss() -> int:
 
 
 def tracked(p: object) -> int:
-    """Keys held in the policy's dicts/sets/OrderedDicts, its miniatures included."""
+    """Keys held in the policy's dicts/sets/OrderedDicts and compact tables, miniatures included."""
     n = 0
     for v in vars(p).values() if hasattr(p, "__dict__") else ():
         if isinstance(v, (dict, set)):
@@ -38,6 +38,10 @@ def tracked(p: object) -> int:
                     n += len(x)
                 elif hasattr(x, "__dict__") or hasattr(x, "__slots__"):
                     n += tracked(x)
+        elif hasattr(v, "a") and hasattr(v, "per"):  # a compact key table: its live entries
+            n += sum(1 for e in v.a if e)
+        elif hasattr(v, "t") and hasattr(v.t, "a"):
+            n += sum(1 for e in v.t.a if e)
         elif hasattr(v, "__slots__") and not isinstance(v, (int, float, str)):
             n += sum(len(getattr(v, s)) for s in v.__slots__ if isinstance(getattr(v, s, None), (dict, set)))
     return n
@@ -73,8 +77,8 @@ def main() -> None:
                 pol.hit(h)
         key += 16
     gc.collect()
-    used = rss() - r0
-    n = tracked(pol) + len(stored)
+    used = rss() - r0 - sys.getsizeof(stored)  # the tier's own index is not policy bookkeeping
+    n = tracked(pol)
     per = used / max(1, n)
     proj = used * (1 << 20) / a.capacity
     print(f"policy {a.policy}, capacity {a.capacity}: {n:,} tracked keys, RSS +{used / 2**20:.0f} MiB, "

@@ -241,3 +241,20 @@ def test_default_never_below_lru_when_frequency_classes_mislead() -> None:
     ours = simulate(reqs, 3000, pol).hit_rate
     assert ours >= 0.99 * lru, (ours, lru)
     assert pol.lifetime == 0.0  # it settled on LRU order here
+
+
+def test_adaptive_bookkeeping_is_bounded_by_capacity() -> None:
+    """Issue 19: the history (32 x capacity keys), doorkeeper and ghost were OrderedDicts, tens of
+    millions of entries for a 1M-block tier. They are compact tables now: the dict entries the
+    policy keeps stay a small multiple of the capacity however many keys go by."""
+    from kvx.tiers.policies import AdaptivePolicy
+
+    cap = 500
+    pol = AdaptivePolicy(cap)
+    res = simulate([list(range(k, k + 10)) for k in range(0, 40 * cap, 10)], cap, pol)
+    assert res.hits == 0
+    dict_keys = sum(len(v) for v in vars(pol).values() if isinstance(v, (dict, set)))
+    dict_keys += sum(len(q) for q in pol._queues)
+    assert dict_keys <= 6 * cap, dict_keys
+    tables = pol._hist.nbytes + pol._door.t.nbytes + pol._ghost.t.nbytes
+    assert tables <= 250 * cap, tables
