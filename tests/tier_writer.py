@@ -19,7 +19,7 @@ from kvx.tiers import DiskTier, HostTier, TieredStore
 
 BB = 4096
 WB_BB = 512
-WB_DISK = 16384
+WB_DISK = 65536
 
 
 def content(key: int, bb: int = BB) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Tiered KV block store: host memory, disk and object tiers with pluggable eviction.
 
-See DESIGN section 7 and ``docs/tiers.md``.
+See DESIGN section 7, ``docs/policy.md`` (eviction) and ``docs/storage-files.md`` (the disk tier).
 """
 
 from .events import BlockRemoved, BlockStored, ZmqEventPublisher

@@ -515,8 +515,8 @@ class _KeyTable:
 
     WAYS = 4
 
-    def __init__(self, n: int) -> None:
-        self.sets = sets = max(4, (n + n // 4 + self.WAYS - 1) // self.WAYS)
+    def __init__(self, n: int, slack: float = 1.25) -> None:
+        self.sets = sets = max(4, (int(n * slack) + self.WAYS - 1) // self.WAYS)
         self.a = array("I", bytes(4 * self.WAYS * sets))
         self.per = max(1, n // 16)
         self.new = 0
@@ -653,7 +653,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._lifetime = self.lifetimes[-1] if lifetime is None else lifetime
         self._door = _RecentSet(max(1, int(capacity * self.door_mult)))  # first sightings
         self._ghost = _RecentSet(max(1, int(capacity * self.ghost_mult)))  # recently evicted keys
-        self._hist = _KeyTable(max(1, int(capacity * self.history_mult)))  # key -> accesses
+        # key -> accesses; 1.6 entries per key: the reuse it must catch is at the far end
+        self._hist = _KeyTable(max(1, int(capacity * self.history_mult)), slack=1.6)
         self._tick = 0
         self._cls = 0  # class of the key last accessed (hit / miss)
         n = max(1, int(self.classes))
