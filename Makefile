@@ -121,6 +121,11 @@ bench-micro: $(STAMP)
 bench-prepare: $(STAMP)
 	$(PY) benchmarks/bench_prepare.py
 
+.PHONY: bench-tiers
+# issue 19: host+disk+SeaweedFS replay of this tree vs main side by side; disk get vs posix read
+bench-tiers: $(STAMP)
+	$(PY) benchmarks/bench_tiers.py
+
 bench-all: bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare
 
 # On a GPU machine (the device tool runs this): build, GPU tests, GPU benchmark sweep.

@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--block-bytes", type=int, default=64)
     r.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     r.add_argument("--json", action="store_true", help="last stdout line is a JSON summary")
+    r.add_argument("--progress", action="store_true",
+                   help="live bar on stderr with the hit rate so far (default: when stderr is a terminal)")
     r.set_defaults(fn=cmd_replay)
 
     i = sub.add_parser("info", help="show backends and same-node paths available here")

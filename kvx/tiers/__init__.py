@@ -1,13 +1,14 @@
 """Tiered KV block store: host memory, disk and object tiers with pluggable eviction.
 
-See DESIGN section 7 and ``docs/tiers.md``.
+See DESIGN section 7, ``docs/policy.md`` (eviction) and ``docs/storage-files.md`` (the disk tier).
 """
 
 from .events import BlockRemoved, BlockStored, ZmqEventPublisher
 from .policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
-from .store import DiskTier, HostTier, LookupResult, ObjectTier, StoreStats, Tier, TieredStore
+from .store import BadKey, DiskTier, HostTier, LookupResult, ObjectTier, StoreStats, Tier, TieredStore
 
 __all__ = [
+    "BadKey",
     "DEFAULT_POLICY",
     "POLICIES",
     "BlockRemoved",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import BinaryIO
 
 from ..errors import TierError
@@ -67,6 +67,18 @@ class Journal:
 
     def put(self, key: Hashable, parent: Hashable | None, slot: int, crc: int, length: int) -> None:
         self._append(_PUT, key, parent, slot, crc, length)
+
+    def put_many(self, records: Iterable[tuple[Hashable, Hashable | None, int, int, int]]) -> None:
+        """Append PUT records ``(key, parent, slot, crc, length)`` in one write (one sync)."""
+        out = []
+        for key, parent, slot, crc, length in records:
+            k, p = encode_key(key), encode_key(parent)
+            body = _HDR.pack(_MAGIC, _PUT, len(k), len(p), slot, crc, length) + k + p
+            out.append(body + _TAIL.pack(zlib.crc32(body)))
+        if out:
+            self._f.write(b"".join(out))
+            if self.fsync:
+                os.fdatasync(self._f.fileno())
 
     def delete(self, key: Hashable, slot: int) -> None:
         self._append(_DEL, key, None, slot, 0, 0)

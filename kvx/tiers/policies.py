@@ -27,9 +27,10 @@ See ``docs/policy.md`` for the default policy (``adaptive``).
 from __future__ import annotations
 
 import abc
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import TierFull, UsageError
 
@@ -44,6 +45,9 @@ __all__ = [
     "DEFAULT_POLICY",
     "make_policy",
 ]
+
+
+_NONE: Any = object()  # "no entry" (a key may be 0, b"" or None-like)
 
 
 class EvictionPolicy(abc.ABC):
@@ -63,8 +67,10 @@ class EvictionPolicy(abc.ABC):
             raise UsageError(f"policy capacity must be >= 1 block, got {capacity}")
         self.capacity = capacity
         self._parent: dict[Hashable, Hashable | None] = {}  # stored key -> parent at insertion
-        self._kids: dict[Hashable, int] = {}  # key (stored or not) -> number of stored children
-        self._children: dict[Hashable, dict[Hashable, None]] = {}  # same keys -> stored children
+        # key (stored or not) -> its stored children: the child itself while it has one (most
+        # have: chains), a dict (insertion-ordered) from the second on. Keys are hashable, so
+        # never dicts: the type tells the two apart.
+        self._children: dict[Hashable, Any] = {}
         self._pinned: set[Hashable] = set()
         self._parked: set[Hashable] = set()  # stored, non-evictable, out of the queues
         self._walk: list[Hashable] | None = None  # cached descent of _evictable_leaf_under
@@ -86,13 +92,14 @@ class EvictionPolicy(abc.ABC):
             if parent in self._walk_set:
                 self._walk = None
                 self._walk_set = set()
-            kids = self._kids
-            kids[parent] = kids.get(parent, 0) + 1
-            ch = self._children.get(parent)
-            if ch is None:
-                self._children[parent] = {key: None}
-            else:
+            children = self._children
+            ch = children.get(parent, _NONE)
+            if ch is _NONE:
+                children[parent] = key
+            elif type(ch) is dict:
                 ch[key] = None
+            else:
+                children[parent] = {ch: None, key: None}
         self._on_insert(key, parent)
 
     def hit(self, key: Hashable) -> None:
@@ -113,11 +120,11 @@ class EvictionPolicy(abc.ABC):
         (prefix semantics), so the policy's choice of the candidate is a choice of the whole
         subtree.  A candidate whose subtree holds no evictable leaf (pins) is parked.
         """
-        kids = self._kids
+        children = self._children
         pinned = self._pinned
         while True:
             k = self._peek()
-            if not kids.get(k):
+            if k not in children:
                 if k not in pinned:
                     return k
             elif self.subtree_first:
@@ -143,10 +150,10 @@ class EvictionPolicy(abc.ABC):
             self._walk_set = {k}
         c = path[-1]
         while True:
-            ch = children.get(c)
-            if not ch:
+            ch = children.get(c, _NONE)
+            if ch is _NONE:
                 break
-            c = next(reversed(ch))
+            c = next(reversed(ch)) if type(ch) is dict else ch
             path.append(c)
             self._walk_set.add(c)
         if c is not k and c not in pinned:
@@ -157,9 +164,11 @@ class EvictionPolicy(abc.ABC):
         stack = [k]
         while stack:  # slow path (pins in the subtree): any unpinned leaf
             c = stack.pop()
-            ch = children.get(c)
-            if ch:
+            ch = children.get(c, _NONE)
+            if type(ch) is dict:
                 stack.extend(ch)
+            elif ch is not _NONE:
+                stack.append(ch)
             elif c is not k and c not in pinned:
                 return c
         return None
@@ -178,14 +187,14 @@ class EvictionPolicy(abc.ABC):
             self._on_remove(key)
         self._pinned.discard(key)
         if parent is not None:
-            kids = self._kids
-            n = kids[parent] - 1
-            if n:
-                kids[parent] = n
-                del self._children[parent][key]
+            children = self._children
+            ch = children[parent]
+            if type(ch) is dict:
+                del ch[key]
+                if len(ch) == 1:
+                    children[parent] = next(iter(ch))
             else:
-                del kids[parent]
-                del self._children[parent]
+                del children[parent]
                 if parent in self._parked and parent not in self._pinned:
                     self._parked.discard(parent)
                     self._attach_front(parent)
@@ -198,7 +207,7 @@ class EvictionPolicy(abc.ABC):
             self._pinned.add(key)
         elif key in self._pinned:
             self._pinned.discard(key)
-            if key in self._parked and not self._kids.get(key):
+            if key in self._parked and key not in self._children:
                 self._parked.discard(key)
                 self._attach_front(key)
 
@@ -489,6 +498,100 @@ class _MiniCache:
         return False
 
 
+_MIX = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+class _KeyTable:
+    """A compact table of the last ~``n`` keys seen, with one small count each.
+
+    4-way set-associative, one ``uint32`` per entry: a 16-bit fingerprint of the key, an 8-bit
+    stamp (an epoch that advances every ``n / 16`` new keys) and an 8-bit value. A new key takes
+    an empty way or the way with the oldest stamp, so each set keeps its most recent keys and
+    the table as a whole keeps about the last ``n`` (a soft LRU bound), at 4-8 bytes per key
+    instead of the ~130 of an ``OrderedDict`` entry. ``age(key)`` is in epochs (0-255)."""
+
+    __slots__ = ("a", "epoch", "new", "per", "sets")
+
+    WAYS = 4
+
+    def __init__(self, n: int, slack: float = 1.25) -> None:
+        self.sets = sets = max(4, (int(n * slack) + self.WAYS - 1) // self.WAYS)
+        self.a = array("I", bytes(4 * self.WAYS * sets))
+        self.per = max(1, n // 16)
+        self.new = 0
+        self.epoch = 0
+
+    def _find(self, key: Hashable) -> tuple[int, int, int]:
+        """(index of the key's entry or -1, first index of its set, fingerprint)."""
+        h = (hash(key) * _MIX) & _M64
+        b = ((h * self.sets) >> 64) * 4  # multiply-shift: any number of sets
+        fp = ((h >> 8) & 0xFFFF) | 1
+        a = self.a
+        for i in range(b, b + 4):
+            if a[i] >> 16 == fp:
+                return i, b, fp
+        return -1, b, fp
+
+    def get(self, key: Hashable) -> int | None:
+        i, _b, _fp = self._find(key)
+        return None if i < 0 else self.a[i] & 0xFF
+
+    def age(self, key: Hashable) -> int | None:
+        i, _b, _fp = self._find(key)
+        return None if i < 0 else (self.epoch - (self.a[i] >> 8)) & 0xFF
+
+    def put(self, key: Hashable, value: int) -> None:
+        """Set the key's value (0-255) and make it the most recent of its set."""
+        i, b, fp = self._find(key)
+        a = self.a
+        ep = self.epoch
+        if i < 0:
+            oldest = -1
+            for j in range(b, b + 4):
+                e = a[j]
+                if not e:
+                    i = j
+                    break
+                age = (ep - (e >> 8)) & 0xFF
+                if age > oldest:
+                    oldest, i = age, j
+            self.new += 1
+            if self.new >= self.per:
+                self.new = 0
+                self.epoch = (ep + 1) & 0xFF
+        a[i] = (fp << 16) | (ep << 8) | (value if value < 0xFF else 0xFF)
+
+    def drop(self, key: Hashable) -> None:
+        i, _b, _fp = self._find(key)
+        if i >= 0:
+            self.a[i] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.a) * 4
+
+
+class _RecentSet:
+    """Membership of about the last ``cap`` keys added (a :class:`_KeyTable`: a key is a member
+    while fewer than 16 epochs, i.e. ``cap`` additions, have passed since it was added)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, cap: int) -> None:
+        self.t = _KeyTable(cap)
+
+    def __contains__(self, key: Hashable) -> bool:
+        a = self.t.age(key)
+        return a is not None and a < 16
+
+    def add(self, key: Hashable) -> None:
+        self.t.put(key, 1)
+
+    def discard(self, key: Hashable) -> None:
+        self.t.drop(key)
+
+
 class AdaptivePolicy(EvictionPolicy):
     """Default policy: frequency-class expiry eviction, long reuse memory, self-tuning admission.
 
@@ -521,25 +624,42 @@ class AdaptivePolicy(EvictionPolicy):
     min_rate: ClassVar[float] = 1 / 64
     psel_max: ClassVar[int] = 256
 
-    def __init__(self, capacity: int) -> None:
+    #: the eviction-order experts: lifetime multipliers (0 is exactly LRU order)
+    lifetimes: ClassVar[tuple[float, ...]] = (0.0, 1.5)
+    expert_blocks: ClassVar[int] = 512  # target capacity of each expert's miniature
+    expert_decay: ClassVar[int] = 4096  # sampled accesses per halving of the experts' scores
+
+    def __init__(self, capacity: int, lifetime: float | None = None, expert: bool = False) -> None:
         super().__init__(capacity)
+        self._expert = expert
         rate = min(1.0, max(self.min_rate, self.shadow_blocks / capacity))
-        self._thresh = int(rate * 65536)
+        self._thresh = int(rate * 65536) if not expert else 0
         scap = max(1, round(capacity * rate))
         self._shadow_admit = _MiniCache(scap, self.ghost_mult, self.door_mult, False)
         self._shadow_filter = _MiniCache(scap, self.ghost_mult, self.door_mult, True)
         self._psel = 0  # > 0: the doorkeeper rule wins
-        self._door: OrderedDict[Hashable, None] = OrderedDict()
-        self._door_cap = max(1, int(capacity * self.door_mult))
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # recently evicted keys
-        self._ghost_cap = max(1, int(capacity * self.ghost_mult))
-        self._hist: OrderedDict[Hashable, int] = OrderedDict()  # key -> accesses, LRU-bounded
-        self._hist_cap = max(1, int(capacity * self.history_mult))
+        # eviction order: miniature copies of this policy, one per lifetime, fed with a spatial
+        # sample of keys (as chains of their own); the real order follows the best-scoring one
+        self._experts: list[AdaptivePolicy] = []
+        self._scores: list[float] = []
+        self._ethresh = 0
+        self._esamples = 0
+        if not expert and len(self.lifetimes) > 1:
+            erate = min(1.0, max(self.min_rate, self.expert_blocks / capacity))
+            self._ethresh = int(erate * 65536)
+            ecap = max(2, round(capacity * erate))
+            self._experts = [AdaptivePolicy(ecap, lifetime=lt, expert=True) for lt in self.lifetimes]
+            self._scores = [0.0] * len(self._experts)
+        self._lifetime = self.lifetimes[-1] if lifetime is None else lifetime
+        self._door = _RecentSet(max(1, int(capacity * self.door_mult)))  # first sightings
+        self._ghost = _RecentSet(max(1, int(capacity * self.ghost_mult)))  # recently evicted keys
+        # key -> accesses; 1.6 entries per key: the reuse it must catch is at the far end
+        self._hist = _KeyTable(max(1, int(capacity * self.history_mult)), slack=1.6)
         self._tick = 0
         self._cls = 0  # class of the key last accessed (hit / miss)
         n = max(1, int(self.classes))
         self._queues: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(n)]
-        self._life = [int(c * self.lifetime_mult * capacity) for c in range(n)]
+        self._life = [int(c * self._lifetime * capacity) for c in range(n)]
         self._class_of: dict[Hashable, int] = {}
 
     @property
@@ -547,8 +667,40 @@ class AdaptivePolicy(EvictionPolicy):
         """True while new blocks are admitted on their second sighting only."""
         return self._psel > 0
 
+    @property
+    def lifetime(self) -> float:
+        """The lifetime multiplier in force (0: LRU order)."""
+        return self._lifetime
+
+    def _consult(self, key: Hashable) -> None:
+        """Feed a sampled key to every expert; follow the one with the best decayed score."""
+        scores = self._scores
+        for i, e in enumerate(self._experts):
+            if key in e._parent:
+                e.hit(key)
+                scores[i] += 1.0
+            else:
+                e.miss(key)
+                if e.admit(key, None):
+                    while len(e._parent) >= e.capacity:
+                        e.removed(e.victim())
+                    e.inserted(key, None)
+        self._esamples += 1
+        if self._esamples >= self.expert_decay:
+            self._esamples = 0
+            self._scores = scores = [x / 2 for x in scores]
+        best = max(range(len(scores)), key=lambda i: (scores[i], i))
+        lt = self.lifetimes[best]
+        if lt != self._lifetime:
+            self._lifetime = lt
+            cap = self.capacity
+            self._life = [int(c * lt * cap) for c in range(len(self._queues))]
+
     def _observe(self, key: Hashable) -> None:
-        if ((hash(key) * 2654435761) & 0xFFFFFFFF) >> 16 < self._thresh:
+        hk = ((hash(key) * 2654435761) & 0xFFFFFFFF) >> 16
+        if hk < self._ethresh:
+            self._consult(key)
+        if hk < self._thresh:
             a = self._shadow_admit.access(key)
             f = self._shadow_filter.access(key)
             if a != f:
@@ -562,13 +714,10 @@ class AdaptivePolicy(EvictionPolicy):
         h = self._hist
         n = h.get(key)
         if n is None:
-            h[key] = 1
-            if len(h) > self._hist_cap:
-                h.popitem(last=False)
+            h.put(key, 1)
             self._cls = 0
         else:
-            h[key] = n + 1
-            h.move_to_end(key)
+            h.put(key, n + 1)
             c = n.bit_length()
             last = len(self._queues) - 1
             self._cls = c if c < last else last
@@ -584,27 +733,22 @@ class AdaptivePolicy(EvictionPolicy):
         door = self._door
         if parent is not None and parent not in self._parent:
             # useless until its parent is back; remember the sighting all the same
-            door[key] = None
-            door.move_to_end(key)
-            if len(door) > self._door_cap:
-                door.popitem(last=False)
+            door.add(key)
             return False
         if key in self._ghost:
             return True
         if key in door:
-            del door[key]
+            door.discard(key)
             return True
         if self._psel <= 0:
             return True
-        door[key] = None
-        if len(door) > self._door_cap:
-            door.popitem(last=False)
+        door.add(key)
         return False
 
     # ordering hooks: one LRU queue per class, value = tick of the last access
     def _on_insert(self, key, parent):
-        self._ghost.pop(key, None)
-        n = self._hist.get(key, 1)  # accesses, the one that brought it in included
+        self._ghost.discard(key)
+        n = self._hist.get(key) or 1  # accesses, the one that brought it in included
         c = (n - 1).bit_length()
         if c >= len(self._queues):
             c = len(self._queues) - 1
@@ -619,10 +763,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _on_remove(self, key):
         del self._queues[self._class_of.pop(key)][key]
-        g = self._ghost
-        g[key] = None
-        if len(g) > self._ghost_cap:
-            g.popitem(last=False)
+        self._ghost.add(key)
 
     def _detach(self, key):
         del self._queues[self._class_of[key]][key]

@@ -5,9 +5,18 @@ set of objects), moved through the store's own :class:`kvx.Agent`: callers regis
 memory (host, or GPU with the cuda backend) with ``store.agent`` and pass prepared lists, so
 blocks go straight between an engine's cache and a tier.
 
+Bookkeeping and data movement are separate. Under the store lock, every decision (lookup,
+admission, eviction, demotion, promotion) is made at once and in order, exactly as the policy
+simulator makes it. The bytes of a demotion then move through a bounded *write-back queue*:
+background workers take batches of jobs with the same source and destination tier and move
+each batch with one transfer, outside the lock. Until a job lands, its destination slot is a
+*landing* slot: readers are sent to the source slot, which stays pinned (not reused) until then.
+``put`` waits only while the queue is full (``writeback_depth`` jobs), for at most its timeout.
+
 Integrity: each stored block has its key, length and CRC32; a block read from a lower tier is
 checked before it is promoted or handed out, and one that fails is dropped and counted as a
-miss -- never returned. The disk tier journals its index (see :mod:`kvx.tiers.journal`).
+miss -- never returned. The disk tier journals a block only after its bytes landed (see
+:mod:`kvx.tiers.tier` and :mod:`kvx.tiers.journal`).
 """
 
 from __future__ import annotations
@@ -28,25 +37,38 @@ import kvx
 from ..errors import BlockNotFound, TierError, UsageError
 from ..memory import DescList
 from .events import BlockRemoved, BlockStored, Event, EventBus
-from .journal import Journal
-from .policies import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .metrics import Histogram
+from .policies import DEFAULT_POLICY
+from .tier import DiskTier, HostTier, ObjectTier, Tier, TierStats
 
-__all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats"]
+__all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats", "BadKey"]
 
 log = logging.getLogger(__name__)
 
+_KEY_TYPES = (bytes, int, str)
 
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0
-    misses: int = 0
-    stored: int = 0
-    evicted: int = 0
-    demoted: int = 0
-    promoted: int = 0
-    corrupt: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+
+class BadKey(UsageError, TypeError):
+    """Block hashes were not a sequence of ``bytes``, ``int`` or ``str`` keys."""
+
+
+def _keys(hashes: Any) -> Sequence[Hashable]:
+    """Check a caller's block hashes: a list/tuple (or array) of bytes, int or str keys."""
+    if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, (Sequence, np.ndarray)):
+        raise BadKey(f"block hashes must be a sequence of keys, not {type(hashes).__name__}")
+    if isinstance(hashes, np.ndarray):
+        if hashes.ndim != 1 or hashes.dtype.kind not in "iu":
+            raise BadKey("a numpy array of block hashes must be one-dimensional integers")
+        return hashes.tolist()
+    for h in hashes:
+        if type(h) not in _KEY_TYPES and not isinstance(h, _KEY_TYPES):
+            raise BadKey(f"a block hash must be bytes, int or str, not {type(h).__name__}")
+    return hashes
+
+
+def _prepared(pl: Any, what: str) -> None:
+    if not isinstance(pl, kvx.PreparedList):
+        raise UsageError(f"{what} must be a kvx.PreparedList (agent.prepare(...)), not {type(pl).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,195 +87,20 @@ class StoreStats:
     lookups: int = 0
     lookup_blocks: int = 0
     lookup_hits: int = 0
+    writeback_queued: int = 0
+    writeback_active: int = 0
 
 
-class Tier:
-    """A tier: ``capacity`` slots of ``block_bytes`` over one registered region."""
+@dataclass(slots=True)
+class _Job:
+    """Copy one block's bytes from ``src`` to ``dst`` (``(tier, slot)`` each) and journal it."""
 
-    medium = "?"
-
-    def __init__(self, nbytes: int | None = None, blocks: int | None = None) -> None:
-        if (nbytes is None) == (blocks is None):
-            raise UsageError("give a tier its size as nbytes= or blocks=")
-        self._nbytes = nbytes
-        self._blocks = blocks
-        self.capacity = 0
-        self.block_bytes = 0
-        self.plist: kvx.PreparedList | None = None
-        self.policy: EvictionPolicy | None = None
-        self.index: dict[Hashable, tuple[int, int]] = {}  # key -> (slot, crc)
-        self.free: list[int] = []
-        self.stats = TierStats()
-        self.reg: kvx.Registration | None = None
-
-    def _size(self, block_bytes: int) -> int:
-        n = self._blocks if self._blocks is not None else int(self._nbytes or 0) // block_bytes
-        if n < 1:
-            raise UsageError(f"{type(self).__name__} holds no whole block of {block_bytes} bytes")
-        return n
-
-    def attach(self, agent: kvx.Agent, block_bytes: int, policy: str) -> None:
-        self.block_bytes = block_bytes
-        self.capacity = self._size(block_bytes)
-        self.reg = agent.register(self.region(self.capacity, block_bytes))
-        self.plist = agent.prepare(DescList.blocks(self.reg, block_bytes))
-        if len(self.plist) < self.capacity:
-            raise TierError(f"{type(self).__name__}: region holds {len(self.plist)} blocks, not {self.capacity}")
-        self.policy = make_policy(policy, self.capacity)
-        self.free = list(range(self.capacity - 1, -1, -1))
-        self.recover()
-
-    def region(self, n: int, block_bytes: int) -> Any:
-        raise NotImplementedError
-
-    def recover(self) -> None:
-        """Rebuild the index after a restart (tiers that persist)."""
-
-    def committed(self, key: Hashable, parent: Hashable | None, slot: int, crc: int) -> None:
-        """A block is now stored (persisting tiers journal it)."""
-
-    def dropped(self, key: Hashable, slot: int) -> None:
-        """A block left the tier."""
-
-    def host_view(self, slot: int) -> memoryview | None:
-        """Bytes of a slot if the CPU can read them directly (host tier)."""
-        return None
-
-    def close(self) -> None:
-        if self.reg is not None:
-            self.reg.release()
-
-
-class HostTier(Tier):
-    """Blocks in an ``alloc_host`` pool (other local processes can read it directly)."""
-
-    medium = "CPU"
-
-    def region(self, n: int, block_bytes: int) -> Any:
-        self.pool = kvx.alloc_host(n * block_bytes)
-        return self.pool
-
-    def host_view(self, slot: int) -> memoryview:
-        bb = self.block_bytes
-        return self.pool.data[slot * bb: (slot + 1) * bb]
-
-
-class DiskTier(Tier):
-    """Blocks in a slab file with a journaled index; survives ``kill -9`` of its process.
-
-    Parameters
-    ----------
-    path
-        Directory for ``slab.bin`` and ``index.log`` (created if absent).
-    nbytes, blocks
-        Size of the tier.
-    fsync
-        fdatasync the journal after every record (durable across power loss, slower).
-    """
-
-    medium = "DISK"
-
-    def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
-                 fsync: bool = False) -> None:
-        super().__init__(nbytes, blocks)
-        self.path = os.fspath(path)
-        self.fsync = fsync
-        self.journal: Journal | None = None
-        self.parents: dict[Hashable, Hashable | None] = {}
-
-    def region(self, n: int, block_bytes: int) -> Any:
-        os.makedirs(self.path, exist_ok=True)
-        meta = os.path.join(self.path, "tier.meta")
-        want = f"{block_bytes} {n}\n"
-        if os.path.exists(meta):
-            with open(meta) as f:
-                have = f.read()
-            if have != want:  # geometry changed: the old index means nothing
-                for name in ("index.log", "slab.bin"):
-                    try:
-                        os.unlink(os.path.join(self.path, name))
-                    except FileNotFoundError:
-                        pass
-        with open(meta, "w") as f:
-            f.write(want)
-        return kvx.FileRegion(os.path.join(self.path, "slab.bin"), n * block_bytes)
-
-    def recover(self) -> None:
-        jpath = os.path.join(self.path, "index.log")
-        live: dict[Hashable, tuple[int, int, int, Hashable | None]] = {}
-        byslot: dict[int, Hashable] = {}
-        for op, key, parent, slot, crc, length in Journal.replay(jpath):
-            if not (0 <= slot < self.capacity):
-                continue
-            if op == "put" and length == self.block_bytes:
-                old = byslot.get(slot)
-                if old is not None:
-                    live.pop(old, None)
-                if key in live:
-                    byslot.pop(live[key][0], None)
-                live[key] = (slot, crc, length, parent)
-                byslot[slot] = key
-            elif op == "del":
-                if key in live and live[key][0] == slot:
-                    del live[key]
-                    byslot.pop(slot, None)
-        Journal.compact(jpath, live)
-        self.journal = Journal(jpath, fsync=self.fsync)
-        assert self.policy is not None
-        used = set()
-        # parents first so the chain structure is rebuilt
-        order = sorted(live, key=lambda k: _depth(k, live))
-        for key in order:
-            slot, crc, _length, parent = live[key]
-            self.index[key] = (slot, crc)
-            self.parents[key] = parent
-            self.policy.inserted(key, parent if parent in self.index else None)
-            used.add(slot)
-        self.free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
-        if live:
-            log.info("disk tier %s recovered %d blocks", self.path, len(live))
-
-    def committed(self, key: Hashable, parent: Hashable | None, slot: int, crc: int) -> None:
-        assert self.journal is not None
-        self.parents[key] = parent
-        self.journal.put(key, parent, slot, crc, self.block_bytes)
-
-    def dropped(self, key: Hashable, slot: int) -> None:
-        assert self.journal is not None
-        self.parents.pop(key, None)
-        self.journal.delete(key, slot)
-
-    def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
-        super().close()
-
-
-def _depth(k: Hashable, live: dict[Hashable, tuple[int, int, int, Hashable | None]]) -> int:
-    d = 0
-    seen = set()
-    while True:
-        p = live.get(k)
-        if p is None or p[3] is None or p[3] in seen:
-            return d
-        seen.add(k)
-        k = p[3]
-        d += 1
-
-
-class ObjectTier(Tier):
-    """One object per slot (``{prefix}/{slot}``) in an S3 bucket, through the ``s3`` backend."""
-
-    medium = "OBJECT"
-
-    def __init__(self, bucket: str, nbytes: int | None = None, blocks: int | None = None,
-                 prefix: str = "kvx-tier") -> None:
-        super().__init__(nbytes, blocks)
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-
-    def region(self, n: int, block_bytes: int) -> Any:
-        return [kvx.ObjectRegion(self.bucket, f"{self.prefix}/{i}", block_bytes) for i in range(n)]
+    key: Hashable
+    crc: int
+    parent: Hashable | None
+    src: tuple[int, int]
+    dst: tuple[int, int]
+    t0: float
 
 
 class TieredStore:
@@ -268,50 +115,93 @@ class TieredStore:
     policy
         Eviction policy name (``kvx.tiers.policies.POLICIES``); default adaptive.
     write_through
-        Also write every new block to the next tier at once (evictions then just drop).
+        Also write every new block to the next tier (evictions then just drop).
     agent
         The agent that moves the bytes (default: a private one with the backends the tiers need).
     pin_lease
         Seconds a ``pin`` lasts unless renewed.
+    verify_host
+        Check the CRC of host-tier blocks on every ``get`` too.
+    writeback_depth
+        Demotions queued or in flight at most; ``put`` waits (up to its timeout) past it.
+    writeback_batch
+        Blocks one worker moves with one transfer.
+    writeback_workers
+        Background threads draining the queue.
+    get_chunk
+        ``get``/``prefetch`` move at most this many blocks per transfer (one transfer per tier
+        per chunk).
 
     Notes
     -----
-    Operations are thread-safe. ``put`` and ``get`` wait for their transfers before they
-    return (blocks become visible to ``lookup`` only once stored and checksummed).
+    Operations are thread-safe. ``put`` and ``get`` wait for their own transfers before they
+    return; demotions finish in the background (``flush()`` waits for them; ``close()``
+    drains them). Each tier holds ``writeback_depth + 2 * get_chunk + len(tiers) + 1`` spare
+    slots besides its capacity, for blocks on their way down.
     """
 
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
-                 verify_host: bool = False) -> None:
-        if not tiers:
-            raise UsageError("a TieredStore needs at least one tier")
+                 verify_host: bool = False, writeback_depth: int = 64, writeback_batch: int = 64,
+                 writeback_workers: int = 2, get_chunk: int = 64) -> None:
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
+            raise UsageError("a TieredStore needs a non-empty list of tiers")
+        if not all(isinstance(t, Tier) for t in tiers):
+            raise UsageError("tiers must be HostTier, DiskTier or ObjectTier instances")
         if not isinstance(tiers[0], HostTier):
             raise UsageError("the first (top) tier must be a HostTier: blocks are checksummed there")
-        if not isinstance(block_bytes, int) or block_bytes <= 0:
+        if len({id(t) for t in tiers}) != len(tiers):
+            raise UsageError("a tier object can appear only once")
+        if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
             raise UsageError("block_bytes must be a positive int")
+        for name, v in (("writeback_depth", writeback_depth), ("writeback_batch", writeback_batch),
+                        ("writeback_workers", writeback_workers), ("get_chunk", get_chunk)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"{name} must be a positive int, not {v!r}")
         self.block_bytes = block_bytes
-        self.tiers = list(tiers)
+        self.tiers: list[Tier] = list(tiers)
         self.write_through = write_through
         self.pin_lease = pin_lease
         self.verify_host = verify_host
+        self.depth = writeback_depth
+        self.wb_batch = writeback_batch
+        self.chunk = get_chunk
         self._own_agent = agent is None
         self.agent = agent if agent is not None else kvx.Agent(f"kvx-store-{os.getpid()}-{id(self):x}")
         self.events = EventBus()
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # slots freed / jobs done
+        self._work = threading.Condition(self._lock)  # jobs queued / stop
+        self._get_lock = threading.Lock()  # one get/prefetch moves data at a time
         self._where: dict[Hashable, int] = {}
         self._pins: dict[Hashable, float] = {}
         self._pending: set[Hashable] = set()
+        self._landing: dict[tuple[int, int], tuple[int, int]] = {}
+        self._jobs: list[_Job] = []
+        self._active = 0
+        self._stop = False
+        self._workers: list[threading.Thread] = []
+        self._crc_pool: Any = None
         self.stats_ = StoreStats()
+        self.h_writeback = Histogram("writeback_latency", "demotion queued -> bytes landed and journaled")
+        self.h_batch = Histogram("writeback_batch", "one write-back batch transfer")
+        self.h_put = Histogram("put_latency", "put() call")
+        self.h_get = Histogram("get_latency", "get() call")
         self._closed = False
-        self._staging: dict[int, Any] = {}
+        spare = self.depth + 2 * self.chunk + len(self.tiers) + 1
         try:
-            for t in self.tiers:
-                t.attach(self.agent, block_bytes, policy)
+            for i, t in enumerate(self.tiers):
+                t.attach(self.agent, block_bytes, policy, spare)
                 for k in t.index:
-                    self._where.setdefault(k, self.tiers.index(t))
+                    self._where.setdefault(k, i)
         except BaseException:
             self.close()
             raise
+        if len(self.tiers) > 1:
+            for i in range(writeback_workers):
+                th = threading.Thread(target=self._worker, name=f"kvx-writeback-{i}", daemon=True)
+                th.start()
+                self._workers.append(th)
 
     # ---------------------------------------------------------------------------------------
     def __enter__(self) -> "TieredStore":
@@ -327,6 +217,7 @@ class TieredStore:
     def lookup(self, hashes: Sequence[Hashable]) -> LookupResult:
         """Longest stored prefix of ``hashes`` and which tier holds each of its blocks."""
         self._check()
+        hashes = _keys(hashes)
         where = self._where
         tiers: list[int] = []
         for h in hashes:
@@ -346,70 +237,105 @@ class TieredStore:
     def __len__(self) -> int:
         return len(self._where)
 
-    # ---------------------------------------------------------------------------------------
+    # --------------------------------------------------------------------- bookkeeping
+    def _src_of(self, loc: tuple[int, int]) -> tuple[int, int]:
+        """Where the bytes of the block at ``loc`` are now (a landing slot's source)."""
+        landing = self._landing
+        while True:
+            nxt = landing.get(loc)
+            if nxt is None:
+                return loc
+            loc = nxt
+
+    def _pin(self, loc: tuple[int, int]) -> None:
+        self.tiers[loc[0]].pin(loc[1])
+
+    def _unpin(self, loc: tuple[int, int]) -> None:
+        self.tiers[loc[0]].unpin(loc[1])
+
+    def _relocate(self, key: Hashable) -> None:
+        for i, t in enumerate(self.tiers):
+            if key in t.index:
+                self._where[key] = i
+                return
+        self._where.pop(key, None)
+
+    def _queued(self) -> int:
+        return len(self._jobs) + self._active
+
+    def _has_room(self, m: int, queue: bool = True) -> bool:
+        if queue and self._queued() >= self.depth:
+            return False
+        return all(len(t.deferred) + m + len(self.tiers) <= t.spare for t in self.tiers)
+
+    def _wait_room(self, m: int, deadline: float, flush: Any = None, queue: bool = True) -> None:
+        """Backpressure: wait (lock released) until the queue has room for ``m`` more blocks.
+
+        ``queue=False`` (reads) waits only for spare slots, not for the queue bound: a read of a
+        block on its way down must not wait for that very write-back."""
+        if self._has_room(m, queue):
+            return
+        if flush is not None:
+            flush()  # nothing half-admitted may be seen by others while we wait
+        while not self._has_room(m, queue):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop:
+                raise TierError(f"write-back queue still full ({self._queued()} blocks queued or in flight, "
+                                f"depth {self.depth}) at the end of the timeout")
+            self._room.wait(min(left, 1.0))
+
+    def _enqueue(self, key: Hashable, crc: int, parent: Hashable | None, src: tuple[int, int],
+                 dst: tuple[int, int]) -> None:
+        src = self._src_of(src)
+        self._pin(src)
+        self._pin(dst)
+        self._landing[dst] = src
+        self._jobs.append(_Job(key, crc, parent, src, dst, time.monotonic()))
+        self._work.notify()
+
     def _make_room(self, ti: int, events: list[Event],
                    batch: dict[Hashable, tuple[int, Hashable | None, int]] | None = None,
                    flush: Any = None) -> int:
-        """Free one slot in tier ``ti`` (demoting or dropping a victim); return the slot.
+        """Make room for one block in tier ``ti`` (demoting or dropping victims); return a free slot.
 
         ``batch`` holds blocks admitted by the ``put`` in progress but not written yet. If the
         policy picks one of them: with a lower tier, ``flush()`` writes the batch so the victim
         can be demoted; without one, the victim is simply not stored.
         """
         t = self.tiers[ti]
-        if t.free:
-            return t.free.pop()
-        assert t.policy is not None
-        self._expire_pins()
-        v = t.policy.victim()
-        if batch is not None and v in batch:
-            if ti + 1 < len(self.tiers) and flush is not None:
-                flush()
-            else:
-                slot = batch.pop(v)[0]
-                t.policy.removed(v)
-                self._pending.discard(v)
-                return slot
-        slot, crc = t.index[v]
-        lower = ti + 1
-        if lower < len(self.tiers) and not (self.write_through and v in self.tiers[lower].index):
-            lt = self.tiers[lower]
-            if v not in lt.index:
+        pol = t.policy
+        assert pol is not None
+        while len(pol) >= t.capacity:
+            self._expire_pins()
+            v = pol.victim()
+            if batch is not None and v in batch:
+                if ti + 1 < len(self.tiers) and flush is not None:
+                    flush()
+                else:
+                    slot = batch.pop(v)[0]
+                    pol.removed(v)
+                    self._pending.discard(v)
+                    t.free.append(slot)
+                    continue
+            slot, crc = t.index[v]
+            lower = ti + 1
+            if lower < len(self.tiers) and v not in self.tiers[lower].index:
+                lt = self.tiers[lower]
                 lslot = self._make_room(lower, events)
-                assert t.plist is not None and lt.plist is not None
-                self._move(t, slot, lt, lslot)
-                parent = self._parent_hint(t, v)
+                parent = pol.parent_of(v)
                 lt.index[v] = (lslot, crc)
                 lt.policy.inserted(v, parent if parent in lt.index else None)  # type: ignore[union-attr]
-                lt.committed(v, parent, lslot, crc)
+                lt.noted(v, parent)
+                self._enqueue(v, crc, parent, (ti, slot), (lower, lslot))
                 lt.stats.stored += 1
                 t.stats.demoted += 1
-                events.append(BlockStored([v], parent, lt.medium, self.block_bytes))
-            self._where[v] = lower
-        elif lower < len(self.tiers) and v in self.tiers[lower].index:
-            self._where[v] = lower
-        else:
-            del self._where[v]
-        self._forget(ti, v, slot, events)
-        t.stats.evicted += 1
-        return slot
-
-    def _move(self, src: Tier, sslot: int, dst: Tier, dslot: int) -> None:
-        """Copy one block between tiers: directly when one side is the host pool, else through
-        a host staging buffer (no backend moves FILE <-> OBJECT)."""
-        assert src.plist is not None and dst.plist is not None
-        if isinstance(src, HostTier):
-            self.agent.write(src.plist, [sslot], dst.plist, [dslot]).wait()
-        elif isinstance(dst, HostTier):
-            self.agent.read(dst.plist, [dslot], src.plist, [sslot]).wait()
-        else:
-            _buf, sl = self._staging_buf()
-            self.agent.read(sl, [0], src.plist, [sslot]).wait()
-            self.agent.write(sl, [0], dst.plist, [dslot]).wait()
-
-    def _parent_hint(self, t: Tier, key: Hashable) -> Hashable | None:
-        assert t.policy is not None
-        return t.policy.parent_of(key)
+                if self.events.active:
+                    events.append(BlockStored([v], parent, lt.medium, self.block_bytes))
+            self._forget(ti, v, slot, events)
+            t.stats.evicted += 1
+        if not t.free:  # the backpressure check keeps spare slots; this is a bug if reached
+            raise TierError(f"{t.medium} tier has no free slot ({len(t.deferred)} held by transfers in flight)")
+        return t.free.pop()
 
     def _forget(self, ti: int, key: Hashable, slot: int, events: list[Event]) -> None:
         t = self.tiers[ti]
@@ -417,7 +343,10 @@ class TieredStore:
         assert t.policy is not None
         t.policy.removed(key)
         t.dropped(key, slot)
-        events.append(BlockRemoved([key], t.medium))
+        t.release(slot)
+        self._relocate(key)
+        if self.events.active:
+            events.append(BlockRemoved([key], t.medium))
 
     def _expire_pins(self) -> None:
         if not self._pins:
@@ -427,6 +356,137 @@ class TieredStore:
             if until <= now:
                 self._unpin_one(k)
 
+    # --------------------------------------------------------------------- write-back workers
+    def _take(self) -> list[_Job]:
+        """Pop up to ``writeback_batch`` jobs with the first job's (source, destination) tiers;
+        jobs whose block already left its destination are cancelled here."""
+        out: list[_Job] = []
+        rest: list[_Job] = []
+        pair = None
+        for j in self._jobs:
+            if len(out) >= self.wb_batch:
+                rest.append(j)
+                continue
+            if self.tiers[j.dst[0]].index.get(j.key) != (j.dst[1], j.crc):
+                self._settle(j)  # nobody will read it there: skip the copy
+                continue
+            p = (j.src[0], j.dst[0])
+            if pair is None:
+                pair = p
+            if p == pair:
+                out.append(j)
+            else:
+                rest.append(j)
+        self._jobs = rest
+        return out
+
+    def _settle(self, j: _Job) -> None:
+        if self._landing.get(j.dst) == j.src:
+            del self._landing[j.dst]
+        self._unpin(j.src)
+        self._unpin(j.dst)
+
+    def _worker(self) -> None:
+        staging: tuple[np.ndarray, kvx.PreparedList, kvx.Registration] | None = None
+        try:
+            while True:
+                with self._lock:
+                    while not self._jobs and not self._stop:
+                        self._work.wait()
+                    if not self._jobs:
+                        return
+                    batch = self._take()
+                    self._active += len(batch)
+                    if not batch:
+                        self._room.notify_all()
+                        continue
+                if staging is None and not isinstance(self.tiers[batch[0].src[0]], HostTier):
+                    buf = np.zeros(self.wb_batch * self.block_bytes, np.uint8)
+                    reg = self.agent.register(buf)
+                    staging = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg)
+                t0 = time.monotonic()
+                try:
+                    ok = self._move_batch(batch, staging)
+                except Exception as exc:  # the blocks are dropped from their destination: a miss later
+                    log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch),
+                                self.tiers[batch[0].dst[0]].medium, exc)
+                    ok = [False] * len(batch)
+                self.h_batch.observe(time.monotonic() - t0)
+                events: list[Event] = []
+                with self._lock:
+                    self._finish(batch, ok, events)
+                    self._active -= len(batch)
+                    self._room.notify_all()
+                self.events.emit(events)
+        finally:
+            if staging is not None:
+                try:
+                    staging[2].release()
+                except Exception:
+                    log.debug("staging release", exc_info=True)
+
+    def _move_batch(self, batch: list[_Job], staging: Any) -> list[bool]:
+        """One transfer for the whole batch (two through host staging when neither side is host)."""
+        src_t, dst_t = self.tiers[batch[0].src[0]], self.tiers[batch[0].dst[0]]
+        assert src_t.plist is not None and dst_t.plist is not None
+        ss = [j.src[1] for j in batch]
+        ds = [j.dst[1] for j in batch]
+        timeout = self.agent_timeout
+        if isinstance(src_t, HostTier):
+            self.agent.write(src_t.plist, ss, dst_t.plist, ds).wait(timeout)
+            return [True] * len(batch)
+        buf, spl, _reg = staging
+        n = len(batch)
+        self.agent.read(spl, list(range(n)), src_t.plist, ss).wait(timeout)
+        bb = self.block_bytes
+        ok = [zlib.crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
+        good = [i for i in range(n) if ok[i]]
+        if good:
+            self.agent.write(spl, good, dst_t.plist, [ds[i] for i in good]).wait(timeout)
+        return ok
+
+    agent_timeout: float = 120.0
+
+    def _finish(self, batch: list[_Job], ok: list[bool], events: list[Event]) -> None:
+        records: dict[int, list[tuple[Hashable, Hashable | None, int, int]]] = {}
+        now = time.monotonic()
+        for j, good in zip(batch, ok):
+            dti, dslot = j.dst
+            dt = self.tiers[dti]
+            here = dt.index.get(j.key) == (dslot, j.crc)
+            self._settle(j)
+            if here and good:
+                records.setdefault(dti, []).append((j.key, j.parent, dslot, j.crc))
+                dt.stats.bytes_in += self.block_bytes
+            elif here:
+                dt.stats.writeback_errors += 1
+                self._forget(dti, j.key, dslot, events)
+            self.h_writeback.observe(now - j.t0)
+        for dti, recs in records.items():
+            try:
+                self.tiers[dti].committed(recs)
+            except OSError as exc:  # journal unwritable: the blocks are not durable, so not stored
+                log.warning("journal of the %s tier failed: %s", self.tiers[dti].medium, exc)
+                for k, _p, slot, _c in recs:
+                    if self.tiers[dti].index.get(k, (None,))[0] == slot:
+                        self._forget(dti, k, slot, events)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued demotion has landed (and, on disk, been journaled).
+
+        Raises
+        ------
+        TierError
+            If the queue did not drain within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._queued():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
+                self._room.wait(min(left, 1.0))
+
     # ---------------------------------------------------------------------------------------
     def put(self, hashes: Sequence[Hashable], src: kvx.PreparedList, src_idx: Any = None,
             parent: Hashable | None = None, timeout: float = 60.0) -> int:
@@ -434,12 +494,20 @@ class TieredStore:
         the previous hash; the first's is ``parent``). Blocks already stored are touched.
 
         Returns the number of blocks newly stored (the policy may decline some: admission).
+        Waits up to ``timeout`` seconds for its transfer and, while the write-back queue is
+        full, for room in it (``TierError`` past that).
         """
         self._check()
+        hashes = _keys(hashes)
+        _prepared(src, "src")
+        t_start = time.monotonic()
+        deadline = t_start + timeout
         n = len(hashes)
         sidx = np.arange(n, dtype=np.int64) if src_idx is None else np.asarray(src_idx, dtype=np.int64)
         if sidx.shape != (n,):
             raise UsageError("src_idx must have one index per hash")
+        if n and (sidx.min() < 0 or sidx.max() >= len(src)):
+            raise UsageError(f"src_idx out of range for a list of {len(src)} blocks")
         if src.descs.nbytes.size and not np.all(src.descs.nbytes[sidx] == self.block_bytes):
             raise UsageError(f"source blocks must be {self.block_bytes} bytes")
         top = self.tiers[0]
@@ -461,7 +529,8 @@ class TieredStore:
                 slots = [v[0] for v in batch.values()]
                 parents = [v[1] for v in batch.values()]
                 try:
-                    self.agent.write(src, sidx[[v[2] for v in batch.values()]], tplist, slots).wait(timeout)
+                    self.agent.write(src, sidx[[v[2] for v in batch.values()]], tplist, slots).wait(
+                        max(0.001, deadline - time.monotonic()))
                 except BaseException:
                     for h, slot in zip(keys, slots):
                         pol.removed(h)
@@ -473,7 +542,6 @@ class TieredStore:
                 for h, p, slot in zip(keys, parents, slots):
                     crc = zlib.crc32(mv[slot * bb:(slot + 1) * bb])
                     top.index[h] = (slot, crc)
-                    top.committed(h, p, slot, crc)
                     where[h] = 0
                     self._pending.discard(h)
                 top.stats.stored += len(keys)
@@ -484,58 +552,55 @@ class TieredStore:
                 if self.write_through and len(self.tiers) > 1:
                     self._write_through(keys, parents, events)
 
-            prev = parent
-            for i, h in enumerate(hashes):
-                ti = where.get(h)
-                if ti is not None:
-                    tpol = self.tiers[ti].policy
-                    assert tpol is not None
-                    tpol.hit(h)
-                    self.tiers[ti].stats.hits += 1
-                elif h not in self._pending:
-                    pol.miss(h)
-                    if pol.admit(h, prev):
-                        slot = self._make_room(0, events, batch, flush)
-                        batch[h] = (slot, prev, i)
-                        pol.inserted(h, prev)
-                        self._pending.add(h)
-                prev = h
-            flush()
+            try:
+                prev = parent
+                for i, h in enumerate(hashes):
+                    self._wait_room(1, deadline, flush)  # before looking: others may act meanwhile
+                    ti = where.get(h)
+                    if ti is not None:
+                        tpol = self.tiers[ti].policy
+                        assert tpol is not None
+                        tpol.hit(h)
+                        self.tiers[ti].stats.hits += 1
+                    elif h not in self._pending:
+                        pol.miss(h)
+                        if pol.admit(h, prev):
+                            slot = self._make_room(0, events, batch, flush)
+                            batch[h] = (slot, prev, i)
+                            pol.inserted(h, prev)
+                            self._pending.add(h)
+                    prev = h
+                flush()
+            finally:
+                for h, (slot, _p, _i) in batch.items():  # an error left some admitted but unwritten
+                    pol.removed(h)
+                    self._pending.discard(h)
+                    top.free.append(slot)
         self.events.emit(events)
+        self.h_put.observe(time.monotonic() - t_start)
         return total[0]
 
     def _write_through(self, keys: list[Hashable], parents: list[Hashable | None], events: list[Event]) -> None:
         top, lt = self.tiers[0], self.tiers[1]
-        assert top.plist is not None and lt.plist is not None and lt.policy is not None
+        assert lt.policy is not None
         for h, p in zip(keys, parents):
-            if h in lt.index:
+            if h in lt.index or h not in top.index:
                 continue
             lslot = self._make_room(1, events)
             slot, crc = top.index[h]
-            self._move(top, slot, lt, lslot)
             lt.index[h] = (lslot, crc)
             lt.policy.inserted(h, p if p in lt.index else None)
-            lt.committed(h, p, lslot, crc)
+            lt.noted(h, p)
+            self._enqueue(h, crc, p, (0, slot), (1, lslot))
             lt.stats.stored += 1
 
     # ---------------------------------------------------------------------------------------
-    def _verify(self, t: Tier, key: Hashable, data: memoryview) -> bool:
-        _slot, crc = t.index[key]
-        return zlib.crc32(data) == crc
-
-    def _staging_buf(self) -> tuple[np.ndarray, kvx.PreparedList]:
-        tid = threading.get_ident()
-        s = self._staging.get(tid)
-        if s is None:
-            buf = np.zeros(self.block_bytes, np.uint8)
-            reg = self.agent.register(buf)
-            s = (buf, self.agent.prepare(reg.descs), reg)
-            self._staging[tid] = s
-        return s[0], s[1]
-
     def get(self, hashes: Sequence[Hashable], dst: kvx.PreparedList, dst_idx: Any = None,
             timeout: float = 60.0) -> int:
         """Copy stored blocks into ``dst[dst_idx]``, verifying each; promote lower-tier hits.
+
+        One transfer per tier per ``get_chunk`` blocks: lower-tier blocks are read into host
+        slots together and checked, then all blocks go to ``dst`` together.
 
         Raises
         ------
@@ -544,101 +609,178 @@ class TieredStore:
             in ``hashes`` have been copied; the count is in the exception's ``args[1]``.
         """
         self._check()
+        hashes = _keys(hashes)
+        _prepared(dst, "dst")
+        t_start = time.monotonic()
         n = len(hashes)
         didx = np.arange(n, dtype=np.int64) if dst_idx is None else np.asarray(dst_idx, dtype=np.int64)
         if didx.shape != (n,):
             raise UsageError("dst_idx must have one index per hash")
-        done = 0
-        events: list[Event] = []
-        with self._lock:
-            for i, h in enumerate(hashes):
-                ti = self._where.get(h)
-                if ti is None:
-                    self.tiers[0].stats.misses += 1
-                    self.events.emit(events)
-                    raise BlockNotFound(f"block {h!r} is not stored", done)
-                t = self.tiers[ti]
-                if ti > 0:
-                    if not self._promote(ti, h, events):
-                        self.events.emit(events)
-                        raise BlockNotFound(f"block {h!r} failed its checksum and was dropped", done)
-                    t = self.tiers[0]
-                elif self.verify_host:
-                    slot, _ = t.index[h]
-                    view = t.host_view(slot)
-                    if view is not None and not self._verify(t, h, view):
-                        self._drop_corrupt(0, h, events)
-                        self.events.emit(events)
-                        raise BlockNotFound(f"block {h!r} failed its checksum and was dropped", done)
-                slot, _ = t.index[h]
-                assert t.policy is not None and t.plist is not None
-                t.policy.hit(h)
-                t.stats.hits += 1
-                self.agent.read(dst, [int(didx[i])], t.plist, [slot]).wait(timeout)
-                t.stats.bytes_out += self.block_bytes
-                done += 1
-        self.events.emit(events)
+        if n and (didx.min() < 0 or didx.max() >= len(dst)):
+            raise UsageError(f"dst_idx out of range for a list of {len(dst)} blocks")
+        done = self._fetch(hashes, dst, didx, time.monotonic() + timeout)
+        self.h_get.observe(time.monotonic() - t_start)
         return done
 
-    def _drop_corrupt(self, ti: int, key: Hashable, events: list[Event]) -> None:
-        t = self.tiers[ti]
-        slot, _ = t.index[key]
-        self._forget(ti, key, slot, events)
-        t.free.append(slot)
-        t.stats.corrupt += 1
-        if self._where.get(key) == ti:
-            del self._where[key]
+    def _fetch(self, hashes: Sequence[Hashable], dst: kvx.PreparedList | None, didx: Any,
+               deadline: float) -> int:
+        done = 0
+        with self._get_lock:
+            for c0 in range(0, len(hashes), self.chunk):
+                done = self._fetch_chunk(hashes[c0:c0 + self.chunk], dst,
+                                         None if didx is None else didx[c0:c0 + self.chunk], done, deadline)
+        return done
 
-    def _promote(self, ti: int, key: Hashable, events: list[Event]) -> bool:
-        """Bring a lower-tier block to the top tier after verifying it; False if corrupt."""
-        t, top = self.tiers[ti], self.tiers[0]
-        assert t.plist is not None and top.plist is not None and top.policy is not None
-        # make room first: demotions below may use the staging buffer themselves
-        tslot = self._make_room(0, events)
-        if key not in t.index:  # the demotions pushed this very block further down, or out
-            ti2 = self._where.get(key)
-            if ti2 is None or ti2 == 0:
-                top.free.append(tslot)
-                return ti2 == 0
-            t, ti = self.tiers[ti2], ti2
-        assert t.plist is not None
-        slot, crc = t.index[key]
-        buf, sl = self._staging_buf()
-        self.agent.read(sl, [0], t.plist, [slot]).wait()
-        if zlib.crc32(buf.data) != crc:
-            log.warning("block %r in %s tier failed its checksum: dropped", key, t.medium)
-            self._drop_corrupt(ti, key, events)
-            top.free.append(tslot)
-            return False
-        parent = getattr(t, "parents", {}).get(key) if isinstance(t, DiskTier) else None
-        if parent is None and t.policy is not None:
-            parent = t.policy.parent_of(key)
-        self.agent.write(sl, [0], top.plist, [tslot]).wait()
-        top.index[key] = (tslot, crc)
-        top.policy.inserted(key, parent if parent in top.index else None)
-        top.committed(key, parent, tslot, crc)
-        self._where[key] = 0
-        t.stats.promoted += 1
-        if not self.write_through:
-            self._forget(ti, key, slot, events)
-            t.free.append(slot)
-        events.append(BlockStored([key], parent, top.medium, self.block_bytes))
-        return True
+    def _fetch_chunk(self, keys: Sequence[Hashable], dst: kvx.PreparedList | None, didx: Any, done: int,
+                     deadline: float) -> int:
+        top = self.tiers[0]
+        assert isinstance(top, HostTier)
+        assert top.plist is not None and top.policy is not None
+        events: list[Event] = []
+        pins: list[tuple[int, int]] = []
+        reads: list[int] = []  # host slot per block, in order
+        # promotions: (position, key, source loc, host slot, crc, tier, tier slot)
+        promos: list[tuple[int, Hashable, tuple[int, int], int, int, int, int]] = []
+        fail: tuple[int, str] | None = None
+        with self._lock:
+            self._wait_room(len(keys), deadline, queue=False)
+            for i, h in enumerate(keys):
+                ti = self._where.get(h)
+                if ti is None:
+                    top.stats.misses += 1
+                    fail = (i, f"block {h!r} is not stored")
+                    break
+                t = self.tiers[ti]
+                slot, crc = t.index[h]
+                assert t.policy is not None
+                t.policy.hit(h)
+                t.stats.hits += 1
+                if ti == 0:
+                    loc = self._src_of((0, slot))
+                    self._pin(loc)
+                    pins.append(loc)
+                    reads.append(loc[1] if loc[0] == 0 else slot)
+                    if loc[0] != 0:  # cannot happen: only gets land in the host tier
+                        raise TierError("host block still landing")
+                    continue
+                src = self._src_of((ti, slot))
+                self._pin(src)
+                pins.append(src)
+                parent = t.parents.get(h) if isinstance(t, DiskTier) else None
+                if parent is None:
+                    parent = t.policy.parent_of(h)
+                hslot = self._make_room(0, events)
+                top.index[h] = (hslot, crc)
+                top.policy.inserted(h, parent if parent in top.index else None)
+                self._where[h] = 0
+                self._landing[(0, hslot)] = src
+                self._pin((0, hslot))
+                pins.append((0, hslot))
+                promos.append((i, h, src, hslot, crc, ti, slot))
+                reads.append(hslot)
+        bad: list[int] = []
+        err: BaseException | None = None
+        bb = self.block_bytes
+        try:
+            left = max(0.001, deadline - time.monotonic())
+            groups: dict[int, list[tuple[int, int]]] = {}
+            for _i, _h, src, hslot, _crc, _ti, _slot in promos:
+                groups.setdefault(src[0], []).append((src[1], hslot))
+            for sti, pairs in groups.items():
+                st = self.tiers[sti]
+                if sti == 0:  # still on its way down from the host tier itself
+                    pool = top.pool.data
+                    for s, d in pairs:
+                        pool[d * bb:(d + 1) * bb] = pool[s * bb:(s + 1) * bb]
+                else:
+                    assert st.plist is not None
+                    self.agent.read(top.plist, [d for _s, d in pairs], st.plist, [s for s, _d in pairs]).wait(left)
+            sums = self._crcs(top, [p[3] for p in promos])
+            bad = [k for k, p in enumerate(promos) if sums[k] != p[4]]
+            limit = fail[0] if fail is not None else len(keys)
+            if bad:
+                limit = min(limit, promos[bad[0]][0])
+            if self.verify_host:
+                for i in range(limit):
+                    h = keys[i]
+                    if self._where.get(h) == 0 and zlib.crc32(top.host_view(reads[i])) != top.index.get(
+                            h, (0, None))[1]:
+                        limit = i
+                        fail = (i, f"block {h!r} failed its checksum and was dropped")
+                        with self._lock:
+                            if h in top.index:
+                                top.stats.corrupt += 1
+                                self._forget(0, h, top.index[h][0], events)
+                        break
+            if dst is not None and limit:
+                self.agent.read(dst, didx[:limit], top.plist, reads[:limit]).wait(left)
+                top.stats.bytes_out += limit * bb
+        except BaseException as exc:
+            err = exc
+            bad = list(range(len(promos)))  # nothing landed for sure: undo every promotion
+            limit = 0
+        with self._lock:
+            badset = set(bad)
+            for k, (_i, h, src, hslot, crc, ti, slot) in enumerate(promos):
+                if self._landing.get((0, hslot)) == src:
+                    del self._landing[(0, hslot)]
+                t = self.tiers[ti]
+                mine = top.index.get(h) == (hslot, crc)
+                if k in badset:
+                    if mine:
+                        self._forget(0, h, hslot, events)
+                    if err is None and t.index.get(h) == (slot, crc):
+                        log.warning("block %r in %s tier failed its checksum: dropped", h, t.medium)
+                        t.stats.corrupt += 1
+                        self._forget(ti, h, slot, events)
+                    continue
+                t.stats.promoted += 1
+                if mine and not t.persistent and not self.write_through and t.index.get(h) == (slot, crc):
+                    self._forget(ti, h, slot, events)
+                if self.events.active:
+                    events.append(BlockStored([h], None, top.medium, bb))
+            for loc in pins:
+                self._unpin(loc)
+            self._room.notify_all()
+        self.events.emit(events)
+        if err is not None:
+            raise err
+        if bad and (fail is None or promos[bad[0]][0] <= fail[0]):
+            h = promos[bad[0]][1]
+            raise BlockNotFound(f"block {h!r} failed its checksum and was dropped", done + limit)
+        if fail is not None:
+            raise BlockNotFound(fail[1], done + limit)
+        return done + limit
+
+    def _crcs(self, top: HostTier, slots: list[int]) -> list[int]:
+        """CRC32 of host slots; large batches on two threads (zlib releases the GIL)."""
+        if len(slots) * self.block_bytes < (4 << 20):
+            return [zlib.crc32(top.host_view(s)) for s in slots]
+        if self._crc_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvx-crc")
+        half = (len(slots) + 1) // 2
+
+        def part(ss: list[int]) -> list[int]:
+            return [zlib.crc32(top.host_view(s)) for s in ss]
+
+        fut = self._crc_pool.submit(part, slots[half:])
+        return part(slots[:half]) + fut.result()
 
     def prefetch(self, hashes: Sequence[Hashable]) -> threading.Thread:
         """Promote the stored prefix of ``hashes`` to the top tier in the background."""
         self._check()
+        hashes = list(_keys(hashes))
 
         def run() -> None:
-            events: list[Event] = []
-            with self._lock:
-                for h in hashes:
-                    ti = self._where.get(h)
-                    if ti is None:
-                        break
-                    if ti > 0 and not self._promote(ti, h, events):
-                        break
-            self.events.emit(events)
+            k = self.lookup(hashes).hits
+            try:
+                self._fetch(hashes[:k], None, None, time.monotonic() + 60.0)
+            except (BlockNotFound, UsageError):
+                pass
+            except Exception:
+                log.exception("prefetch failed")
 
         th = threading.Thread(target=run, name="kvx-prefetch", daemon=True)
         th.start()
@@ -648,6 +790,7 @@ class TieredStore:
     def pin(self, hashes: Sequence[Hashable], lease: float | None = None) -> int:
         """Keep blocks from eviction for ``lease`` seconds (default ``pin_lease``); returns count."""
         self._check()
+        hashes = _keys(hashes)
         until = time.monotonic() + (self.pin_lease if lease is None else lease)
         n = 0
         with self._lock:
@@ -662,6 +805,7 @@ class TieredStore:
 
     def unpin(self, hashes: Sequence[Hashable]) -> None:
         """Make blocks evictable again."""
+        hashes = _keys(hashes)
         with self._lock:
             for h in hashes:
                 self._unpin_one(h)
@@ -669,26 +813,25 @@ class TieredStore:
     def _unpin_one(self, h: Hashable) -> None:
         if self._pins.pop(h, None) is None:
             return
-        ti = self._where.get(h)
-        if ti is not None:
-            self.tiers[ti].policy.set_evictable(h, True)  # type: ignore[union-attr]
+        for t in self.tiers:
+            if h in t.index:
+                t.policy.set_evictable(h, True)  # type: ignore[union-attr]
 
     def delete(self, hashes: Sequence[Hashable]) -> int:
         """Remove blocks from every tier; returns how many were stored."""
+        hashes = _keys(hashes)
         events: list[Event] = []
         n = 0
         with self._lock:
             for h in hashes:
                 if h not in self._where:
                     continue
-                self._pins.pop(h, None)
+                self._unpin_one(h)
                 for ti, t in enumerate(self.tiers):
                     if h in t.index:
-                        slot, _ = t.index[h]
-                        self._forget(ti, h, slot, events)
-                        t.free.append(slot)
-                del self._where[h]
+                        self._forget(ti, h, t.index[h][0], events)
                 n += 1
+            self._room.notify_all()
         self.events.emit(events)
         return n
 
@@ -707,47 +850,72 @@ class TieredStore:
 
     # ---------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Occupancy and counters per tier."""
-        s = StoreStats(lookups=self.stats_.lookups, lookup_blocks=self.stats_.lookup_blocks,
-                       lookup_hits=self.stats_.lookup_hits)
-        for t in self.tiers:
-            d = {"medium": t.medium, "capacity": t.capacity, "used": len(t.index),
-                 "pinned": sum(1 for k in self._pins if k in t.index)}
-            d.update({k: getattr(t.stats, k) for k in TierStats.__dataclass_fields__})
-            s.tiers.append(d)
+        """Occupancy and counters per tier, and the write-back queue."""
+        with self._lock:
+            s = StoreStats(lookups=self.stats_.lookups, lookup_blocks=self.stats_.lookup_blocks,
+                           lookup_hits=self.stats_.lookup_hits, writeback_queued=len(self._jobs),
+                           writeback_active=self._active)
+            for t in self.tiers:
+                d = {"medium": t.medium, "capacity": t.capacity, "used": len(t.index),
+                     "pinned": sum(1 for k in self._pins if k in t.index), "held": len(t.deferred)}
+                d.update({k: getattr(t.stats, k) for k in TierStats.__dataclass_fields__})
+                s.tiers.append(d)
         return s
 
     def prometheus(self, prefix: str = "kvx_store") -> str:
-        """The stats in Prometheus text exposition format."""
+        """The stats in Prometheus text exposition format (counters, gauges, latency histograms)."""
         st = self.stats()
         lines = []
-        for name, help_ in [("used", "blocks stored"), ("capacity", "slots"), ("hits", "block hits"),
-                            ("misses", "block misses"), ("evicted", "evictions"), ("demoted", "demotions"),
-                            ("promoted", "promotions"), ("corrupt", "blocks dropped on checksum failure"),
+        for name, help_ in [("used", "blocks stored"), ("capacity", "slots"),
+                            ("held", "slots of evicted blocks still read by transfers in flight"),
+                            ("hits", "block hits"), ("misses", "block misses"), ("stored", "blocks stored"),
+                            ("evicted", "evictions"), ("demoted", "demotions"), ("promoted", "promotions"),
+                            ("corrupt", "blocks dropped on checksum failure"),
+                            ("writeback_errors", "demotions that failed to land (block dropped)"),
                             ("bytes_in", "bytes stored"), ("bytes_out", "bytes read")]:
-            kind = "gauge" if name in ("used", "capacity") else "counter"
+            kind = "gauge" if name in ("used", "capacity", "held") else "counter"
             metric = f"{prefix}_{name}" + ("_total" if kind == "counter" else "")
             lines.append(f"# HELP {metric} {help_}")
             lines.append(f"# TYPE {metric} {kind}")
             for i, t in enumerate(st.tiers):
                 lines.append(f'{metric}{{tier="{i}",medium="{t["medium"]}"}} {t[name]}')
+        lines.append(f"# HELP {prefix}_writeback_queue demotions queued or in flight")
+        lines.append(f"# TYPE {prefix}_writeback_queue gauge")
+        lines.append(f"{prefix}_writeback_queue {st.writeback_queued + st.writeback_active}")
+        lines.append(f"# TYPE {prefix}_writeback_depth gauge")
+        lines.append(f"{prefix}_writeback_depth {self.depth}")
+        lines.append(f"# TYPE {prefix}_lookups_total counter")
+        lines.append(f"{prefix}_lookups_total {st.lookups}")
         lines.append(f"# TYPE {prefix}_lookup_blocks_total counter")
         lines.append(f"{prefix}_lookup_blocks_total {st.lookup_blocks}")
         lines.append(f"# TYPE {prefix}_lookup_hits_total counter")
         lines.append(f"{prefix}_lookup_hits_total {st.lookup_hits}")
+        for h in (self.h_put, self.h_get, self.h_writeback, self.h_batch):
+            lines.extend(h.prometheus(prefix))
         return "\n".join(lines) + "\n"
 
-    def close(self) -> None:
-        """Release tiers (the disk tier's journal stays for recovery) and the private agent."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Drain the write-back queue (at most ``timeout`` s), stop its workers, release the tiers
+        (the disk tier's journal stays for recovery) and the private agent."""
         if self._closed:
             return
         self._closed = True
+        if self._workers:
+            try:
+                self.flush(timeout)
+            except TierError as exc:
+                log.warning("closing with demotions still in flight (not journaled): %s", exc)
+            with self._lock:
+                self._stop = True
+                self._work.notify_all()
+            for th in self._workers:
+                th.join(timeout=max(1.0, timeout / 4))
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=True)
         for t in self.tiers:
             try:
                 t.close()
             except Exception:
                 log.exception("closing tier")
-        for _buf, _pl, reg in self._staging.values():
-            reg.release()
         if self._own_agent:
             self.agent.close()

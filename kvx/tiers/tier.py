@@ -1,0 +1,298 @@
+"""The tiers of a :class:`~kvx.tiers.store.TieredStore`: host memory, disk slab, objects.
+
+A tier is one registered region carved into *slots* of ``block_bytes``. It holds ``capacity``
+blocks (what its eviction policy manages) in ``capacity + spare`` slots: the spare slots let a
+block that was evicted stay readable in its old slot while the write-back queue copies it to
+the next tier, without making anyone wait for that copy.
+
+Durability of the disk tier (see ``docs/storage-files.md``): a block's data is written to a free
+slot first and only then its ``PUT`` record is appended to the journal; a slot is reused only
+after its old block's ``DEL`` record was appended. Recovery after ``kill -9`` therefore finds
+every journaled block byte-identical (the checksum catches anything else).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import kvx
+
+from ..errors import TierError, UsageError
+from ..memory import DescList
+from .journal import Journal
+from .policies import EvictionPolicy, make_policy
+
+__all__ = ["Tier", "HostTier", "DiskTier", "ObjectTier", "TierStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    evicted: int = 0
+    demoted: int = 0
+    promoted: int = 0
+    corrupt: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    writeback_errors: int = 0
+
+
+class Tier:
+    """A tier: ``capacity`` blocks of ``block_bytes`` over one registered region.
+
+    ``spare`` extra slots (default: the store's write-back depth) hold blocks on their way
+    down while the policy already counts them out.
+    """
+
+    medium = "?"
+    #: blocks outlive the store (a read keeps the tier's copy rather than moving it up)
+    persistent = False
+
+    def __init__(self, nbytes: int | None = None, blocks: int | None = None) -> None:
+        if (nbytes is None) == (blocks is None):
+            raise UsageError("give a tier its size as nbytes= or blocks=")
+        for v in (nbytes, blocks):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise UsageError(f"a tier's size must be a positive int, not {v!r}")
+        self._nbytes = nbytes
+        self._blocks = blocks
+        self.capacity = 0
+        self.spare = 0
+        self.nslots = 0
+        self.block_bytes = 0
+        self.plist: kvx.PreparedList | None = None
+        self.policy: EvictionPolicy | None = None
+        self.index: dict[Hashable, tuple[int, int]] = {}  # key -> (slot, crc)
+        self.free: list[int] = []
+        self.busy: dict[int, int] = {}  # slot -> readers/writers in flight
+        self.deferred: set[int] = set()  # released while busy: free once the last user is done
+        self.stats = TierStats()
+        self.reg: kvx.Registration | None = None
+
+    def _size(self, block_bytes: int) -> int:
+        n = self._blocks if self._blocks is not None else int(self._nbytes or 0) // block_bytes
+        if n < 1:
+            raise UsageError(f"{type(self).__name__} holds no whole block of {block_bytes} bytes")
+        return n
+
+    def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
+        self.block_bytes = block_bytes
+        self.capacity = self._size(block_bytes)
+        self.spare = spare
+        self.nslots = self.capacity + spare
+        self.reg = agent.register(self.region(self.nslots, block_bytes))
+        self.plist = agent.prepare(DescList.blocks(self.reg, block_bytes))
+        if len(self.plist) < self.nslots:
+            raise TierError(f"{type(self).__name__}: region holds {len(self.plist)} blocks, not {self.nslots}")
+        self.policy = make_policy(policy, self.capacity)
+        self.free = list(range(self.nslots - 1, -1, -1))
+        self.recover()
+
+    # slots ------------------------------------------------------------------------------
+    def pin(self, slot: int) -> None:
+        self.busy[slot] = self.busy.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> bool:
+        """Drop one user of ``slot``; True if that freed it."""
+        n = self.busy[slot] - 1
+        if n:
+            self.busy[slot] = n
+            return False
+        del self.busy[slot]
+        if slot in self.deferred:
+            self.deferred.discard(slot)
+            self.free.append(slot)
+            return True
+        return False
+
+    def release(self, slot: int) -> None:
+        """The slot holds no block any more: free now, or once its users are done."""
+        if slot in self.busy:
+            self.deferred.add(slot)
+        else:
+            self.free.append(slot)
+
+    # hooks ------------------------------------------------------------------------------
+    def region(self, n: int, block_bytes: int) -> Any:
+        raise NotImplementedError
+
+    def recover(self) -> None:
+        """Rebuild the index after a restart (tiers that persist)."""
+
+    def noted(self, key: Hashable, parent: Hashable | None) -> None:
+        """A block now belongs to this tier (its data may still be on its way)."""
+
+    def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
+        """``(key, parent, slot, crc)`` blocks are now in their slots (persisting tiers journal them)."""
+
+    def dropped(self, key: Hashable, slot: int) -> None:
+        """A block left the tier."""
+
+    def host_view(self, slot: int) -> memoryview | None:
+        """Bytes of a slot if the CPU can read them directly (host tier)."""
+        return None
+
+    def close(self) -> None:
+        if self.reg is not None:
+            self.reg.release()
+            self.reg = None
+
+
+class HostTier(Tier):
+    """Blocks in an ``alloc_host`` pool (other local processes can read it directly)."""
+
+    medium = "CPU"
+
+    def region(self, n: int, block_bytes: int) -> Any:
+        self.pool = kvx.alloc_host(n * block_bytes)
+        return self.pool
+
+    def host_view(self, slot: int) -> memoryview:
+        bb = self.block_bytes
+        return self.pool.data[slot * bb: (slot + 1) * bb]
+
+
+class DiskTier(Tier):
+    """Blocks in a slab file with a journaled index; survives ``kill -9`` of its process.
+
+    Parameters
+    ----------
+    path
+        Directory for ``slab.bin`` and ``index.log`` (created if absent).
+    nbytes, blocks
+        Size of the tier.
+    fsync
+        fdatasync the journal after every batch of records (with ``KVX_POSIX_SYNC=data`` for
+        the slab writes: durable across power loss, slower).
+    """
+
+    medium = "DISK"
+    persistent = True
+
+    def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
+                 fsync: bool = False) -> None:
+        super().__init__(nbytes, blocks)
+        if not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"DiskTier path must be a str or os.PathLike, not {type(path).__name__}")
+        self.path = os.fspath(path)
+        self.fsync = fsync
+        self.journal: Journal | None = None
+        self.parents: dict[Hashable, Hashable | None] = {}
+
+    def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
+        try:
+            super().attach(agent, block_bytes, policy, spare)
+        except OSError as exc:
+            raise TierError(f"disk tier {self.path!r}: {exc.strerror or exc}") from exc
+
+    def region(self, n: int, block_bytes: int) -> Any:
+        os.makedirs(self.path, exist_ok=True)
+        meta = os.path.join(self.path, "tier.meta")
+        want = f"{block_bytes} {n}\n"
+        if os.path.exists(meta):
+            with open(meta) as f:
+                have = f.read()
+            # another block size: the old index means nothing. Another slot count (capacity or
+            # the store's write-back depth changed) keeps it: recovery skips slots beyond the end.
+            if have.split()[:1] != want.split()[:1]:
+                for name in ("index.log", "slab.bin"):
+                    try:
+                        os.unlink(os.path.join(self.path, name))
+                    except FileNotFoundError:
+                        pass
+        with open(meta, "w") as f:
+            f.write(want)
+        return kvx.FileRegion(os.path.join(self.path, "slab.bin"), n * block_bytes)
+
+    def recover(self) -> None:
+        jpath = os.path.join(self.path, "index.log")
+        live: dict[Hashable, tuple[int, int, int, Hashable | None]] = {}
+        byslot: dict[int, Hashable] = {}
+        for op, key, parent, slot, crc, length in Journal.replay(jpath):
+            if not (0 <= slot < self.nslots):
+                continue
+            if op == "put" and length == self.block_bytes:
+                old = byslot.get(slot)
+                if old is not None:
+                    live.pop(old, None)
+                if key in live:
+                    byslot.pop(live[key][0], None)
+                live[key] = (slot, crc, length, parent)
+                byslot[slot] = key
+            elif op == "del":
+                if key in live and live[key][0] == slot:
+                    del live[key]
+                    byslot.pop(slot, None)
+        # more than the tier holds now (a smaller capacity, same slots): keep the most recent
+        while len(live) > self.capacity:
+            live.pop(next(iter(live)))
+        Journal.compact(jpath, live)
+        self.journal = Journal(jpath, fsync=self.fsync)
+        assert self.policy is not None
+        used = set()
+        # parents first so the chain structure is rebuilt
+        order = sorted(live, key=lambda k: _depth(k, live))
+        for key in order:
+            slot, crc, _length, parent = live[key]
+            self.index[key] = (slot, crc)
+            self.parents[key] = parent
+            self.policy.inserted(key, parent if parent in self.index else None)
+            used.add(slot)
+        self.free = [s for s in range(self.nslots - 1, -1, -1) if s not in used]
+        if live:
+            log.info("disk tier %s recovered %d blocks", self.path, len(live))
+
+    def noted(self, key: Hashable, parent: Hashable | None) -> None:
+        self.parents[key] = parent
+
+    def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
+        assert self.journal is not None
+        self.journal.put_many((k, p, s, c, self.block_bytes) for k, p, s, c in records)
+
+    def dropped(self, key: Hashable, slot: int) -> None:
+        assert self.journal is not None
+        self.parents.pop(key, None)
+        self.journal.delete(key, slot)
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        super().close()
+
+
+def _depth(k: Hashable, live: dict[Hashable, tuple[int, int, int, Hashable | None]]) -> int:
+    d = 0
+    seen = set()
+    while True:
+        p = live.get(k)
+        if p is None or p[3] is None or p[3] in seen:
+            return d
+        seen.add(k)
+        k = p[3]
+        d += 1
+
+
+class ObjectTier(Tier):
+    """One object per slot (``{prefix}/{slot}``) in an S3 bucket, through the ``s3`` backend."""
+
+    medium = "OBJECT"
+
+    def __init__(self, bucket: str, nbytes: int | None = None, blocks: int | None = None,
+                 prefix: str = "kvx-tier") -> None:
+        super().__init__(nbytes, blocks)
+        if not isinstance(bucket, str) or not bucket:
+            raise UsageError("ObjectTier needs a bucket name")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+
+    def region(self, n: int, block_bytes: int) -> Any:
+        return [kvx.ObjectRegion(self.bucket, f"{self.prefix}/{i}", block_bytes) for i in range(n)]

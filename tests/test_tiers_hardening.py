@@ -1,0 +1,85 @@
+"""Regression tests of issue 14 in the tiers: durability after a read, bad arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.tiers import DiskTier, HostTier, TieredStore
+
+BB = 256
+
+
+def _src(st: TieredStore, data: np.ndarray) -> kvx.PreparedList:
+    return st.agent.prepare(kvx.DescList.blocks(st.agent.register(data), BB))
+
+
+def test_disk_block_survives_clean_close_after_read(tmp_path: Path) -> None:
+    """14.7: a read promoted the block to host memory and deleted it from disk, so after a
+    clean close() and reopening it was gone."""
+    data = np.random.default_rng(1).integers(0, 256, 4 * BB, dtype=np.uint8)
+    with TieredStore([HostTier(blocks=2), DiskTier(tmp_path, blocks=8)], block_bytes=BB, policy="lru") as st:
+        st.put([b"a", b"b", b"c", b"d"], _src(st, data))  # a and b go down to disk
+        out = np.zeros(2 * BB, np.uint8)
+        assert st.get([b"a", b"b"], _src(st, out)) == 2  # read back from disk (promoted)
+        assert np.array_equal(out, data[:2 * BB])
+    with TieredStore([HostTier(blocks=2), DiskTier(tmp_path, blocks=8)], block_bytes=BB, policy="lru") as st:
+        assert st.lookup([b"a", b"b"]).hits == 2, "a block read before close() is gone after reopening"
+        out = np.zeros(2 * BB, np.uint8)
+        assert st.get([b"a", b"b"], _src(st, out)) == 2
+        assert np.array_equal(out, data[:2 * BB])
+
+
+def test_disk_block_survives_close_after_read_with_write_through(tmp_path: Path) -> None:
+    data = np.random.default_rng(2).integers(0, 256, 4 * BB, dtype=np.uint8)
+    keys = [1, 2, 3, 4]
+    with TieredStore([HostTier(blocks=2), DiskTier(tmp_path, blocks=8)], block_bytes=BB, policy="lru",
+                     write_through=True) as st:
+        st.put(keys, _src(st, data))
+        out = np.zeros(4 * BB, np.uint8)
+        assert st.get(keys, _src(st, out)) == 4
+    with TieredStore([HostTier(blocks=2), DiskTier(tmp_path, blocks=8)], block_bytes=BB, policy="lru") as st:
+        assert st.lookup(keys).hits == 4
+        out = np.zeros(4 * BB, np.uint8)
+        assert st.get(keys, _src(st, out)) == 4
+        assert np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("op", ["put", "get", "lookup", "pin", "unpin", "delete", "prefetch"])
+@pytest.mark.parametrize("bad", [None, 5, [None], [1.5], [[1, 2]], [{"a": 1}]])
+def test_bad_hashes_are_usage_errors(op: str, bad: object) -> None:
+    """14.8: None (or a non-sequence, or unhashable/unsupported keys) raised TypeError/AttributeError
+    from inside the store."""
+    with TieredStore([HostTier(blocks=4)], block_bytes=BB, policy="lru") as st:
+        src = _src(st, np.zeros(4 * BB, np.uint8))
+        st.put([b"x"], src, [0])
+        args: tuple = (bad, src) if op in ("put", "get") else (bad,)
+        if op in ("put", "get") and isinstance(bad, list):
+            args = (bad, src, list(range(len(bad))))
+        with pytest.raises(kvx.UsageError) as ei:
+            getattr(st, op)(*args)
+        assert isinstance(ei.value, TypeError)
+        assert st.lookup([b"x"]).hits == 1  # nothing lost
+
+
+def test_bad_destination_is_usage_error() -> None:
+    with TieredStore([HostTier(blocks=4)], block_bytes=BB, policy="lru") as st:
+        with pytest.raises(kvx.UsageError):
+            st.put([b"x"], None)  # type: ignore[arg-type]
+        with pytest.raises(kvx.UsageError):
+            st.get([b"x"], None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["/proc/x", "/proc/self/status/x"])
+def test_disk_tier_in_unusable_directory(path: str) -> None:
+    """14.8: DiskTier('/proc/x') raised FileNotFoundError."""
+    with pytest.raises(kvx.TierError, match="disk tier"):
+        TieredStore([HostTier(blocks=2), DiskTier(path, blocks=4)], block_bytes=BB)
+
+
+def test_disk_tier_path_type() -> None:
+    with pytest.raises(kvx.UsageError):
+        DiskTier(None, blocks=4)  # type: ignore[arg-type]
