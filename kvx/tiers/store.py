@@ -342,9 +342,9 @@ class TieredStore:
         del t.index[key]
         assert t.policy is not None
         t.policy.removed(key)
-        t.dropped(key, slot)
-        t.release(slot)
         self._relocate(key)
+        if t.dropped(key, slot):
+            t.release(slot)
         if self.events.active:
             events.append(BlockRemoved([key], t.medium))
 

@@ -133,8 +133,10 @@ class Tier:
     def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
         """``(key, parent, slot, crc)`` blocks are now in their slots (persisting tiers journal them)."""
 
-    def dropped(self, key: Hashable, slot: int) -> None:
-        """A block left the tier."""
+    def dropped(self, key: Hashable, slot: int) -> bool:
+        """A block left the tier. False if its slot must not be reused (a persisting tier could
+        not record the removal: its record still names this slot, so the bytes there must stay)."""
+        return True
 
     def host_view(self, slot: int) -> memoryview | None:
         """Bytes of a slot if the CPU can read them directly (host tier)."""
@@ -186,6 +188,7 @@ class DiskTier(Tier):
         self.fsync = fsync
         self.journal: Journal | None = None
         self.parents: dict[Hashable, Hashable | None] = {}
+        self.retired = 0  # slots kept out of use: their removal could not be journaled
 
     def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
         try:
@@ -257,10 +260,17 @@ class DiskTier(Tier):
         assert self.journal is not None
         self.journal.put_many((k, p, s, c, self.block_bytes) for k, p, s, c in records)
 
-    def dropped(self, key: Hashable, slot: int) -> None:
+    def dropped(self, key: Hashable, slot: int) -> bool:
         assert self.journal is not None
         self.parents.pop(key, None)
-        self.journal.delete(key, slot)
+        try:
+            self.journal.delete(key, slot)
+        except OSError as exc:  # disk full, I/O error: keep the bytes the journal still points at
+            self.retired += 1
+            log.warning("disk tier %s: cannot journal the removal of a block (%s); its slot is retired until "
+                        "the tier is reopened (%d retired)", self.path, exc, self.retired)
+            return False
+        return True
 
     def close(self) -> None:
         if self.journal is not None:
