@@ -58,6 +58,10 @@ PROCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soak_procs.py"
 # ============================================================================================
 # orchestrator
 # ============================================================================================
+
+def _ignore_usr1() -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
 class Proc:
     """A child process the orchestrator restarts; remembers whether chaos killed it."""
 
@@ -75,8 +79,10 @@ class Proc:
         with open(self.log, "a") as lf:
             lf.write(f"--- start {self.starts} at {time.strftime('%H:%M:%S')}\n")
             lf.flush()
+            # a worker starts with SIGUSR1 ignored (inherited across exec) until it installs its handler:
+            # a poke during its imports (seconds on a loaded machine) used to kill it
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=lf,
-                                         text=True, env=self.env)
+                                         text=True, env=self.env, preexec_fn=_ignore_usr1)
         self.expected_death = False  # only now: the watcher must not see the old process as crashed
 
     def kill(self) -> None:
