@@ -70,9 +70,8 @@ def run_pair(name: str, model: str, a: argparse.Namespace, logdir: str) -> dict[
             if i:
                 ttft.append(t2 - t0)
                 legs.append(t2 - t1)
-        pulls = list(dc.call(cmd="stats")["pull_s"].values())
-        pulls.sort()
-        pulls = pulls[1:] if len(pulls) > a.requests else pulls  # the first (connection set-up) out
+        pulls = list(dc.call(cmd="stats")["pull_s"].values())  # in request order
+        pulls = pulls[-a.requests:]  # the warm-up request's pull (connection set-up) left out
         return {"pull": pulls, "ttft": ttft, "leg": legs}
     finally:
         pf.close()
