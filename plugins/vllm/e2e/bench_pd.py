@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -25,6 +26,12 @@ from typing import Any
 
 from engines import EngineProcess
 from tinymodel import build_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -39,13 +46,17 @@ def run_pair(name: str, model: str, a: argparse.Namespace, logdir: str) -> dict[
         conn = {"connector": "KVXConnector", "module": "kvx_vllm"}
     else:
         conn = {"connector": "NixlConnector", "module": "", "kv_buffer_device": "cpu"}
+    # NixlConnector's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT (5600 by default):
+    # one free port per engine on one machine
     pf = EngineProcess({**common, **conn, "role": "kv_producer", "engine_id": f"{name}-prefill"}, core=0,
-                       log=os.path.join(logdir, f"{name}-prefill.log"))
+                       log=os.path.join(logdir, f"{name}-prefill.log"),
+                       env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     dc = EngineProcess({**common, **conn, "role": "kv_consumer", "engine_id": f"{name}-decode"}, core=1,
-                       log=os.path.join(logdir, f"{name}-decode.log"))
+                       log=os.path.join(logdir, f"{name}-decode.log"),
+                       env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     try:
-        pf.ready()
-        dc.ready()
+        pf.ready(300)
+        dc.ready(300)
         ttft, legs = [], []
         for i in range(a.requests + 1):
             p = [3 + (i * 7919 + j * 31) % (a.vocab - 3) for j in range(a.prompt_len)]
@@ -59,9 +70,8 @@ def run_pair(name: str, model: str, a: argparse.Namespace, logdir: str) -> dict[
             if i:
                 ttft.append(t2 - t0)
                 legs.append(t2 - t1)
-        pulls = list(dc.call(cmd="stats")["pull_s"].values())
-        pulls.sort()
-        pulls = pulls[1:] if len(pulls) > a.requests else pulls  # the first (connection set-up) out
+        pulls = list(dc.call(cmd="stats")["pull_s"].values())  # in request order
+        pulls = pulls[-a.requests:]  # the warm-up request's pull (connection set-up) left out
         return {"pull": pulls, "ttft": ttft, "leg": legs}
     finally:
         pf.close()

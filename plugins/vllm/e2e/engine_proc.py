@@ -161,20 +161,29 @@ def _time_pulls(conn: Any, times: dict[str, list[float]]) -> None:
 
 
 def _patch_spoil(kvw: Any, spoil: dict[str, bool]) -> None:
-    """Negative control: overwrite the blocks a pull delivered, while ``spoil["on"]``."""
+    """Negative control: while ``spoil["on"]``, overwrite the blocks of every request whose pull
+    the worker reports received, before the model reads them."""
     import torch
 
-    orig = kvw._pull
+    start, results = kvw.start_load_kv, kvw.get_transfer_results
+    blocks: dict[str, list[int]] = {}
 
-    def pull(spec: Any) -> list[int]:
-        bad = orig(spec)
-        if spoil["on"]:
-            ids = [b for g in spec.local_block_ids for b in g]
-            for t in kvw._kv_refs:
-                t[ids] = torch.randn_like(t[ids]) * 4
-        return bad
+    def start_load_kv(meta: Any) -> None:
+        for spec in meta.recv:
+            blocks[spec.req_id] = [b for g in spec.local_block_ids for b in g]
+        start(meta)
 
-    kvw._pull = pull
+    def get_transfer_results(finished: set[str]) -> Any:
+        sending, recving, failed = results(finished)
+        for rid in recving:
+            ids = blocks.pop(rid, [])
+            if spoil["on"] and ids:
+                for t in kvw._kv_refs:
+                    t[ids] = torch.randn_like(t[ids]) * 4
+        return sending, recving, failed
+
+    kvw.start_load_kv = start_load_kv
+    kvw.get_transfer_results = get_transfer_results
 
 
 if __name__ == "__main__":

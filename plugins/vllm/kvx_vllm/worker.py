@@ -193,6 +193,37 @@ class _GroupStore:
         self.reg.release()
 
 
+class _Posted:
+    """A pull posted from the engine's thread: ``done``/``result`` like a Future, polled."""
+
+    __slots__ = ("deadline", "local", "spec", "t0", "worker", "x")
+
+    def __init__(self, x: Any, local: list[int], timeout: float, worker: "KVXWorker",
+                 spec: RecvSpec | None = None) -> None:
+        self.x, self.local, self.worker, self.spec = x, local, worker, spec
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + timeout
+
+    def done(self) -> bool:
+        if self.x is None or self.x.done():
+            return True
+        if time.monotonic() > self.deadline:
+            self.x.cancel()
+            return True
+        return False
+
+    def result(self) -> list[int]:
+        """The blocks that failed (none when the transfer is done)."""
+        if self.x is None:
+            return self.local
+        if self.x.status is kvx.Status.DONE:
+            self.worker._count(pulls=1, pulled_blocks=len(self.local), pull_s=time.monotonic() - self.t0)
+            return []
+        assert self.spec is not None
+        self.worker._pull_failed(self.spec, self.x.error or kvx.TransferTimeout("pull timed out"))
+        return self.local
+
+
 class KVXWorker:
     """Worker-side state of the connector (one per worker process)."""
 
@@ -307,9 +338,9 @@ class KVXWorker:
         for spec in meta.recv:
             ids = [b for g in spec.local_block_ids for b in g]
             self._recv_blocks[spec.req_id] = ids
-            fut = self._pull_pool.submit(self._pull, spec)
+            fut = self._start_pull(spec) if ids else self._pull_pool.submit(self._pull, spec)
             if ids:
-                self._recv[spec.req_id] = fut
+                self._recv[spec.req_id] = fut  # type: ignore[assignment]
         for spec in meta.load:
             self._recv_blocks[spec.req_id] = [b for g in spec.block_ids for b in g]
             self._recv[spec.req_id] = self._store_pool.submit(self._load, spec)
@@ -446,60 +477,96 @@ class KVXWorker:
         except kvx.KVXError:
             log.debug("removing peer %s", name, exc_info=True)
 
-    def _pull(self, spec: RecvSpec) -> list[int]:
-        """Pull one request's blocks from its prefill worker; returns the blocks that failed."""
-        local = [b for g in spec.local_block_ids for b in g]
+    def _check_params(self, spec: RecvSpec) -> tuple[list[Any], bytes]:
+        """Check a request's kv_transfer_params; returns its prefill worker's entry and the
+        notification payload."""
         params = spec.params
+        if params.get("kvx_version") != PARAMS_VERSION:
+            raise kvx.ProtocolError(f"kv_transfer_params of version {params.get('kvx_version')!r}, "
+                                    f"expected {PARAMS_VERSION}")
+        why = compat_mismatch({k: v for k, v in self.compat.items() if k != "pages"}, params.get("kvx_compat"),
+                              self.cfg.check_model_name)
+        if why:
+            raise kvx.ProtocolError(f"prefill instance is incompatible: {why}")
+        entry = params["remote_agents"].get(str(self.tp_rank))
+        if entry is None:
+            raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {self.tp_rank}")
+        pages = (entry[4] or {}).get("pages", {})
+        if pages != self.compat.get("pages"):
+            raise kvx.ProtocolError(f"KV page layout differs: prefill {pages}, decode {self.compat.get('pages')}")
+        return list(entry), str(params["remote_request_id"]).encode()
+
+    def _indices(self, spec: RecvSpec, peer: _Peer) -> tuple[np.ndarray, np.ndarray] | None:
+        """Indices into the local and the peer's block tables (None: nothing to pull)."""
+        lidx, ridx = [], []
+        for g, (lids, rids) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            if not lids:
+                continue
+            lb = np.asarray(lids, dtype=np.int64)
+            rb = np.asarray(rids, dtype=np.int64)
+            for lay in self.layouts:
+                if lay.group != g:
+                    continue
+                rl = peer.layouts.get(lay.name)
+                if rl is None:
+                    raise kvx.ProtocolError(f"the prefill instance has no layer {lay.name!r}")
+                if rb.size and int(rb.max()) >= rl.num_blocks:
+                    raise kvx.ProtocolError("remote block id out of range")
+                lidx.append(self.offsets[lay.name] + lb)
+                ridx.append(peer.offsets[lay.name] + rb)
+        if not lidx:
+            return None
+        return np.concatenate(lidx), np.concatenate(ridx)
+
+    def _pull_failed(self, spec: RecvSpec, exc: BaseException) -> None:
+        params = spec.params
+        log.error("kvx_vllm: pulling request %s from %s failed: %s", spec.req_id, params.get("remote_host"), exc)
+        self._count(pull_failures=1)
+        entry = (params.get("remote_agents") or {}).get(str(self.tp_rank))
+        if isinstance(exc, (kvx.PeerDisconnected, kvx.TransferError)) and entry:
+            self._forget_peer(entry[0])
+
+    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | _Posted":
+        """Post the pull of a request whose prefill worker is connected already, here and now (a
+        nonblocking kvx read that ``get_transfer_results`` polls: no thread hand-off); a worker
+        not connected yet is connected on a pool thread, which then pulls."""
+        local = [b for g in spec.local_block_ids for b in g]
         try:
-            if params.get("kvx_version") != PARAMS_VERSION:
-                raise kvx.ProtocolError(f"kv_transfer_params of version {params.get('kvx_version')!r}, "
-                                        f"expected {PARAMS_VERSION}")
-            why = compat_mismatch({k: v for k, v in self.compat.items() if k != "pages"}, params.get("kvx_compat"),
-                                  self.cfg.check_model_name)
-            if why:
-                raise kvx.ProtocolError(f"prefill instance is incompatible: {why}")
-            entry = params["remote_agents"].get(str(self.tp_rank))
-            if entry is None:
-                raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {self.tp_rank}")
+            entry, payload = self._check_params(spec)
+            with self._peer_lock:
+                peer = self._peers.get(entry[0])
+            if peer is None:
+                return self._pull_pool.submit(self._pull, spec)
+            idx = self._indices(spec, peer)
+            if idx is None:
+                return self._pull_pool.submit(self._pull, spec)
+            assert self.table is not None
+            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
+        except Exception as exc:
+            self._pull_failed(spec, exc)
+            return _Posted(None, local, 0.0, self)
+        return _Posted(x, local, self.cfg.load_timeout_s, self, spec)
+
+    def _pull(self, spec: RecvSpec) -> list[int]:
+        """Pull one request's blocks from its prefill worker (connecting it first if needed);
+        returns the blocks that failed."""
+        local = [b for g in spec.local_block_ids for b in g]
+        try:
+            entry, payload = self._check_params(spec)
             name, host, port, layout, wcompat = entry
-            pages = (wcompat or {}).get("pages", {})
-            if pages != self.compat.get("pages"):
-                raise kvx.ProtocolError(f"KV page layout differs: prefill {pages}, decode {self.compat.get('pages')}")
             peer = self._peer(name, host, port, layout, wcompat or {})
-            payload = str(params["remote_request_id"]).encode()
-            if not local:
+            idx = self._indices(spec, peer)
+            if idx is None:
                 self.agent.notify(peer.name, payload)
                 return []
-            lidx, ridx = [], []
-            for g, (lids, rids) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-                if not lids:
-                    continue
-                lb = np.asarray(lids, dtype=np.int64)
-                rb = np.asarray(rids, dtype=np.int64)
-                for lay in self.layouts:
-                    if lay.group != g:
-                        continue
-                    rl = peer.layouts.get(lay.name)
-                    if rl is None:
-                        raise kvx.ProtocolError(f"the prefill instance has no layer {lay.name!r}")
-                    if rb.size and int(rb.max()) >= rl.num_blocks:
-                        raise kvx.ProtocolError("remote block id out of range")
-                    lidx.append(self.offsets[lay.name] + lb)
-                    ridx.append(peer.offsets[lay.name] + rb)
             assert self.table is not None
             t0 = time.monotonic()
-            x = self.agent.read(self.table, np.concatenate(lidx), peer.table, np.concatenate(ridx),
-                                notify=payload)
+            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
             x.wait(self.cfg.load_timeout_s)
             self._count(pulls=1, pulled_blocks=len(local), pull_s=time.monotonic() - t0)
             return []
         except Exception as exc:
-            self._count(pull_failures=1)
-            log.error("kvx_vllm: pulling request %s from %s failed: %s", spec.req_id,
-                      params.get("remote_host"), exc)
-            entry = (params.get("remote_agents") or {}).get(str(self.tp_rank))
-            if isinstance(exc, (kvx.PeerDisconnected, kvx.TransferError)) and entry:
-                self._forget_peer(entry[0])
+            self._pull_failed(spec, exc)
             return local
 
     def _load(self, spec: LoadSpec) -> list[int]:
