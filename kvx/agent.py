@@ -527,7 +527,7 @@ class Agent:
                 if b.name in pinfo.sections.get("_reached", ()):  # type: ignore[union-attr]
                     rows = b.refresh_regions(peer)
                     if rows is not None:
-                        pinfo.regions = rows  # type: ignore[union-attr]
+                        pinfo.regions = table = rows  # type: ignore[union-attr]
                         slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, rows)
                         break
         if not ok.all():
@@ -537,7 +537,9 @@ class Agent:
                 f"descriptor {bad} ({descs.kind.name} 0x{int(descs.addr[bad]):x}+{int(descs.nbytes[bad])} "
                 f"dev {int(descs.dev[bad])}) is outside the live registrations of {where}"
             )
-        genof = {r[4]: r[5] for r in table} if peer is None else {r[4]: r[5] for r in pinfo.regions}  # type: ignore[union-attr]
+        # the generations of the very table the descriptors were checked against: another thread's
+        # add_peer of the same agent may replace pinfo.regions meanwhile (with older metadata rows)
+        genof = {r[4]: r[5] for r in table}
         used = np.unique(slots)
         gens = {int(s): int(genof[int(s)]) for s in used}
         pl = PreparedList(self, peer, descs, slots, gens, pinfo)

@@ -248,3 +248,31 @@ def test_a_backend_failing_to_start_closes_those_started_before_it() -> None:
     while (threading.active_count() > t0 or fds() > f0) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= t0 and fds() <= f0
+
+
+def test_prepare_keeps_the_table_it_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI run's concurrent add_peer test failed once with KeyError: prepare refreshed the peer's
+    regions from its control table (the metadata predated the registration), then read the
+    generations from pinfo.regions again, which another thread's add_peer of the same older
+    metadata had just replaced with no rows. Here that add_peer lands exactly in between."""
+    with kvx.Agent("t", kvx.AgentConfig(backends=("host",))) as t, \
+            kvx.Agent("i", kvx.AgentConfig(backends=("host",))) as i:
+        meta = t.metadata()  # before the registration: no region rows
+        reg = t.register(kvx.alloc_host(1 << 16))
+        name = i.add_peer(meta)
+        import kvx.agent as kagent
+
+        real = kagent.validate
+        calls = []
+
+        def racing(*args: object) -> object:
+            out = real(*args)  # type: ignore[arg-type]
+            calls.append(1)
+            if len(calls) == 2:  # checked against the refreshed rows: now the other thread's add_peer
+                i.add_peer(meta)
+            return out
+
+        monkeypatch.setattr(kagent, "validate", racing)
+        remote = i.prepare(kvx.DescList.blocks(reg, 4096), peer=name)
+        local = i.prepare(kvx.DescList.blocks(i.register(np.full(1 << 16, 3, np.uint8)), 4096))
+        i.write(local, [0], remote, [5]).wait(10)
