@@ -141,5 +141,18 @@ def test_disk_tier_with_a_full_filesystem_gives_only_kvx_errors(tmp_path: Path) 
                     except kvx.KVXError:
                         pass  # a miss or a tier error: allowed; a bare OSError/KeyError is not
             assert stored, "no put succeeded: the test would prove nothing"
+            disk = st.tiers[1]
+            assert disk.retired > 0, "the journal never failed: the test would prove nothing"
+            os.unlink(mnt / "filler")  # space again: pending removals are recorded, slots come back
+            for i in range(256, 256 + 3 * 64):
+                key = i.to_bytes(4, "little")
+                st.put([key], plist, [i % 256])
+                stored[key] = i % 256
+            st.flush()
+            assert disk.retired == 0
+            for k in list(stored)[-64:]:
+                assert st.get([k], dst) == 1
+                j = stored[k]
+                assert np.array_equal(out, src[j * BB:(j + 1) * BB])
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

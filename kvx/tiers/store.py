@@ -34,7 +34,7 @@ import numpy as np
 
 import kvx
 
-from ..errors import BlockNotFound, TierError, UsageError
+from ..errors import BlockNotFound, TierError, TierFull, UsageError
 from ..memory import DescList
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
@@ -305,6 +305,10 @@ class TieredStore:
         t = self.tiers[ti]
         pol = t.policy
         assert pol is not None
+        if t.retired and not t.free and not t.record_removals():
+            # evicting more would only retire more slots: refuse until the journal can be written
+            raise TierFull(f"{t.medium} tier: {t.retired} slots are out of use until its journal can record their "
+                           "removal (disk full?)")
         while len(pol) >= t.capacity:
             self._expire_pins()
             v = pol.victim()
@@ -334,7 +338,8 @@ class TieredStore:
             self._forget(ti, v, slot, events)
             t.stats.evicted += 1
         if not t.free:  # the backpressure check keeps spare slots; this is a bug if reached
-            raise TierError(f"{t.medium} tier has no free slot ({len(t.deferred)} held by transfers in flight)")
+            raise TierError(f"{t.medium} tier has no free slot ({len(t.deferred)} held by transfers in flight, "
+                            f"{t.retired} out of use)")
         return t.free.pop()
 
     def _forget(self, ti: int, key: Hashable, slot: int, events: list[Event]) -> None:

@@ -68,6 +68,8 @@ class Tier:
         self.spare = 0
         self.nslots = 0
         self.block_bytes = 0
+        #: slots out of use for now (a persisting tier could not record a removal yet)
+        self.retired = 0
         self.plist: kvx.PreparedList | None = None
         self.policy: EvictionPolicy | None = None
         self.index: dict[Hashable, tuple[int, int]] = {}  # key -> (slot, crc)
@@ -138,6 +140,10 @@ class Tier:
         not record the removal: its record still names this slot, so the bytes there must stay)."""
         return True
 
+    def record_removals(self) -> bool:
+        """Try again to record the removals ``dropped`` could not; True once none is left."""
+        return True
+
     def host_view(self, slot: int) -> memoryview | None:
         """Bytes of a slot if the CPU can read them directly (host tier)."""
         return None
@@ -188,7 +194,9 @@ class DiskTier(Tier):
         self.fsync = fsync
         self.journal: Journal | None = None
         self.parents: dict[Hashable, Hashable | None] = {}
-        self.retired = 0  # slots kept out of use: their removal could not be journaled
+        #: removals the journal could not record yet (disk full): their slots stay out of use, since
+        #: the journal still names them, until a later write records the removal
+        self._unrecorded: list[tuple[Hashable, int]] = []
 
     def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
         try:
@@ -258,19 +266,39 @@ class DiskTier(Tier):
 
     def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
         assert self.journal is not None
+        self._record_removals()
         self.journal.put_many((k, p, s, c, self.block_bytes) for k, p, s, c in records)
 
     def dropped(self, key: Hashable, slot: int) -> bool:
-        assert self.journal is not None
         self.parents.pop(key, None)
+        self._unrecorded.append((key, slot))
+        self.retired += 1
         try:
-            self.journal.delete(key, slot)
+            self._record_removals(own=slot)
         except OSError as exc:  # disk full, I/O error: keep the bytes the journal still points at
-            self.retired += 1
-            log.warning("disk tier %s: cannot journal the removal of a block (%s); its slot is retired until "
-                        "the tier is reopened (%d retired)", self.path, exc, self.retired)
+            log.warning("disk tier %s: cannot journal the removal of a block (%s); %d slots stay out of use "
+                        "until the journal can be written", self.path, exc, self.retired)
             return False
         return True
+
+    def record_removals(self) -> bool:
+        try:
+            self._record_removals()
+        except OSError:
+            return False
+        return True
+
+    def _record_removals(self, own: int | None = None) -> None:
+        """Journal the removals not recorded yet (oldest first) and release their slots, all but
+        ``own`` (``dropped``'s caller releases that one when ``dropped`` returns True)."""
+        assert self.journal is not None
+        while self._unrecorded:
+            key, slot = self._unrecorded[0]
+            self.journal.delete(key, slot)
+            self._unrecorded.pop(0)
+            self.retired -= 1
+            if slot != own:
+                self.release(slot)
 
     def close(self) -> None:
         if self.journal is not None:
