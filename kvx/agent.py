@@ -16,7 +16,7 @@ import numpy as np
 from . import wire
 from ._slots import BOOT_ID, MAX_SLOTS
 from .backends import registry
-from .backends.base import Backend, BackendContext, Op, PeerInfo, validate
+from .backends.base import Backend, BackendContext, Op, PeerInfo, region_rows, validate
 from .config import AgentConfig
 from .errors import (
     BackendUnavailable,
@@ -391,14 +391,7 @@ class Agent:
                                  "regions": list})
         if not msg["name"] or len(msg["name"]) > 256:
             raise ProtocolError("peer name is empty or too long")
-        rows = []
-        for r in msg["regions"]:
-            if (not isinstance(r, list) or len(r) != 6
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)):
-                raise ProtocolError("malformed region row in metadata")
-            if r[0] not in (0, 1, 2, 3) or not (0 < r[4] < MAX_SLOTS):
-                raise ProtocolError("region row with unknown kind or slot")
-            rows.append(tuple(r))
+        rows = region_rows(msg["regions"], "metadata")
         for k, v in msg["backends"].items():
             if not isinstance(k, str) or not isinstance(v, dict):
                 raise ProtocolError("malformed backend section in metadata")

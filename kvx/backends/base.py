@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, S
 import numpy as np
 
 from .._slots import MAX_SLOTS
-from ..errors import KVXError
+from ..errors import KVXError, ProtocolError
 from ..memory import DescList, MemoryKind, Region
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
 
 __all__ = ["Backend", "BackendContext", "DoneRequest", "ErrorMap", "JobRequest", "Op", "PeerInfo", "PreparedList",
-           "Request", "ThreadRequest", "validate"]
+           "Request", "ThreadRequest", "region_rows", "validate"]
 
 _U64 = np.uint64
 
@@ -198,6 +198,22 @@ class ErrorMap:
             if err is exc:
                 raise
             raise err from exc
+
+
+def region_rows(rows: Any, what: str = "region table") -> list[tuple[int, int, int, int, int, int]]:
+    """Check a peer's region rows (``(kind, addr, nbytes, dev, slot, gen)``, from its metadata or a
+    refresh) and return them as tuples; ``ProtocolError`` for anything else."""
+    if not isinstance(rows, list):
+        raise ProtocolError(f"malformed {what}")
+    out = []
+    for r in rows:
+        if (not isinstance(r, list) or len(r) != 6
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)):
+            raise ProtocolError(f"malformed region row in the {what}")
+        if r[0] not in (0, 1, 2, 3) or not 0 < r[4] < MAX_SLOTS:
+            raise ProtocolError(f"region row with unknown kind or slot in the {what}")
+        out.append(tuple(r))
+    return out  # type: ignore[return-value]
 
 
 class Request(ABC):

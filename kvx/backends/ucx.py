@@ -58,7 +58,7 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
+from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
 
 __all__ = ["UcxBackend", "UcxOptions", "INSTALL_HINT", "load"]
 
@@ -491,15 +491,9 @@ class UcxBackend(Backend):
         rep = self._rpc(p.ep, wire.pack("regions", rid=rid), rid, self.opts.handshake_timeout,
                         f"region table of {peer_name!r}", sealed=p)
         rows, rk = rep.get("rows"), rep.get("rkeys")
-        if not isinstance(rows, list) or not isinstance(rk, list):
+        if not isinstance(rk, list):
             raise ProtocolError("malformed region table")
-        out = []
-        for r in rows:
-            if (not isinstance(r, list) or len(r) != 6
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)
-                    or not 0 < r[4] < MAX_SLOTS):
-                raise ProtocolError("malformed region row")
-            out.append(tuple(r))
+        out = region_rows(rows)
         packed = _parse_rkeys(rk)
         with self._lock:
             p.packed.update(packed)

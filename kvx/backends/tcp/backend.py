@@ -32,7 +32,7 @@ from ...net import (
     send_frame,
     server_handshake,
 )
-from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request
+from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
 from .common import (
     _BIG_ENDIAN,
     _K_MSG,
@@ -438,17 +438,7 @@ class TcpBackend(Backend):
         if conn is None or conn.dead:
             return None
         msg = conn.control("regions", float(self.cfg.handshake_timeout))
-        rows = msg.get("rows")
-        if not isinstance(rows, list):
-            raise ProtocolError("malformed region table")
-        out = []
-        for r in rows:
-            if (not isinstance(r, list) or len(r) != 6
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 64) for x in r)
-                    or not 0 < r[4] < MAX_SLOTS):
-                raise ProtocolError("malformed region row")
-            out.append(tuple(r))
-        return out  # type: ignore[return-value]
+        return region_rows(msg.get("rows"))
 
     def disconnect(self, peer_name: str) -> None:
         with self._lock:
