@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 import kvx
 from kvx import DescList, MemoryKind, UsageError
+from kvx.backends.posix import PosixOptions
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
@@ -207,10 +208,9 @@ class HiCacheKVX(HiCacheStorage):
         if self.cfg.store == "tiered":
             self.pages = _TieredPages(self.cfg, geom, ranges, name)
         else:
-            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}")
+            options = {"posix": PosixOptions(direct=True)} if self.cfg.direct_io else {}
+            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}", kvx.AgentConfig(options=options))
             try:
-                if self.cfg.direct_io:
-                    self.agent.backend("posix").configure(direct=True)  # before the slab is opened
                 self._reg = self.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
                 self._host = self.agent.prepare(DescList.from_arrays(
                     kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))
