@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     new = medians(a.new)
     if a.save or not a.baseline.exists():
-        shutil.copyfile(a.new, a.baseline)
+        data = json.loads(a.new.read_text())
+        for b in data["benchmarks"]:
+            b["stats"].pop("data", None)  # every raw sample: the comparison needs the summary only
+        a.baseline.write_text(json.dumps(data, indent=1) + "\n")
         print(f"baseline saved: {a.baseline}")
         return 0
     base = medians(a.baseline)
