@@ -53,6 +53,7 @@ WITHIN = "within spread"
 FASTER = "faster"
 SLOWER = "slower"
 OVERLAP = " (ranges overlap)"
+ALL_BLOCKS = 0  # Key.block_bytes of a figure measured once for every block size
 
 
 class SideBySideError(Exception):
@@ -241,18 +242,36 @@ def summarize(results: dict[str, list[dict[Key, float]]]) -> list[Line]:
     for side in ("old", "new"):
         for run in results.get(side, []):
             keys += [k for k in run if k not in keys]
-    lines = []
+    lines: list[Line] = []
+    seen: dict[tuple[Any, ...], int] = {}  # one measurement reported under several keys -> its line
     for k in keys:
         old = [run[k] for run in results.get("old", []) if k in run]
         new = [run[k] for run in results.get("new", []) if k in run]
+        # a ceiling measured once per run (memcpy, raw-tcp) is repeated on every row of its impl:
+        # one line for it, "all" blocks (and both ops where they share it)
+        same = (k.bench, k.impl, k.unit, tuple(old), tuple(new))
+        if same in seen and len(old) + len(new) > 1:
+            i = seen[same]
+            prev = lines[i].key
+            ops = prev.op if k.op in prev.op.split("+") else f"{prev.op}+{k.op}"
+            lines[i].key = Key(k.bench, k.impl, ops, ALL_BLOCKS, k.unit)
+            continue
+        seen[same] = len(lines)
         lines.append(Line(k, old, new, verdict(old, new, higher_is_better=k.unit == "GB/s")))
     return lines
+
+
+def is_kvx(impl: str) -> bool:
+    """Rows of kvx's own code (``kvx``, ``kvx-plan``, ``kvx-clean``, ...); the rest are controls."""
+    return impl == "kvx" or impl.startswith("kvx-")
 
 
 # ---------------------------------------------------------------- the table
 
 
 def fmt_block(n: int) -> str:
+    if n == ALL_BLOCKS:
+        return "all"
     for shift, suffix in ((30, "G"), (20, "M"), (10, "K")):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{suffix}"
@@ -284,17 +303,18 @@ def table(lines: Sequence[Line]) -> str:
     return "\n".join(out)
 
 
-def tally(lines: Sequence[Line], impls: Sequence[str] | None = None) -> str:
-    """How many rows got each verdict (of the given implementations, or all)."""
+def tally(lines: Sequence[Line]) -> str:
+    """How many of ``lines`` got each verdict."""
     counts: dict[str, int] = {}
     for ln in lines:
-        if impls is None or ln.key.impl in impls:
-            counts[ln.verdict] = counts.get(ln.verdict, 0) + 1
+        counts[ln.verdict] = counts.get(ln.verdict, 0) + 1
     return ", ".join(f"{v}: {n}" for v, n in sorted(counts.items())) or "no rows"
 
 
 def report(old: Side, new: Side, cfg: Config, lines: Sequence[Line], meta: dict[str, Any]) -> str:
-    kvx_impls = sorted({ln.key.impl for ln in lines if ln.key.impl.startswith("kvx")})
+    kvx = [ln for ln in lines if is_kvx(ln.key.impl)]
+    ctl = [ln for ln in lines if not is_kvx(ln.key.impl)]
+    ctl_impls = sorted({ln.key.impl for ln in ctl})
     head = [
         f"## Side by side: {old.label} (old) vs {new.label} (new)",
         "",
@@ -307,8 +327,9 @@ def report(old: Side, new: Side, cfg: Config, lines: Sequence[Line], meta: dict[
         f"{', '.join(cfg.benchmarks)}; {cfg.rounds} round(s), old and new alternating, the order flipped "
         f"every round",
         f"- old loads {old.loaded.get('kvx._native', '?')}; new loads {new.loaded.get('kvx._native', '?')}",
-        f"- verdicts of kvx rows ({', '.join(kvx_impls) or 'none'}): {tally(lines, kvx_impls)}",
-        f"- verdicts of all rows (controls included): {tally(lines)}",
+        f"- verdicts of the {len(kvx)} kvx rows: {tally(kvx)}",
+        f"- verdicts of the {len(ctl)} control rows (code that is not kvx's: {', '.join(ctl_impls) or 'none'}; "
+        f"what lands outside the spread there is the machine's noise): {tally(ctl)}",
         "",
         "GB/s rows: higher is faster; us rows (latency of one 4 KiB write, median of its samples): lower is "
         "faster. Each median and min-max is over the rounds.",

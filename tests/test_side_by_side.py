@@ -57,18 +57,27 @@ def test_summarize_table_and_report() -> None:
     K = sbs.Key
     bw, lat, only_new = K("host", "kvx", "write", 4096, "GB/s"), K("host", "kvx", "write", 4096, "us"), \
         K("posix", "kvx-clean", "read", 2 << 20, "GB/s")
-    results = {"old": [{bw: 10.0, lat: 2.0}, {bw: 12.0, lat: 3.0}, {bw: 11.0, lat: 2.5}],
-               "new": [{bw: 13.0, lat: 1.0, only_new: 5.0}, {bw: 14.0, lat: 1.5}, {bw: 13.5, lat: 1.2}]}
+    # a ceiling measured once per run and repeated on every (op, block) row of its impl
+    mc = [K("host", "memcpy", op, bs, "GB/s") for op in ("write", "read") for bs in (4096, 8192)]
+    results = {"old": [{bw: 10.0, lat: 2.0, **dict.fromkeys(mc, 8.0)}, {bw: 12.0, lat: 3.0, **dict.fromkeys(mc, 9.0)},
+                       {bw: 11.0, lat: 2.5, **dict.fromkeys(mc, 7.0)}],
+               "new": [{bw: 13.0, lat: 1.0, only_new: 5.0, **dict.fromkeys(mc, 8.5)}, {bw: 14.0, lat: 1.5},
+                       {bw: 13.5, lat: 1.2}]}
+    results["new"][1].update({k: 6.0 + (k.op == "read") for k in mc})  # here write and read differ
     lines = sbs.summarize(results)
     by_key = {ln.key: ln for ln in lines}
-    assert set(by_key) == {bw, lat, only_new}
+    mc_lines = [ln for ln in lines if ln.key.impl == "memcpy"]
+    assert [(ln.key.op, sbs.fmt_block(ln.key.block_bytes)) for ln in mc_lines] == [("write", "all"), ("read", "all")]
+    assert mc_lines[0].old == [8.0, 9.0, 7.0] and mc_lines[1].new == [8.5, 7.0]
+    assert set(by_key) - {ln.key for ln in mc_lines} == {bw, lat, only_new}
     assert by_key[bw].old_median == 11.0 and by_key[bw].new_median == 13.5
     assert by_key[bw].verdict == "faster" and by_key[lat].verdict == "faster"
     assert by_key[only_new].verdict == "new only" and by_key[only_new].ratio is None
     rows = _parse(sbs.table(lines))
     assert rows[0]["block"] == "4K" and rows[0]["old min-max"] == "10.00-12.00"
     assert rows[0]["new/old"] == f"{13.5 / 11.0:.2f}"
-    assert rows[2]["block"] == "2M" and rows[2]["old median"] == "-" and rows[2]["new median"] == "5.00"
+    assert rows[-1]["impl"] == "kvx-clean" and rows[-1]["block"] == "2M" and rows[-1]["old median"] == "-"
+    assert rows[-1]["new median"] == "5.00"
     old = sbs.Side("old", "27cdcfb", "/x/old", {"kvx._native": "/x/old/kvx/_native.so"})
     new = sbs.Side("new", "this tree", "/x/new", {"kvx._native": "/x/new/kvx/_native.so"})
     meta = {"cpu": "cpu", "cpus": 2, "platform": "linux", "start": "s", "end": "e", "load_start": "1",
@@ -76,7 +85,8 @@ def test_summarize_table_and_report() -> None:
     text = sbs.report(old, new, sbs.Config(), lines, meta)
     assert "### kvx bench --backend host" in text and "### kvx bench --backend posix" in text
     assert "- round 1, tcp, old: boom" in text
-    assert "verdicts of kvx rows (kvx, kvx-clean): faster: 2, new only: 1" in text
+    assert "verdicts of the 3 kvx rows: faster: 2, new only: 1" in text
+    assert "verdicts of the 2 control rows (code that is not kvx's: memcpy;" in text
 
 
 def _parse(md: str) -> list[dict[str, str]]:
@@ -126,7 +136,8 @@ def test_tiny_run_parses(tmp_path: Path) -> None:
     got = {(x["impl"], x["op"], x["block"], x["unit"]) for x in rows}
     for op in ("write", "read"):
         for block in ("4K", "64K"):
-            assert ("kvx", op, block, "GB/s") in got and ("memcpy", op, block, "GB/s") in got
+            assert ("kvx", op, block, "GB/s") in got
+    assert ("memcpy", "write+read", "all", "GB/s") in got  # one ceiling per run: one line
     assert ("kvx", "write", "4K", "us") in got and ("kvx-plan", "write", "4K", "us") in got
     data = json.loads(js.read_text())
     figs = {(ln["impl"], ln["op"], sbs.fmt_block(ln["block_bytes"]), ln["unit"]): ln for ln in data["lines"]}
