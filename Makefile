@@ -130,14 +130,16 @@ bench-all: bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare
 
 # issue 15: no regression against REF (default 27cdcfb, the code before the refactor), side by side in one run:
 # `kvx bench --backend host|tcp|posix --compare nixl` (64M, 4K-2M) of REF (extracted and built in a temporary
-# directory) and of this tree, alternating, ROUNDS rounds (~10 min at 3 on 2 cores); table in $(OUT)/side-by-side.md
+# directory) and of this tree (or of commit NEW, built the same way), alternating, ROUNDS rounds (~12 min at 3 on
+# 2 cores); table in $(OUT)/side-by-side.md
 .PHONY: bench-side
 REF    ?= 27cdcfb
+NEW    ?=
 ROUNDS ?= 3
 bench-side: $(NIXL)
 	@mkdir -p $(OUT)
-	$(PY) benchmarks/side_by_side.py --ref $(REF) --rounds $(ROUNDS) --out $(OUT)/side-by-side.md \
-	  --json $(OUT)/side-by-side.json
+	$(PY) benchmarks/side_by_side.py --ref $(REF) $(if $(NEW),--new $(NEW),) --rounds $(ROUNDS) \
+	  --out $(OUT)/side-by-side.md --json $(OUT)/side-by-side.json
 
 # On a GPU machine (the device tool runs this): build, GPU tests, GPU benchmark sweep.
 gpu-check:

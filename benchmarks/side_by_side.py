@@ -1,12 +1,14 @@
 """The CPU benchmarks of an older commit and of this tree, side by side in one run.
 
-    .venv/bin/python benchmarks/side_by_side.py [--ref 27cdcfb] [--rounds 3]     # = make bench-side REF=27cdcfb
+    .venv/bin/python benchmarks/side_by_side.py [--ref 27cdcfb] [--new main] [--rounds 3]
+    make bench-side REF=27cdcfb [NEW=main] [ROUNDS=3]
 
 The tracked files of ``--ref`` are extracted (``git archive``) into a temporary directory and its
 native extensions are built there in place with this environment's Python (the same compiler
 flags as ``make venv``: ``setup.py build_ext --inplace``), so the older code runs with its own
 ``kvx`` package *and* its own ``kvx._native``; every other package (numpy, NIXL, ...) is this
-virtual environment's. The new side is this working tree with its in-place build. Each side runs
+virtual environment's. The new side is this working tree with its in-place build (or, with
+``--new REF``, another commit extracted and built the same way). Each side runs
 as ``python -m kvx.cli bench ...`` with ``PYTHONPATH`` pointing at its tree and a neutral working
 directory; before timing anything the script checks which files ``import kvx`` and
 ``kvx._native`` load on each side.
@@ -137,14 +139,14 @@ def _git(*args: str) -> str:
     return r.stdout.strip()
 
 
-def resolve(ref: str) -> str:
+def resolve(ref: str, option: str = "--ref") -> str:
     """The full commit id of ``ref``; SideBySideError if it names no commit."""
     if not ref or ref.startswith("-"):
-        raise SideBySideError(f"--ref {ref!r} is not a git revision")
+        raise SideBySideError(f"{option} {ref!r} is not a git revision")
     try:
         return _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     except SideBySideError:
-        raise SideBySideError(f"--ref {ref!r} names no commit in {ROOT}") from None
+        raise SideBySideError(f"{option} {ref!r} names no commit in {ROOT}") from None
 
 
 def extract(commit: str, into: str) -> str:
@@ -350,6 +352,8 @@ def report(old: Side, new: Side, cfg: Config, lines: Sequence[Line], meta: dict[
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="side_by_side.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", default=DEFAULT_REF, help=f"the older commit (default {DEFAULT_REF})")
+    ap.add_argument("--new", default=None,
+                    help="the newer commit, extracted and built like --ref (default: this working tree as it is)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each benchmark per side (default 3)")
     ap.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma list of: " + ", ".join(BENCHMARKS))
     ap.add_argument("--total", default="64M", help="kvx bench --total (default 64M)")
@@ -382,6 +386,15 @@ def _check_writable(path: str) -> None:
         raise SideBySideError(f"cannot write {path}")
 
 
+def _side_of(name: str, ref: str, commit: str, tmp: str) -> Side:
+    """``commit`` extracted and built under ``tmp/name``."""
+    tree = os.path.join(tmp, name)
+    os.makedirs(tree)
+    print(f"building {ref} ({commit[:12]}) in {tree} ...", file=sys.stderr, flush=True)
+    extract(commit, tree)
+    return Side(name, ref if commit.startswith(ref) else f"{ref} ({commit[:7]})", tree)
+
+
 def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -391,22 +404,19 @@ def run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     for p in (a.out, a.json):
         _check_writable(p)
     commit = resolve(a.ref)
+    new_commit = resolve(a.new, "--new") if a.new is not None else None
     tmp = tempfile.mkdtemp(prefix="kvx-side-by-side-")
     try:
         work = os.path.join(tmp, "work")  # neutral cwd: `python -m` puts the cwd first on sys.path
         os.makedirs(work)
-        old_tree = os.path.join(tmp, "old")
-        os.makedirs(old_tree)
-        print(f"building {a.ref} ({commit[:12]}) in {old_tree} ...", file=sys.stderr, flush=True)
-        extract(commit, old_tree)
-        old = Side("old", a.ref if commit.startswith(a.ref) else f"{a.ref} ({commit[:7]})", old_tree)
-        new = Side("new", this_tree_label(), ROOT)
+        old = _side_of("old", a.ref, commit, tmp)
+        new = Side("new", this_tree_label(), ROOT) if new_commit is None else _side_of("new", a.new, new_commit, tmp)
         for side in (old, new):
             check_loads(side, work)
         meta: dict[str, Any] = {
             "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": _load(),
             "command": " ".join(["python", "benchmarks/side_by_side.py", *argv]),
-            "old_commit": commit, "failures": [],
+            "old_commit": commit, "new_commit": new_commit, "failures": [],
         }
         results: dict[str, list[dict[Key, float]]] = {"old": [], "new": []}
         per_round: dict[str, dict[int, dict[Key, float]]] = {"old": {}, "new": {}}

@@ -109,6 +109,10 @@ def test_bad_ref_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("side_by_side.py: error: --ref 'no-such-ref-kvx'")
     assert not out.exists()
+    r = subprocess.run([sys.executable, str(SCRIPT), "--ref", "HEAD", "--new", "no-such-ref-kvx", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == f"side_by_side.py: error: --new 'no-such-ref-kvx' names no commit in {ROOT}\n"
     r = subprocess.run([sys.executable, str(SCRIPT), "--benchmarks", "host,gpu", "--out", str(out)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--benchmarks" in r.stderr and r.stderr.count("\n") == 1
