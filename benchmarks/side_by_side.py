@@ -364,7 +364,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--compare", default="nixl", help="kvx bench --compare ('' or none: no comparison)")
     ap.add_argument("--out", default=os.path.join("out", "side-by-side.md"), help="markdown report")
     ap.add_argument("--json", default=os.path.join("out", "side-by-side.json"), help="every figure of every run")
-    ap.add_argument("--keep", action="store_true", help="keep the extracted old tree and the runs' JSON files")
+    ap.add_argument("--keep", action="store_true", help="keep the extracted trees and the runs' JSON files")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="print the report of an earlier run from its --json file (runs nothing)")
     return ap.parse_args(argv)
 
 
@@ -395,6 +397,30 @@ def _side_of(name: str, ref: str, commit: str, tmp: str) -> Side:
     return Side(name, ref if commit.startswith(ref) else f"{ref} ({commit[:7]})", tree)
 
 
+def results_of(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[Key, float]]]:
+    """Each side's figures, one dict per round, from the runs' records (``round``, ``bench``,
+    ``side``, ``rows``)."""
+    per_round: dict[str, dict[int, dict[Key, float]]] = {"old": {}, "new": {}}
+    for r in runs:
+        per_round[r["side"]].setdefault(int(r["round"]), {}).update(figures(r["bench"], r["rows"]))
+    return {name: [per_round[name][i] for i in sorted(per_round[name])] for name in ("old", "new")}
+
+
+def render(path: str) -> str:
+    """The report of an earlier run, from the JSON file it wrote (``--render``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        cfg = Config(**{**data["config"], "benchmarks": tuple(data["config"]["benchmarks"])})
+        old, new = (Side(n, data["sides"][n]["label"], "", data["sides"][n]["loaded"]) for n in ("old", "new"))
+        return report(old, new, cfg, summarize(results_of(data["runs"])), data["meta"])
+    except OSError as exc:
+        raise SideBySideError(f"--render {path}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SideBySideError(f"--render {path}: not a JSON file of side_by_side.py ({type(exc).__name__}: {exc})") \
+            from None
+
+
 def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -418,8 +444,6 @@ def run(a: argparse.Namespace, argv: Sequence[str]) -> int:
             "command": " ".join(["python", "benchmarks/side_by_side.py", *argv]),
             "old_commit": commit, "new_commit": new_commit, "failures": [],
         }
-        results: dict[str, list[dict[Key, float]]] = {"old": [], "new": []}
-        per_round: dict[str, dict[int, dict[Key, float]]] = {"old": {}, "new": {}}
         raw: list[dict[str, Any]] = []
         for rnd in range(cfg.rounds):
             for bench in cfg.benchmarks:
@@ -436,14 +460,11 @@ def run(a: argparse.Namespace, argv: Sequence[str]) -> int:
                         continue
                     raw.append({"round": rnd, "bench": bench, "side": side.name,
                                 "seconds": time.perf_counter() - t0, **res})
-                    per_round[side.name].setdefault(rnd, {}).update(figures(bench, res["rows"]))
                     for k in ("cpu", "cpus", "platform", "nixl"):
                         meta.setdefault(k, res["header"].get(k))
-        for name in ("old", "new"):
-            results[name] = [per_round[name][r] for r in sorted(per_round[name])]
         meta["end"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         meta["load_end"] = _load()
-        lines = summarize(results)
+        lines = summarize(results_of(raw))
         text = report(old, new, cfg, lines, meta)
         print(text, flush=True)
         with open(a.out, "w") as f:
@@ -467,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     try:
+        if a.render is not None:
+            print(render(a.render), end="")
+            return 0
         return run(a, argv)
     except SideBySideError as exc:
         print(f"side_by_side.py: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -164,3 +164,9 @@ def test_tiny_run_parses(tmp_path: Path) -> None:
     tmp = old_native.split("kvx-side-by-side-", 1)[0] + "kvx-side-by-side-" + \
         old_native.split("kvx-side-by-side-", 1)[1].split(os.sep, 1)[0]
     assert not os.path.exists(tmp)  # the extracted tree is removed
+    # the JSON file renders the same report again
+    r = subprocess.run([sys.executable, str(SCRIPT), "--render", str(js)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == md
+    js.write_text(json.dumps({"runs": []}))
+    r = subprocess.run([sys.executable, str(SCRIPT), "--render", str(js)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"side_by_side.py: error: --render {js}: not a JSON file")
