@@ -633,6 +633,15 @@ class _HostRoute(Route):
             raise UsageError(f"bad transfer request: {exc}") from None
         send_notif = b._notifier(self._peer, notify)
         start, finish, name, chan = plan.start, b._finish, self._name, self._chan
+        if send_notif is None and chan is None:
+            def post_local() -> Request:
+                try:
+                    res = start()
+                except OSError as exc:
+                    raise translate_oserror(exc, name) from exc
+                return DoneRequest(res) if type(res) is int else JobRequest(res, name, translate_oserror)
+
+            return post_local
 
         def post() -> Request:
             if chan is not None and not chan.alive:
