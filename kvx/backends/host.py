@@ -58,6 +58,7 @@ from .base import (
     Request,
     Route,
     ThreadRequest,
+    index_vector,
     indices,
     validate,
 )
@@ -527,7 +528,7 @@ class HostBackend(SameNodeLink, Backend):
 
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
-        li, ri = _i64(lidx), _i64(ridx)
+        li, ri = index_vector(lidx), index_vector(ridx)
         if li.shape != ri.shape:
             raise ValueError("index lists differ in length")
         if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
@@ -653,10 +654,3 @@ class _HostRoute(Route):
             return finish(res, name, send_notif)
 
         return post
-
-
-def _i64(x: Any) -> np.ndarray:
-    a = np.atleast_1d(np.asarray(x))
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    return a.astype(np.int64).reshape(-1)
