@@ -359,6 +359,60 @@ def test_error_map() -> None:
     assert info.value.__cause__ is exc
 
 
+def test_route_dispatch_without_a_gpu() -> None:
+    """``CudaRoute`` (the post contract), driven with a stand-in backend (no GPU here): the pair's
+    first post and posts with a notification take the general path with normalised indices; later
+    ones the fast poster with the indices as given, falling back to the general path for a form it
+    refuses; a bad index is a UsageError at the route; a plan checks its indices when made."""
+    import types
+
+    from kvx.backends.base import DoneRequest, Op
+    from kvx.backends.cuda.route import CudaRoute
+
+    calls: list[tuple[str, Any, Any, Any]] = []
+
+    class StandIn:
+        route_on = False  # the fast poster then calls _post with the indices as given
+
+        def _post(self, op: Op, local: Any, lidx: Any, remote: Any, ridx: Any, notify: bytes | None) -> Any:
+            calls.append(("post", lidx, ridx, notify))
+            if type(lidx) is np.ndarray and lidx.dtype == np.int16:
+                raise TypeError("int16 indices are not taken as they are")
+            li = np.atleast_1d(np.asarray(lidx))
+            if li.dtype.kind not in "iu":
+                raise TypeError(f"indices must be integers, not {li.dtype}")
+            if li.size and int(li.max()) >= 8:
+                raise IndexError("descriptor index out of range for a list of 8")
+            return DoneRequest(4096 * li.size)
+
+    plist = types.SimpleNamespace(bdata={"cuda": types.SimpleNamespace(addr=np.zeros(8, np.uint64))})
+    r = CudaRoute(StandIn(), Op.WRITE, plist, plist)  # type: ignore[arg-type]
+    i32 = np.array([1, 2], np.int32)
+    assert r.post(i32, [3, 4], None).nbytes == 8192
+    assert calls[-1][1].dtype == np.int64 and calls[-1][2] == [3, 4]  # first post: general, normalised
+    assert r.post(i32, [3, 4], None).nbytes == 8192
+    assert calls[-1][1] is i32  # then the fast poster, indices as given
+    calls.clear()
+    i16 = np.array([5], np.int16)
+    assert r.post(i16, [6], None).nbytes == 4096
+    assert [c[1].dtype for c in calls] == [np.int16, np.int64]  # refused as given, converted, posted
+    calls.clear()
+    r.post([0], [1], b"note")
+    assert [c[3] for c in calls] == [b"note"]  # a notification: the general path only
+    for bad in ([8], [0.5], np.array([9], np.int16)):
+        with pytest.raises(kvx.UsageError):
+            r.post(bad, [0], None)
+    calls.clear()
+    with pytest.raises(kvx.UsageError):
+        r.plan([0, 8], [0, 1], None)
+    with pytest.raises(kvx.UsageError):
+        r.plan([0, 1], [0], None)
+    assert calls == []  # nothing posted by a plan that was refused
+    post = r.plan(np.array([1, 2], np.int32), [3, 4], None)
+    assert post().nbytes == 8192 and post().nbytes == 8192
+    assert len(calls) == 2 and all(c[1].dtype == np.int64 for c in calls)  # checked once, as int64
+
+
 def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
     """``_native.cuda_event_spin`` (a waiter's poll without the GIL): driven with a stand-in cuEventQuery."""
     import ctypes
@@ -473,13 +527,13 @@ def _count_general_posts(monkeypatch: pytest.MonkeyPatch, agent: kvx.Agent) -> l
     launch): which way a repost went."""
     be: Any = agent.backend("cuda")
     calls: list[int] = []
-    real = be.post
+    real = be._post
 
     def post(*args: Any) -> Any:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(be, "post", post)
+    monkeypatch.setattr(be, "_post", post)
     return calls
 
 

@@ -39,7 +39,7 @@ from .options import CudaOptions
 from .prep import _Prep
 from .reaper import _Reaper
 from .request import _CudaRequest
-from .route import _Route
+from .route import CudaRoute
 
 log = logging.getLogger(__name__)
 
@@ -393,8 +393,11 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         except PeerDisconnected:
             log.debug("notification to %s lost: peer gone", p.name)
 
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+              notify: bytes | None) -> Request:
+        """The general path of a transfer (:class:`CudaRoute` calls it): indices as
+        :func:`base.indices` leaves them (or checked arrays); raises TypeError/ValueError/IndexError
+        for bad ones before anything moves (the route turns them into UsageError)."""
         lp: _Prep = local.bdata["cuda"]
         rp: _Prep = remote.bdata["cuda"]
         if self._closed:
@@ -468,28 +471,9 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         self._reaper.add(req)
         return req
 
-    def fast_path(self, op: Op, local: PreparedList, remote: PreparedList) -> Any:
-        """The agent's per-(op, list pair) shortcut (no notification): a :class:`_Route`, which
-        launches the kernel in one native call where the pair qualifies and calls :meth:`post`
-        otherwise. Either takes the index sources as given (checked while staged, or by
-        :func:`_index`) and raises TypeError/ValueError/IndexError before anything moves for one it
-        cannot take; the agent then takes its general path, which converts, checks and raises
-        ``UsageError``."""
-        return _Route(self, op, local, remote)
-
-    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-                  notify: bytes | None) -> Any:
-        """A transfer posted again and again: indices checked once here, each post through the
-        pair's route (:meth:`fast_path`) when there is no notification."""
-        lp: _Prep = local.bdata["cuda"]
-        rp: _Prep = remote.bdata["cuda"]
-        li, ri = _index(lidx, len(lp.addr)), _index(ridx, len(rp.addr))
-        if li.shape[0] != ri.shape[0]:
-            raise ValueError("index lists differ in length")
-        if notify is not None or not li.shape[0]:
-            return lambda: self.post(op, local, li, remote, ri, notify)
-        fast = self.fast_path(op, local, remote)
-        return lambda: fast(li, ri)
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> CudaRoute:
+        """The pair's :class:`CudaRoute` (made once per pair by the agent)."""
+        return CudaRoute(self, op, local, remote)
 
     def notify(self, peer_name: str, message: bytes) -> None:
         p = self._peers.get(peer_name)

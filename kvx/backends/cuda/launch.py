@@ -18,7 +18,7 @@ from .driver import _ERR_PEER_ALREADY, _Driver
 from .indices import _chunk_shift, _stageable
 from .ipc import _Peer
 from .prep import _Prep
-from .route import _Route
+from .route import _FastPost
 from .staging import _BUSY, _Slot
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,9 @@ class _Launcher:
                     raise
         d.peers.add(other)
 
-    def _route(self, r: _Route) -> None:
+    def _route(self, r: _FastPost) -> None:
         """Build the native part of route ``r`` (``r.nat``), or leave it None where it does not apply
-        (then :meth:`post` runs): lists of unequal block lengths, a plan other than the kernel's,
+        (then :meth:`_post` runs): lists of unequal block lengths, a plan other than the kernel's,
         settings the route does not implement (pieces, index upload, the Python post
         path), a copy ordered after another GPU's default stream, or driver entry points missing."""
         lp: _Prep = r.local.bdata["cuda"]
