@@ -145,17 +145,18 @@ def tune(argv: list[str]) -> int:
             if ag is None:
                 continue
             agents.append((mode, b, sh, ag, ag.register(g0), ag.register(g1), ag.register(h)))
-        pairs = [("gpu0->gpu1", 4, "write"), ("gpu0<-gpu1", 4, "read"), ("gpu->pinned", 5, "write"),
-                 ("pinned->gpu", 5, "read")]
-        for name, ri_, op in pairs:
+        # (name, remote registration: 0 = GPU 1's, 1 = pinned host, op)
+        pairs = [("gpu0->gpu1", 0, "write"), ("gpu0<-gpu1", 0, "read"), ("gpu->pinned", 1, "write"),
+                 ("pinned->gpu", 1, "read")]
+        for name, which, op in pairs:
             for bs in sizes:
                 n = total // bs
                 li = np.arange(n, dtype=np.int64)
                 ri = np.random.default_rng(0).permutation(n).astype(np.int64)
                 res = []
                 post_us = 0.0
-                for mode, b, sh, ag, r0, *rest in agents:
-                    rb = rest[ri_ - 5]
+                for mode, b, sh, ag, r0, r1, rh in agents:
+                    rb = (r1, rh)[which]
                     lo = ag.prepare(kvx.DescList.blocks(r0, bs))
                     re = ag.prepare(kvx.DescList.blocks(rb, bs))
                     fn = ag.write if op == "write" else ag.read
