@@ -35,7 +35,7 @@ from .errors import ERRORS
 from .indices import _I32_MAX, _count, _index, _stageable
 from .ipc import _CNT, _CTRL_BYTES, _ENTRY, _F_IPC, _F_PINNED, _F_SHM, _INFL_BYTES, _Imports, _Peer, _u64view
 from .launch import _Launcher
-from .options import CudaOptions
+from .options import COPY_PATHS, EXEC_POLICIES, CudaOptions
 from .prep import _Prep
 from .reaper import _Reaper
 from .request import _CudaRequest
@@ -88,6 +88,9 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         self.native_staging = opts.native_staging
         self.route_on = opts.route
         self.i32_max = _I32_MAX if opts.index_i32 else 0
+        if self.mode not in COPY_PATHS or self.exec_on not in EXEC_POLICIES:
+            raise UsageError(f"CudaOptions: copy must be one of {', '.join(COPY_PATHS)} and exec_on one of "
+                             f"{', '.join(EXEC_POLICIES)}, not {opts.copy!r} and {opts.exec_on!r}")
         self.drv = _driver()
         if self.mode == "ce" and not self.drv.has_batch:
             raise BackendUnavailable("CudaOptions.copy (KVX_CUDA_COPY) = ce needs cuMemcpyBatchAsync (CUDA >= 12.8 "
