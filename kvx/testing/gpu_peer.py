@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import kvx
+from kvx.testing.memory import Memory
 from kvx.testing.procs import PeerProcess
 
 __all__ = ["Helper", "alloc", "array_module", "digest", "pattern", "sync_all"]
@@ -65,25 +66,12 @@ def array_module(buf: Any) -> Any:
 
 
 def alloc(seg: str, nbytes: int, dev: int) -> tuple[Any, Any]:
-    """(object to register, uint8 view to fill and check) for one memory segment."""
-    if seg == "pinned":
-        buf = kvx.alloc_host(nbytes, pinned=True)
-        return buf, buf
-    if seg == "vram":
-        import cupy
-
-        with cupy.cuda.Device(dev):
-            buf = cupy.zeros(nbytes, dtype=cupy.uint8)
-        return buf, buf
-    if seg == "torch":  # a slice at an offset inside a caching-allocator block
-        import cupy
-        import torch
-
-        big = torch.zeros(nbytes + 8192 + 16, dtype=torch.uint8, device=f"cuda:{dev}")
-        t = big[4096 + 16: 4096 + 16 + nbytes]
-        with cupy.cuda.Device(dev):  # from another device, cupy.asarray would copy
-            return t, cupy.asarray(t)
-    raise ValueError(f"unknown memory segment {seg!r} (vram, pinned, torch)")
+    """(object to register, uint8 view to fill and check) for one memory segment: ``pinned``,
+    ``vram`` or ``torch`` (a slice at an offset inside a caching-allocator block) on GPU ``dev``
+    (as :class:`kvx.testing.memory.Memory` makes them)."""
+    if seg not in ("pinned", "vram", "torch"):
+        raise ValueError(f"unknown memory segment {seg!r} (vram, pinned, torch)")
+    return Memory(seg, dev).alloc(nbytes)
 
 
 # ---------------------------------------------------------------------------------------------
