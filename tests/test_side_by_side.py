@@ -118,12 +118,15 @@ def test_bad_ref_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--benchmarks" in r.stderr and r.stderr.count("\n") == 1
 
 
-def _git_head() -> bool:
-    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "HEAD"], capture_output=True)
-    return r.returncode == 0
+def _git_checkout() -> bool:
+    """Whether ROOT is the top of a git checkout with a HEAD (not, e.g., a copy of the tree under
+    build/, where git would answer for the enclosing checkout)."""
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel", "--verify", "HEAD"],
+                       capture_output=True, text=True)
+    return r.returncode == 0 and Path(r.stdout.splitlines()[0]).resolve() == ROOT
 
 
-@pytest.mark.skipif(not _git_head(), reason="needs the git history of the checkout")
+@pytest.mark.skipif(not _git_checkout(), reason="needs this tree to be a git checkout with its history")
 def test_tiny_run_parses(tmp_path: Path) -> None:
     out, js = tmp_path / "side.md", tmp_path / "side.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--ref", "HEAD", "--rounds", "2", "--benchmarks", "host",
