@@ -349,7 +349,7 @@ def indices(idx: Any) -> Any:
     t = type(idx)
     if t is list or t is int or t is tuple:
         return idx
-    if t is np.ndarray and idx.dtype == _I64 and idx.ndim == 1 and idx.flags.c_contiguous:
+    if t is np.ndarray and idx.dtype is _I64 and idx.ndim == 1 and idx.flags.c_contiguous:
         return idx
     if isinstance(idx, (list, tuple)):
         return idx
