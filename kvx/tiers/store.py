@@ -39,7 +39,7 @@ from ..memory import DescList
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
-from .tier import DiskTier, HostTier, ObjectTier, Tier, TierStats
+from .tier import DiskTier, HostTier, JournaledTier, ObjectTier, Tier, TierStats
 
 __all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats", "BadKey"]
 
@@ -179,6 +179,8 @@ class TieredStore:
         self._landing: dict[tuple[int, int], tuple[int, int]] = {}
         self._jobs: list[_Job] = []
         self._active = 0
+        self._writing: dict[int, set[int]] = {}  # packed tier -> packs being written now
+        self._forcing = 0  # flush() calls waiting: open packs are written at once
         self._stop = False
         self._workers: list[threading.Thread] = []
         self._crc_pool: Any = None
@@ -191,6 +193,8 @@ class TieredStore:
         spare = self.depth + 2 * self.chunk + len(self.tiers) + 1
         try:
             for i, t in enumerate(self.tiers):
+                if isinstance(t, ObjectTier):  # two packs can be in flight while the next one fills
+                    t.pack_blocks = min(t.pack_blocks, max(1, self.depth // 2))
                 t.attach(self.agent, block_bytes, policy, spare)
                 for k in t.index:
                     self._where.setdefault(k, i)
@@ -266,7 +270,7 @@ class TieredStore:
     def _has_room(self, m: int, queue: bool = True) -> bool:
         if queue and self._queued() >= self.depth:
             return False
-        return all(len(t.deferred) + m + len(self.tiers) <= t.spare for t in self.tiers)
+        return all(t.room(m, len(self.tiers)) for t in self.tiers)
 
     def _wait_room(self, m: int, deadline: float, flush: Any = None, queue: bool = True) -> None:
         """Backpressure: wait (lock released) until the queue has room for ``m`` more blocks.
@@ -277,6 +281,7 @@ class TieredStore:
             return
         if flush is not None:
             flush()  # nothing half-admitted may be seen by others while we wait
+        self._compact(m + len(self.tiers))
         while not self._has_room(m, queue):
             left = deadline - time.monotonic()
             if left <= 0 or self._stop:
@@ -305,7 +310,7 @@ class TieredStore:
         t = self.tiers[ti]
         pol = t.policy
         assert pol is not None
-        if t.retired and not t.free and not t.record_removals():
+        if t.retired and not t.can_alloc() and not t.record_removals():
             # evicting more would only retire more slots: refuse until the journal can be written
             raise TierFull(f"{t.medium} tier: {t.retired} slots are out of use until its journal can record their "
                            "removal (disk full?)")
@@ -337,10 +342,38 @@ class TieredStore:
                     events.append(BlockStored([v], parent, lt.medium, self.block_bytes))
             self._forget(ti, v, slot, events)
             t.stats.evicted += 1
-        if not t.free:  # the backpressure check keeps spare slots; this is a bug if reached
+        if not t.can_alloc():  # the backpressure check keeps spare slots; this is a bug if reached
             raise TierError(f"{t.medium} tier has no free slot ({len(t.deferred)} held by transfers in flight, "
                             f"{t.retired} out of use)")
-        return t.free.pop()
+        slot = t.alloc()
+        if isinstance(t, ObjectTier) and t.needs_compaction():
+            self._compact(0)
+        return slot
+
+    def _compact(self, want: int) -> None:
+        """Start compacting packed tiers short of free packs: the live blocks of the emptiest
+        pack move to the open pack through the write-back queue (readers use the old slot until
+        they landed); the old pack is free once the last of them did."""
+        for ti, t in enumerate(self.tiers):
+            if not isinstance(t, ObjectTier) or not t.needs_compaction(want):
+                continue
+            busy = {j.dst[1] // t.pack_blocks for j in self._jobs if j.dst[0] == ti} | self._writing.get(ti, set())
+            found = t.compaction_victim(busy)
+            if found is None or len(found[1]) > t.avail():
+                continue
+            pack, keys = found
+            t.compacting.add(pack)
+            assert t.policy is not None
+            for k in keys:
+                old, crc = t.index[k]
+                new = t.alloc()
+                t.index[k] = (new, crc)
+                t.moving[new] = old
+                parent = t.parents.get(k) if t.path is not None else t.policy.parent_of(k)
+                self._enqueue(k, crc, parent, (ti, old), (ti, new))
+                t.release(old)  # pinned by the move: free once it landed
+            t.stats.compacted += len(keys)
+            log.debug("object tier: compacting pack %d (%d live blocks)", pack, len(keys))
 
     def _forget(self, ti: int, key: Hashable, slot: int, events: list[Event]) -> None:
         t = self.tiers[ti]
@@ -363,26 +396,38 @@ class TieredStore:
 
     # --------------------------------------------------------------------- write-back workers
     def _take(self) -> list[_Job]:
-        """Pop up to ``writeback_batch`` jobs with the first job's (source, destination) tiers;
-        jobs whose block already left its destination are cancelled here."""
+        """Pop the next batch: up to ``writeback_batch`` jobs with the first job's (source,
+        destination) tiers, or, for a packed destination, every job of one pack once that pack
+        is complete (or nothing else is being written to its tier). Jobs whose block already
+        left its destination are cancelled here."""
         out: list[_Job] = []
         rest: list[_Job] = []
-        pair = None
+        pair: tuple[int, int] | None = None
+        pack: tuple[int, int] | None = None
+        now = time.monotonic()
         for j in self._jobs:
-            if len(out) >= self.wb_batch:
-                rest.append(j)
-                continue
-            if self.tiers[j.dst[0]].index.get(j.key) != (j.dst[1], j.crc):
+            dt = self.tiers[j.dst[0]]
+            if dt.index.get(j.key) != (j.dst[1], j.crc):
                 self._settle(j)  # nobody will read it there: skip the copy
                 continue
-            p = (j.src[0], j.dst[0])
-            if pair is None:
-                pair = p
-            if p == pair:
-                out.append(j)
-            else:
-                rest.append(j)
+            if isinstance(dt, ObjectTier):
+                p = (j.dst[0], j.dst[1] // dt.pack_blocks)
+                if pack is None and pair is None and (dt.ready(p[1]) or self._stop or self._forcing
+                                                      or now - j.t0 >= self.linger):
+                    pack = p
+                (out if p == pack else rest).append(j)
+                continue
+            q = (j.src[0], j.dst[0])
+            if pair is None and pack is None:
+                pair = q
+            (out if q == pair and len(out) < self.wb_batch else rest).append(j)
         self._jobs = rest
+        if pack is not None:
+            t = self.tiers[pack[0]]
+            assert isinstance(t, ObjectTier)
+            if t.open_pack == pack[1]:
+                t.seal()
+            self._writing.setdefault(pack[0], set()).add(pack[1])
         return out
 
     def _settle(self, j: _Job) -> None:
@@ -392,41 +437,49 @@ class TieredStore:
         self._unpin(j.dst)
 
     def _worker(self) -> None:
-        staging: tuple[np.ndarray, kvx.PreparedList, kvx.Registration] | None = None
+        # blocks per batch -> (buffer, its blocks, its registration, the buffer as one block)
+        staging: dict[int, tuple[np.ndarray, kvx.PreparedList, kvx.Registration, kvx.PreparedList]] = {}
         try:
             while True:
                 with self._lock:
-                    while not self._jobs and not self._stop:
-                        self._work.wait()
-                    if not self._jobs:
-                        return
-                    batch = self._take()
-                    self._active += len(batch)
+                    while True:
+                        batch = self._take() if self._jobs else []
+                        if batch or (self._stop and not self._jobs):
+                            break
+                        if not self._jobs:
+                            self._room.notify_all()
+                        self._work.wait(self.linger)  # jobs of an open pack wait for it to fill
                     if not batch:
-                        self._room.notify_all()
-                        continue
-                if staging is None and not isinstance(self.tiers[batch[0].src[0]], HostTier):
-                    buf = np.zeros(self.wb_batch * self.block_bytes, np.uint8)
+                        return
+                    self._active += len(batch)
+                dt = self.tiers[batch[0].dst[0]]
+                packed = isinstance(dt, ObjectTier)
+                n = dt.pack_blocks if isinstance(dt, ObjectTier) else self.wb_batch
+                if n not in staging and (packed or not isinstance(self.tiers[batch[0].src[0]], HostTier)):
+                    buf = np.zeros(n * self.block_bytes, np.uint8)
                     reg = self.agent.register(buf)
-                    staging = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg)
+                    staging[n] = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg,
+                                  self.agent.prepare(DescList.blocks(reg, buf.nbytes)))
                 t0 = time.monotonic()
                 try:
-                    ok = self._move_batch(batch, staging)
+                    ok = self._move_pack(batch, staging[n]) if packed else self._move_batch(batch, staging.get(n))
                 except Exception as exc:  # the blocks are dropped from their destination: a miss later
-                    log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch),
-                                self.tiers[batch[0].dst[0]].medium, exc)
+                    log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch), dt.medium, exc)
                     ok = [False] * len(batch)
                 self.h_batch.observe(time.monotonic() - t0)
                 events: list[Event] = []
                 with self._lock:
+                    if isinstance(dt, ObjectTier):
+                        self._writing[batch[0].dst[0]].discard(batch[0].dst[1] // dt.pack_blocks)
                     self._finish(batch, ok, events)
                     self._active -= len(batch)
                     self._room.notify_all()
+                    self._work.notify_all()
                 self.events.emit(events)
         finally:
-            if staging is not None:
+            for _buf, _pl, reg, _ipl in staging.values():
                 try:
-                    staging[2].release()
+                    reg.release()
                 except Exception:
                     log.debug("staging release", exc_info=True)
 
@@ -440,7 +493,7 @@ class TieredStore:
         if isinstance(src_t, HostTier):
             self.agent.write(src_t.plist, ss, dst_t.plist, ds).wait(timeout)
             return [True] * len(batch)
-        buf, spl, _reg = staging
+        buf, spl, _reg, _ipl = staging
         n = len(batch)
         self.agent.read(spl, list(range(n)), src_t.plist, ss).wait(timeout)
         bb = self.block_bytes
@@ -450,7 +503,49 @@ class TieredStore:
             self.agent.write(spl, good, dst_t.plist, [ds[i] for i in good]).wait(timeout)
         return ok
 
+    def _move_pack(self, batch: list[_Job], staging: tuple[np.ndarray, kvx.PreparedList, Any, kvx.PreparedList]
+                   ) -> list[bool]:
+        """Write one pack: gather its blocks at their offsets in a staging image (one read per
+        source tier, all in flight together), check every block's CRC there, then PUT the image
+        as one object. Offsets of blocks no longer stored are zeroed."""
+        dti = batch[0].dst[0]
+        dt = self.tiers[dti]
+        assert isinstance(dt, ObjectTier) and dt.pack_plist is not None
+        pb, bb = dt.pack_blocks, self.block_bytes
+        pack = batch[0].dst[1] // pb
+        buf, spl, _reg, ipl = staging
+        offs = [j.dst[1] - pack * pb for j in batch]
+        timeout = self.agent_timeout
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for j, o in zip(batch, offs):
+            g = groups.setdefault(j.src[0], ([], []))
+            g[0].append(o)
+            g[1].append(j.src[1])
+        reqs = []
+        for sti, (os_, ss) in groups.items():
+            st = self.tiers[sti]
+            if isinstance(st, HostTier):
+                pool = st.pool.data
+                for o, s in zip(os_, ss):
+                    buf.data[o * bb:(o + 1) * bb] = pool[s * bb:(s + 1) * bb]
+            else:
+                assert st.plist is not None
+                reqs.append(self.agent.read(spl, os_, st.plist, ss))
+        for r in reqs:
+            r.wait(timeout)
+        ok = [zlib.crc32(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
+        mask = np.ones(pb, bool)
+        mask[[o for o, good in zip(offs, ok) if good]] = False
+        holes = np.flatnonzero(mask)
+        if holes.size:
+            buf.reshape(pb, bb)[holes] = 0
+        if any(ok):
+            self.agent.write(ipl, [0], dt.pack_plist, [pack]).wait(timeout)
+        return ok
+
     agent_timeout: float = 120.0
+    #: seconds the jobs of an open pack wait for it to fill before it is written anyway
+    linger: float = 0.05
 
     def _finish(self, batch: list[_Job], ok: list[bool], events: list[Event]) -> None:
         records: dict[int, list[tuple[Hashable, Hashable | None, int, int]]] = {}
@@ -486,11 +581,16 @@ class TieredStore:
         """
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._queued():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
-                self._room.wait(min(left, 1.0))
+            self._forcing += 1  # open packs are written now, full or not
+            self._work.notify_all()
+            try:
+                while self._queued():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
+                    self._room.wait(min(left, 1.0))
+            finally:
+                self._forcing -= 1
 
     # ---------------------------------------------------------------------------------------
     def put(self, hashes: Sequence[Hashable], src: kvx.PreparedList, src_idx: Any = None,
@@ -671,7 +771,7 @@ class TieredStore:
                 src = self._src_of((ti, slot))
                 self._pin(src)
                 pins.append(src)
-                parent = t.parents.get(h) if isinstance(t, DiskTier) else None
+                parent = t.parents.get(h) if isinstance(t, JournaledTier) else None
                 if parent is None:
                     parent = t.policy.parent_of(h)
                 hslot = self._make_room(0, events)
