@@ -21,11 +21,11 @@ miss -- never returned. The disk tier journals a block only after its bytes land
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,7 @@ import kvx
 
 from ..errors import BlockNotFound, TierError, TierFull, UsageError
 from ..memory import DescList
+from .checksum import FAST, crc32
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
@@ -64,6 +65,11 @@ def _keys(hashes: Any) -> Sequence[Hashable]:
         if type(h) not in _KEY_TYPES and not isinstance(h, _KEY_TYPES):
             raise BadKey(f"a block hash must be bytes, int or str, not {type(h).__name__}")
     return hashes
+
+
+def _view(addr: int, n: int) -> memoryview:
+    """A writable byte view of ``n`` bytes of this process's memory at ``addr`` (no copy)."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
 def _prepared(pl: Any, what: str) -> None:
@@ -186,6 +192,7 @@ class TieredStore:
         self._crc_pool: Any = None
         self.stats_ = StoreStats()
         self.h_writeback = Histogram("writeback_latency", "demotion queued -> bytes landed and journaled")
+        self.h_promote = Histogram("promotion_latency", "background promotion (disk -> host) queued -> landed")
         self.h_batch = Histogram("writeback_batch", "one write-back batch transfer")
         self.h_put = Histogram("put_latency", "put() call")
         self.h_get = Histogram("get_latency", "get() call")
@@ -290,12 +297,19 @@ class TieredStore:
             self._room.wait(min(left, 1.0))
 
     def _enqueue(self, key: Hashable, crc: int, parent: Hashable | None, src: tuple[int, int],
-                 dst: tuple[int, int]) -> None:
+                 dst: tuple[int, int], later: list[_Job] | None = None) -> None:
+        """Queue a copy ``src`` -> ``dst``; readers of ``dst`` use ``src`` until it landed.
+        With ``later``, the job is only made (slots pinned, readers redirected) and appended to
+        ``later``: the caller queues it when it is done with the CPU."""
         src = self._src_of(src)
         self._pin(src)
         self._pin(dst)
         self._landing[dst] = src
-        self._jobs.append(_Job(key, crc, parent, src, dst, time.monotonic()))
+        job = _Job(key, crc, parent, src, dst, time.monotonic())
+        if later is not None:
+            later.append(job)
+            return
+        self._jobs.append(job)
         self._work.notify()
 
     def _make_room(self, ti: int, events: list[Event],
@@ -497,7 +511,7 @@ class TieredStore:
         n = len(batch)
         self.agent.read(spl, list(range(n)), src_t.plist, ss).wait(timeout)
         bb = self.block_bytes
-        ok = [zlib.crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
+        ok = [crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
         good = [i for i in range(n) if ok[i]]
         if good:
             self.agent.write(spl, good, dst_t.plist, [ds[i] for i in good]).wait(timeout)
@@ -533,7 +547,7 @@ class TieredStore:
                 reqs.append(self.agent.read(spl, os_, st.plist, ss))
         for r in reqs:
             r.wait(timeout)
-        ok = [zlib.crc32(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
+        ok = [crc32(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
         mask = np.ones(pb, bool)
         mask[[o for o, good in zip(offs, ok) if good]] = False
         holes = np.flatnonzero(mask)
@@ -561,7 +575,7 @@ class TieredStore:
             elif here:
                 dt.stats.writeback_errors += 1
                 self._forget(dti, j.key, dslot, events)
-            self.h_writeback.observe(now - j.t0)
+            (self.h_promote if dti == 0 else self.h_writeback).observe(now - j.t0)
         for dti, recs in records.items():
             try:
                 self.tiers[dti].committed(recs)
@@ -645,7 +659,7 @@ class TieredStore:
                     raise
                 batch.clear()
                 for h, p, slot in zip(keys, parents, slots):
-                    crc = zlib.crc32(mv[slot * bb:(slot + 1) * bb])
+                    crc = crc32(mv[slot * bb:(slot + 1) * bb])
                     top.index[h] = (slot, crc)
                     where[h] = 0
                     self._pending.discard(h)
@@ -738,17 +752,30 @@ class TieredStore:
 
     def _fetch_chunk(self, keys: Sequence[Hashable], dst: kvx.PreparedList | None, didx: Any, done: int,
                      deadline: float) -> int:
+        """Copy one chunk of blocks to ``dst`` (or only promote them: ``dst`` None).
+
+        Host blocks go host -> ``dst``. Blocks of a persistent tier (disk) go straight from their
+        slot into a host ``dst`` and are checked there; their promotion to the host tier is a
+        write-back job (the disk copy stays, so nothing waits for it). Other lower-tier blocks
+        (objects; or any, when ``dst`` is not host memory) are read into host slots, checked,
+        then copied to ``dst`` with the host blocks."""
         top = self.tiers[0]
         assert isinstance(top, HostTier)
         assert top.plist is not None and top.policy is not None
+        direct_ok = dst is not None and dst.kind == kvx.MemoryKind.HOST
         events: list[Event] = []
         pins: list[tuple[int, int]] = []
-        reads: list[int] = []  # host slot per block, in order
-        # promotions: (position, key, source loc, host slot, crc, tier, tier slot)
+        reads: list[int] = []  # host slot per block, in order (-1: read straight from a lower tier)
+        # promotions through host slots: (position, key, source loc, host slot, crc, tier, tier slot)
         promos: list[tuple[int, Hashable, tuple[int, int], int, int, int, int]] = []
+        # straight reads: (position, key, source loc, crc, tier, tier slot)
+        directs: list[tuple[int, Hashable, tuple[int, int], int, int, int]] = []
         fail: tuple[int, str] | None = None
+        later: list[_Job] = []
         with self._lock:
             self._wait_room(len(keys), deadline, queue=False)
+            if dst is not None and not direct_ok:
+                self._wait_landed(keys, deadline)
             for i, h in enumerate(keys):
                 ti = self._where.get(h)
                 if ti is None:
@@ -760,17 +787,16 @@ class TieredStore:
                 assert t.policy is not None
                 t.policy.hit(h)
                 t.stats.hits += 1
-                if ti == 0:
-                    loc = self._src_of((0, slot))
-                    self._pin(loc)
-                    pins.append(loc)
-                    reads.append(loc[1] if loc[0] == 0 else slot)
-                    if loc[0] != 0:  # cannot happen: only gets land in the host tier
-                        raise TierError("host block still landing")
-                    continue
                 src = self._src_of((ti, slot))
                 self._pin(src)
                 pins.append(src)
+                if ti == 0:
+                    if src[0] == 0 or dst is None:
+                        reads.append(src[1] if src[0] == 0 else -1)
+                    else:  # being promoted in the background: read it from where it is
+                        directs.append((i, h, src, crc, 0, slot))
+                        reads.append(-1)
+                    continue
                 parent = t.parents.get(h) if isinstance(t, JournaledTier) else None
                 if parent is None:
                     parent = t.policy.parent_of(h)
@@ -778,16 +804,33 @@ class TieredStore:
                 top.index[h] = (hslot, crc)
                 top.policy.inserted(h, parent if parent in top.index else None)
                 self._where[h] = 0
+                if direct_ok and t.persistent and src[0] != 0:
+                    self._enqueue(h, crc, parent, (ti, slot), (0, hslot), later)  # the promotion: after this get
+                    directs.append((i, h, src, crc, ti, slot))
+                    reads.append(-1)
+                    t.stats.promoted += 1
+                    continue
                 self._landing[(0, hslot)] = src
                 self._pin((0, hslot))
                 pins.append((0, hslot))
                 promos.append((i, h, src, hslot, crc, ti, slot))
                 reads.append(hslot)
         bad: list[int] = []
+        dbad: list[int] = []
         err: BaseException | None = None
         bb = self.block_bytes
         try:
             left = max(0.001, deadline - time.monotonic())
+            pending = []
+            dgroups: dict[int, tuple[list[int], list[int]]] = {}
+            for i, _h, src, _crc, _ti, _slot in directs:
+                g = dgroups.setdefault(src[0], ([], []))
+                g[0].append(int(didx[i]))
+                g[1].append(src[1])
+            for sti, (dd, ss) in dgroups.items():  # straight into dst, in flight while promotions run
+                st = self.tiers[sti]
+                assert dst is not None and st.plist is not None
+                pending.append(self.agent.read(dst, dd, st.plist, ss))
             groups: dict[int, list[tuple[int, int]]] = {}
             for _i, _h, src, hslot, _crc, _ti, _slot in promos:
                 groups.setdefault(src[0], []).append((src[1], hslot))
@@ -800,16 +843,27 @@ class TieredStore:
                 else:
                     assert st.plist is not None
                     self.agent.read(top.plist, [d for _s, d in pairs], st.plist, [s for s, _d in pairs]).wait(left)
-            sums = self._crcs(top, [p[3] for p in promos])
+            sums = self._crcs([top.host_view(p[3]) for p in promos])
             bad = [k for k, p in enumerate(promos) if sums[k] != p[4]]
+            for r in pending:
+                r.wait(left)
+            if directs:
+                assert dst is not None
+                views = [_view(int(dst.descs.addr[didx[d[0]]]), bb) for d in directs]
+                dsums = self._crcs(views)
+                dbad = [k for k, d in enumerate(directs) if dsums[k] != d[3]]
+                for k in dbad:  # corrupt bytes never stay in the destination
+                    views[k][:] = bytes(bb)
             limit = fail[0] if fail is not None else len(keys)
             if bad:
                 limit = min(limit, promos[bad[0]][0])
+            if dbad:
+                limit = min(limit, directs[dbad[0]][0])
             if self.verify_host:
                 for i in range(limit):
                     h = keys[i]
-                    if self._where.get(h) == 0 and zlib.crc32(top.host_view(reads[i])) != top.index.get(
-                            h, (0, None))[1]:
+                    if reads[i] >= 0 and self._where.get(h) == 0 and crc32(top.host_view(reads[i])) != \
+                            top.index.get(h, (0, None))[1]:
                         limit = i
                         fail = (i, f"block {h!r} failed its checksum and was dropped")
                         with self._lock:
@@ -817,8 +871,10 @@ class TieredStore:
                                 top.stats.corrupt += 1
                                 self._forget(0, h, top.index[h][0], events)
                         break
-            if dst is not None and limit:
-                self.agent.read(dst, didx[:limit], top.plist, reads[:limit]).wait(left)
+            hp = [i for i in range(limit) if reads[i] >= 0]
+            if dst is not None and hp:
+                self.agent.read(dst, didx[hp], top.plist, [reads[i] for i in hp]).wait(left)
+            if dst is not None:
                 top.stats.bytes_out += limit * bb
         except BaseException as exc:
             err = exc
@@ -844,34 +900,62 @@ class TieredStore:
                     self._forget(ti, h, slot, events)
                 if self.events.active:
                     events.append(BlockStored([h], None, top.medium, bb))
+            for k in dbad:
+                _i, h, src, crc, ti, slot = directs[k]
+                log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[src[0]].medium)
+                for dti in {ti, src[0], 0}:  # every copy the store would serve it from
+                    dt = self.tiers[dti]
+                    if h in dt.index and dt.index[h][1] == crc:
+                        dt.stats.corrupt += int(dti == src[0])
+                        self._forget(dti, h, dt.index[h][0], events)
+            if self.events.active:
+                dbadset = set(dbad)
+                for k, dr in enumerate(directs):
+                    if dr[4] != 0 and k not in dbadset:
+                        events.append(BlockStored([dr[1]], None, top.medium, bb))
             for loc in pins:
                 self._unpin(loc)
+            if later:
+                self._jobs.extend(later)
+                self._work.notify()
             self._room.notify_all()
         self.events.emit(events)
         if err is not None:
             raise err
-        if bad and (fail is None or promos[bad[0]][0] <= fail[0]):
-            h = promos[bad[0]][1]
-            raise BlockNotFound(f"block {h!r} failed its checksum and was dropped", done + limit)
+        first_bad = min([promos[k][0] for k in bad[:1]] + [directs[k][0] for k in dbad[:1]], default=None)
+        if first_bad is not None and (fail is None or first_bad <= fail[0]):
+            raise BlockNotFound(f"block {keys[first_bad]!r} failed its checksum and was dropped", done + limit)
         if fail is not None:
             raise BlockNotFound(fail[1], done + limit)
         return done + limit
 
-    def _crcs(self, top: HostTier, slots: list[int]) -> list[int]:
-        """CRC32 of host slots; large batches on two threads (zlib releases the GIL)."""
-        if len(slots) * self.block_bytes < (4 << 20):
-            return [zlib.crc32(top.host_view(s)) for s in slots]
+    def _wait_landed(self, keys: Sequence[Hashable], deadline: float) -> None:
+        """Wait (lock released) until no host block of ``keys`` is still being promoted in the
+        background (a destination that is not host memory is reached from host slots only)."""
+        top = self.tiers[0]
+        while True:
+            if not any((0, top.index[h][0]) in self._landing for h in keys if self._where.get(h) == 0):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TierError("blocks still on their way to the host tier at the end of the timeout")
+            self._room.wait(min(left, 1.0))
+
+    def _crcs(self, views: list[memoryview]) -> list[int]:
+        """CRC32 of blocks; with plain zlib, large batches on two threads (it releases the GIL)."""
+        if FAST or len(views) * self.block_bytes < (4 << 20):
+            return [crc32(v) for v in views]
         if self._crc_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvx-crc")
-        half = (len(slots) + 1) // 2
+        half = (len(views) + 1) // 2
 
-        def part(ss: list[int]) -> list[int]:
-            return [zlib.crc32(top.host_view(s)) for s in ss]
+        def part(vs: list[memoryview]) -> list[int]:
+            return [crc32(v) for v in vs]
 
-        fut = self._crc_pool.submit(part, slots[half:])
-        return part(slots[:half]) + fut.result()
+        fut = self._crc_pool.submit(part, views[half:])
+        return part(views[:half]) + fut.result()
 
     def prefetch(self, hashes: Sequence[Hashable]) -> threading.Thread:
         """Promote the stored prefix of ``hashes`` to the top tier in the background."""
@@ -995,7 +1079,7 @@ class TieredStore:
         lines.append(f"{prefix}_lookup_blocks_total {st.lookup_blocks}")
         lines.append(f"# TYPE {prefix}_lookup_hits_total counter")
         lines.append(f"{prefix}_lookup_hits_total {st.lookup_hits}")
-        for h in (self.h_put, self.h_get, self.h_writeback, self.h_batch):
+        for h in (self.h_put, self.h_get, self.h_writeback, self.h_promote, self.h_batch):
             lines.extend(h.prometheus(prefix))
         return "\n".join(lines) + "\n"
 
