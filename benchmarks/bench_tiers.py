@@ -1,6 +1,6 @@
 """Tier I/O benchmarks of issue 19, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_tiers.py [--base 27cdcfb] [--limit 1000] [--skip-replay]
+    .venv/bin/python benchmarks/bench_tiers.py [--base 27cdcfb,b4af9a6] [--limit 1000] [--skip-replay]
 
 1. ``kvx replay`` through host + disk + SeaweedFS objects (one SeaweedFS for both runs), the
    code of ``--base`` (extracted with ``git archive`` into a temporary directory, sharing this
@@ -61,11 +61,12 @@ def bench_replay(base_ref: str, limit: int, trace: str, policy: str) -> None:
     sw = SeaweedFS()
     sw.start()
     try:
-        base = extract_base(base_ref, _mk(tmp, "base"))
+        codes = [(f"main {ref}" if i == 0 else f"{ref}", extract_base(ref, _mk(tmp, f"base{i}")))
+                 for i, ref in enumerate(base_ref.split(","))]
         args = [trace, "--capacity", "1000", "--disk", "4000", "--s3", "2000", "--limit", str(limit),
                 "--policy", policy]
         rows = []
-        for name, path in (("main " + base_ref, base), ("this tree", ROOT)):
+        for name, path in (*codes, ("this tree", ROOT)):
             t0 = time.perf_counter()
             res = replay(path, args, sw.env())
             rows.append((name, res, time.perf_counter() - t0))
@@ -158,7 +159,8 @@ def bench_get(bs: int, iters: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="27cdcfb", help="git ref of the code to compare against")
+    ap.add_argument("--base", default="27cdcfb,b4af9a6",
+                    help="git refs of the codes to compare against, comma-separated (ratios to the first)")
     ap.add_argument("--limit", type=int, default=1000, help="requests of the trace to replay")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--block-bytes", type=int, default=256 << 10, help="block size of the get benchmark")

@@ -288,8 +288,10 @@ class TieredStore:
             return
         if flush is not None:
             flush()  # nothing half-admitted may be seen by others while we wait
-        self._compact(m + len(self.tiers))
-        while not self._has_room(m, queue):
+        while True:
+            self._compact(m + len(self.tiers))  # a packed tier short of free packs: start one
+            if self._has_room(m, queue):
+                break
             left = deadline - time.monotonic()
             if left <= 0 or self._stop:
                 raise TierError(f"write-back queue still full ({self._queued()} blocks queued or in flight, "
@@ -1061,6 +1063,7 @@ class TieredStore:
                             ("evicted", "evictions"), ("demoted", "demotions"), ("promoted", "promotions"),
                             ("corrupt", "blocks dropped on checksum failure"),
                             ("writeback_errors", "demotions that failed to land (block dropped)"),
+                            ("compacted", "blocks moved by compaction of the object tier's packs"),
                             ("bytes_in", "bytes stored"), ("bytes_out", "bytes read")]:
             kind = "gauge" if name in ("used", "capacity", "held") else "counter"
             metric = f"{prefix}_{name}" + ("_total" if kind == "counter" else "")

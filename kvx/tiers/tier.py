@@ -393,7 +393,8 @@ class ObjectTier(JournaledTier):
         Key prefix of the tier's objects.
     pack_blocks
         Blocks per object (1: one object per block, as before packing); at most
-        ``PACK_BYTES_MAX`` bytes per object.
+        ``PACK_BYTES_MAX`` bytes per object, and at most half the store's ``writeback_depth``
+        (the store lowers it to that, so that one pack fills while another is written).
     journal
         A local directory for the tier's index journal (``tier.meta``, ``index.log``): with it,
         the tier recovers its blocks after a restart or ``kill -9`` exactly as the disk tier does.
