@@ -229,3 +229,21 @@ def test_object_tier_survives_many_kill_9(s3_env: _seaweed.SeaweedFS, tmp_path: 
             if len(keys) > OBJ_BLOCKS // 2:  # keep the tier from evicting (durable = never evicted here)
                 break
     assert acked, "no writer ever acknowledged a durable block"
+
+
+@pytest.mark.parametrize("kw", [{"pack_blocks": 0}, {"pack_blocks": True}, {"pack_blocks": "8"}, {"journal": 12},
+                                {"prefix": None}, {"bucket": ""}])
+def test_object_tier_arguments_are_checked(kw: dict) -> None:
+    args = {"bucket": BUCKET, "blocks": 8, **kw}
+    with pytest.raises(kvx.UsageError):
+        ObjectTier(**args)
+
+
+def test_one_block_per_object_still_works(s3_env: _seaweed.SeaweedFS) -> None:
+    prefix = f"p-{uuid.uuid4().hex[:8]}"
+    with TieredStore([HostTier(blocks=2), ObjectTier(BUCKET, blocks=16, prefix=prefix, pack_blocks=1)],
+                     block_bytes=BB, policy="lru") as st:
+        put_keys(st, list(range(10)))
+        st.flush()
+        assert set(objects(s3_env, prefix).values()) == {BB} and len(objects(s3_env, prefix)) == 8
+        check_all(st, list(range(10)))
