@@ -217,3 +217,22 @@ def test_direct_get_stops_at_a_corrupt_disk_block(tmp_path: Path) -> None:
         out[:] = 0
         assert st.get([6, 7], dst) == 2  # the blocks after it are intact
         assert np.array_equal(out[:2 * BB], buf[6 * BB:8 * BB])
+
+
+def test_get_into_a_released_destination_fails_cleanly(tmp_path: Path) -> None:
+    with TieredStore([HostTier(blocks=4), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru") as st:
+        buf, src = _lists(st, 8)
+        for j in range(8):
+            buf[j * BB:(j + 1) * BB] = content(j)
+        st.put(list(range(8)), src)
+        st.flush()
+        gone = np.zeros(8 * BB, np.uint8)
+        reg = st.agent.register(gone)
+        dst = st.agent.prepare(kvx.DescList.blocks(reg, BB))
+        reg.release()
+        with pytest.raises(kvx.KVXError):
+            st.get(list(range(8)), dst)
+        st.flush()
+        out, live = _lists(st, 8)
+        assert st.get(list(range(8)), live) == 8  # nothing was lost or left half-promoted
+        assert np.array_equal(out, buf)

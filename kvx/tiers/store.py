@@ -764,7 +764,8 @@ class TieredStore:
         top = self.tiers[0]
         assert isinstance(top, HostTier)
         assert top.plist is not None and top.policy is not None
-        direct_ok = dst is not None and dst.kind == kvx.MemoryKind.HOST
+        keep = self._hold(dst)  # the destination's memory, kept alive while we check it in place
+        direct_ok = keep is not None
         events: list[Event] = []
         pins: list[tuple[int, int]] = []
         reads: list[int] = []  # host slot per block, in order (-1: read straight from a lower tier)
@@ -930,6 +931,21 @@ class TieredStore:
         if fail is not None:
             raise BlockNotFound(fail[1], done + limit)
         return done + limit
+
+    def _hold(self, dst: kvx.PreparedList | None) -> list[Any] | None:
+        """References to the objects that own a local host ``dst``'s memory (so a registration
+        released meanwhile cannot unmap what a checksum reads in place), or None when ``dst``
+        cannot be read in place: not local host memory, or a registration already gone."""
+        if dst is None or dst.peer is not None or dst.kind != kvx.MemoryKind.HOST:
+            return None
+        regions = self.agent._region_map()
+        owners = []
+        for s in np.asarray(dst.used).tolist():
+            entry = regions.get(int(s))
+            if entry is None or entry[1] != dst.gens.get(int(s)) or getattr(entry[0], "owner", None) is None:
+                return None
+            owners.append(entry[0].owner)
+        return owners
 
     def _wait_landed(self, keys: Sequence[Hashable], deadline: float) -> None:
         """Wait (lock released) until no host block of ``keys`` is still being promoted in the
