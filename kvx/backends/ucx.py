@@ -109,6 +109,13 @@ def load() -> Any:
     return _mod
 
 
+#: UCX settings the backend changes from UCX's own defaults (``UCX_<NAME>`` in the environment or
+#: :attr:`UcxOptions.ucx` override them). ``RNDV_THRESH=inf`` (NIXL's UCX backend sets the
+#: same): with UCX's default threshold, puts where UCX emulates RMA over active messages (tcp)
+#: ran several times slower (docs/benchmarks.md, "ucx: what limited writes").
+UCX_DEFAULTS: tuple[tuple[str, str], ...] = (("RNDV_THRESH", "inf"),)
+
+
 @dataclass(frozen=True, slots=True)
 class UcxOptions:
     """Settings of the ucx backend (seeded from the agent's configuration).
@@ -138,7 +145,11 @@ class UcxOptions:
                    auth_token=cfg.auth_token or None)
 
     def worker_settings(self) -> list[tuple[str, str]]:
-        return list(self.ucx)
+        """UCX settings for the worker: :data:`UCX_DEFAULTS` where neither the environment
+        (``UCX_<NAME>``) nor :attr:`ucx` names them, then :attr:`ucx`."""
+        named = {k.upper() for k, _ in self.ucx}
+        base = [(k, v) for k, v in UCX_DEFAULTS if k not in named and f"UCX_{k}" not in os.environ]
+        return base + list(self.ucx)
 
 
 # ---- errors ---------------------------------------------------------------------------------
