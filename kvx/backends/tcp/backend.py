@@ -570,7 +570,7 @@ class TcpBackend(Backend):
         small = self._small(op, local.bdata[self.name], lidx, remote.bdata[self.name], ridx) \
             if self.fast_max else None
         if small is None:
-            return super().make_plan(op, local, lidx, remote, ridx, notify)
+            return lambda: self.post(op, local, lidx, remote, ridx, notify)
         peer = remote.peer
 
         def post() -> Request | int:
