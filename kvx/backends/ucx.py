@@ -58,7 +58,18 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
+from .base import (
+    BAD_INDEX,
+    Backend,
+    BackendContext,
+    DoneRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    Route,
+    region_rows,
+)
 
 __all__ = ["UcxBackend", "UcxOptions", "INSTALL_HINT", "load"]
 
@@ -66,6 +77,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install kvx[ucx] (the libucx-cu12 wheel; libucx-cu13 for CUDA 13), then reinstall kvx"
 _U64 = np.uint64
+_I64 = np.dtype(np.int64)
 #: Most unauthenticated handshakes a target keeps at once.
 MAX_HANDSHAKES = 32
 #: Sequence numbers a receiver remembers per session (replay window).
@@ -270,6 +282,10 @@ class _Prep:
 
 
 def _index(x: Any) -> np.ndarray:
+    """``x`` as the contiguous int64 array the native post takes (TypeError/IndexError if it
+    cannot be one; the route turns them into UsageError)."""
+    if type(x) is np.ndarray and x.dtype == _I64 and x.ndim == 1 and x.flags.c_contiguous:
+        return x
     if type(x) is int:
         return np.array([x], dtype=np.int64)
     a = np.asarray(x)
@@ -278,6 +294,52 @@ def _index(x: Any) -> np.ndarray:
     if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
         raise IndexError("index out of range")
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+
+
+class _UcxRoute(Route):
+    """A list pair resolved once: both prepared sides (address, size and handle arrays, the
+    slots and generations under them), the peer and the native post."""
+
+    __slots__ = ("_lp", "_peer", "_rd", "_rp")
+
+    def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
+        super().__init__(backend, op, local, remote)
+        self._lp: _Prep = local.bdata[backend.name]
+        self._rp: _Prep = remote.bdata[backend.name]
+        self._peer = backend._live_peer(remote.peer)
+        self._rd = 1 if op is Op.READ else 0
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        b: UcxBackend = self.backend  # type: ignore[assignment]
+        p, lp, rp = self._peer, self._lp, self._rp
+        if p.dead is not None or b._peers.get(p.name) is not p:
+            raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
+                                   + (f": {p.dead}" if p.dead is not None else ""))
+        try:
+            li, ri = _index(lidx), _index(ridx)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if li.shape != ri.shape:
+            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        if li.size == 0 and notify is None:
+            return DoneRequest(0)
+        with b._lock:
+            if not np.array_equal(p.rgen[rp.used], rp.gens):
+                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
+            if not np.array_equal(b._lgen[lp.used], lp.gens):
+                raise UsageError("a registration under this prepared list was released; prepare again")
+            note = None
+            if notify is not None:
+                assert p.session is not None
+                note = p.session.seal(b.me, "i", wire.pack("notif", msg=notify))
+            try:
+                x = b.w.post(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr, rp.nbytes, rp.handle,
+                             note)
+            except OSError as exc:
+                raise _translate(exc, f"peer {p.name!r}") from exc
+            except BAD_INDEX as exc:  # the native bounds and length checks
+                raise UsageError(f"bad transfer request: {exc}") from None
+        return _UcxRequest(x, f"peer {p.name!r}")
 
 
 # ---- the backend ----------------------------------------------------------------------------
@@ -585,39 +647,18 @@ class UcxBackend(Backend):
         return int(h)
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
-        lp: _Prep = local.bdata[self.name]
-        rp: _Prep = remote.bdata[self.name]
-        li, ri = _index(lidx), _index(ridx)
-        if li.shape != ri.shape:
-            raise ValueError("index lists differ in length")
-        p = self._peers.get(remote.peer)  # type: ignore[arg-type]
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _UcxRoute(self, op, local, remote)
+
+    def _live_peer(self, peer_name: str | None) -> _Peer:
+        p = self._peers.get(peer_name) if peer_name is not None else None
         if p is None or p.dead is not None:
-            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over ucx"
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected over ucx"
                                    + (f": {p.dead}" if p is not None else ""))
-        if li.size == 0 and notify is None:
-            return DoneRequest(0)
-        with self._lock:
-            if not np.array_equal(p.rgen[rp.used], rp.gens):
-                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
-            if not np.array_equal(self._lgen[lp.used], lp.gens):
-                raise UsageError("a registration under this prepared list was released; prepare again")
-            note = None
-            if notify is not None:
-                assert p.session is not None
-                note = p.session.seal(self.me, "i", wire.pack("notif", msg=notify))
-            try:
-                x = self.w.post(1 if op is Op.READ else 0, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr,
-                                rp.nbytes, rp.handle, note)
-            except OSError as exc:
-                raise _translate(exc, f"peer {p.name!r}") from exc
-        return _UcxRequest(x, f"peer {p.name!r}")
+        return p
 
     def notify(self, peer_name: str, message: bytes) -> None:
-        p = self._peers.get(peer_name)
-        if p is None or p.dead is not None:
-            raise PeerDisconnected(f"peer {peer_name!r} is not connected over ucx")
+        p = self._live_peer(peer_name)
         if len(message) > (8 << 20):
             raise UsageError("a notification holds at most 8 MiB")
         with self._lock:
