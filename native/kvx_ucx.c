@@ -4,8 +4,9 @@
  * One Worker object owns a UCP context, one worker, its endpoints and a progress thread:
  *
  * - post() issues a whole transfer's index list in one call: one ucp_put_nbx/ucp_get_nbx per
- *   descriptor pair (local memh and remote rkey per descriptor), the requests freed at once
- *   (UCX releases them when they complete), then one ucp_ep_flush_nbx whose completion means
+ *   descriptor pair (local memh and remote rkey per descriptor, UCP_OP_ATTR_FLAG_MULTI_SEND;
+ *   each request freed by its completion callback, which also marks the endpoint's progress
+ *   for the peer_timeout watchdog), then one ucp_ep_flush_nbx whose completion means
  *   every operation before it completed remotely. The transfer is done when the flush is; a
  *   notification attached to it is sent (active message) from the flush callback, i.e. after
  *   the data landed.

@@ -11,7 +11,10 @@ Design (see ``docs/networking.md``):
   every live registration. A peer unpacks the keys it needs at ``prepare`` (after the agent
   validated the descriptors against the registrations this agent published) and posts a whole
   transfer's index list in one native call: a ``ucp_put_nbx``/``ucp_get_nbx`` per descriptor
-  pair, then one ``ucp_ep_flush_nbx`` whose completion is the transfer's completion.
+  pair (``UCP_OP_ATTR_FLAG_MULTI_SEND``), then one ``ucp_ep_flush_nbx`` whose completion is
+  the transfer's completion. :data:`UCX_DEFAULTS` (``RNDV_THRESH=inf``, as NIXL sets it) makes
+  UCX put over ``tcp`` with the transport's own put instead of software emulation. A
+  :class:`_UcxRoute` holds what one list pair needs (the agent keeps it per pair).
 - **Control channel.** UCX active messages carry a small msgpack protocol: ``hello`` /
   ``challenge`` / ``auth`` / ``welcome`` (the HMAC handshake of :mod:`kvx.auth`, so the target
   knows who its peers are and has an endpoint back to each), then *sealed* messages: each
