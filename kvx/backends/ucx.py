@@ -71,6 +71,7 @@ from .base import (
     PreparedList,
     Request,
     Route,
+    index_vector,
     region_rows,
 )
 
@@ -80,7 +81,6 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install kvx[ucx] (the libucx-cu12 wheel; libucx-cu13 for CUDA 13), then reinstall kvx"
 _U64 = np.uint64
-_I64 = np.dtype(np.int64)
 #: Most unauthenticated handshakes a target keeps at once.
 MAX_HANDSHAKES = 32
 #: Sequence numbers a receiver remembers per session (replay window).
@@ -284,21 +284,6 @@ class _Prep:
     gens: np.ndarray  # their generations
 
 
-def _index(x: Any) -> np.ndarray:
-    """``x`` as the contiguous int64 array the native post takes (TypeError/IndexError if it
-    cannot be one; the route turns them into UsageError)."""
-    if type(x) is np.ndarray and x.dtype == _I64 and x.ndim == 1 and x.flags.c_contiguous:
-        return x
-    if type(x) is int:
-        return np.array([x], dtype=np.int64)
-    a = np.asarray(x)
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
-        raise IndexError("index out of range")
-    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
-
-
 class _UcxRoute(Route):
     """A list pair resolved once: both prepared sides (address, size and handle arrays, the
     slots and generations under them), the peer and the native post."""
@@ -319,7 +304,7 @@ class _UcxRoute(Route):
             raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
                                    + (f": {p.dead}" if p.dead is not None else ""))
         try:
-            li, ri = _index(lidx), _index(ridx)
+            li, ri = index_vector(lidx), index_vector(ridx)
         except BAD_INDEX as exc:
             raise UsageError(f"bad transfer request: {exc}") from None
         if li.shape != ri.shape:
