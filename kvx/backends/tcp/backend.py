@@ -4,6 +4,7 @@ threads, peers, and posting transfers."""
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import socket
 import struct
@@ -17,6 +18,7 @@ from ... import config as _cfg
 from ... import wire
 from ..._slots import MAX_SLOTS
 from ...errors import (
+    BackendUnavailable,
     KVXError,
     PeerDisconnected,
     ProtocolError,
@@ -47,11 +49,13 @@ from .common import (
     _native_u64,
     _net,
     _split_large,
+    _split_rep,
     _why,
     advertised,
     tune_socket,
 )
 from .initiator import _Chunk, _FastRequest, _FastStream, _PeerConn, _Stream, _TcpRequest
+from .staging import MAX_STAGED_DESCS, Copier, HostCopier, SlotRing, Ticket, cuda_copier
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,41 @@ log = logging.getLogger(__name__)
 class _Prep:
     addr: np.ndarray
     nbytes: np.ndarray
+    kind: MemoryKind = MemoryKind.HOST
+    dev: np.ndarray | None = None  # CUDA lists: the device of each descriptor
+    copier: Copier | None = None  # local lists staged through pinned slots
 
+
+class _ServeStaging:
+    """A serving connection's staged frames: its slots, and the writes whose scatter runs (each
+    with its own pins, so frames pipelined on one connection never share a pin count)."""
+
+    def __init__(self) -> None:
+        self.rings: dict[int, SlotRing] = {}
+        #: (ticket, rid, slot, ring, pinned regions)
+        self.pending: collections.deque[tuple[Ticket, int, Any, SlotRing, set[int]]] = collections.deque()
+
+    def ring(self, be: "TcpBackend", copier: Copier) -> SlotRing:
+        r = self.rings.get(id(copier))
+        if r is None:
+            r = self.rings[id(copier)] = SlotRing(copier, be.stage_bytes, be.stage_slots)
+        return r
+
+
+
+def _strict_bounds(cum: np.ndarray, chunk: int, most: int) -> list[int]:
+    """Frame boundaries over descriptors of cumulative sizes ``cum`` (each at most ``chunk``):
+    every frame holds at most ``chunk`` bytes and ``most`` descriptors (one search per frame)."""
+    n = cum.shape[0]
+    bounds = [0]
+    base = 0
+    while bounds[-1] < n:
+        a = bounds[-1]
+        b = int(np.searchsorted(cum, _U64(base + chunk), side="right"))
+        b = min(max(b, a + 1), a + most, n)
+        bounds.append(b)
+        base = int(cum[b - 1])
+    return bounds
 
 
 # ---- the backend -----------------------------------------------------------------------------
@@ -84,6 +122,15 @@ class TcpOptions:
         (``KVX_TCP_SERVE_SPIN_US``).
     rcvlowat
         ``SO_RCVLOWAT`` of large receives, bytes; 0 = off (``KVX_TCP_RCVLOWAT``).
+    stage_bytes
+        Bytes per pinned staging slot: the largest frame of a transfer touching CUDA memory
+        (``KVX_TCP_STAGE_BYTES``).
+    stage_slots
+        Staging slots per connection: the frames of one connection gathered, on the wire or
+        scattering at once (``KVX_TCP_STAGE_SLOTS``).
+    stage_host
+        Move host memory through the staging path too (a test of the GPU pipeline on machines
+        without a GPU; slower) (``KVX_TCP_STAGE_HOST``).
     """
 
     streams: int = _cfg.option("KVX_TCP_STREAMS")
@@ -92,13 +139,16 @@ class TcpOptions:
     spin_us: float = _cfg.option("KVX_TCP_SPIN_US")
     serve_spin_us: float = _cfg.option("KVX_TCP_SERVE_SPIN_US")
     rcvlowat: int = _cfg.option("KVX_TCP_RCVLOWAT")
+    stage_bytes: int = _cfg.option("KVX_TCP_STAGE_BYTES")
+    stage_slots: int = _cfg.option("KVX_TCP_STAGE_SLOTS")
+    stage_host: bool = _cfg.option("KVX_TCP_STAGE_HOST")
 
 
 class TcpBackend(Backend):
-    """Host memory to and from agents on any node over TCP; see the module docstring."""
+    """Host and CUDA memory to and from agents on any node over TCP; see the module docstring."""
 
     name = "tcp"
-    kinds = frozenset({MemoryKind.HOST})
+    kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
     remote = True
     local = False
     notifications = True
@@ -123,6 +173,10 @@ class TcpBackend(Backend):
         self.serve_spin = float(opts.serve_spin_us) * 1e-6
         #: SO_RCVLOWAT for large receives: wake once this many bytes are queued, not per segment
         self.rcv_lowat = int(opts.rcvlowat)
+        self.stage_bytes = max(64 << 10, int(opts.stage_bytes))
+        self.stage_slots = max(2, int(opts.stage_slots))
+        self.stage_host = bool(opts.stage_host)
+        self._host_copier = HostCopier() if self.stage_host else None
         self._lock = threading.RLock()
         self._closed = False
         # registrations as the target sees them, and pins held by serving threads
@@ -131,6 +185,8 @@ class TcpBackend(Backend):
         self._hi = np.zeros(MAX_SLOTS, dtype=_U64)
         self._live = np.zeros(MAX_SLOTS, dtype=bool)
         self._pins = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._kind = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self._dev = np.zeros(MAX_SLOTS, dtype=_U64)
         self._view: list[tuple[int, int, int]] = []
         self._starts: list[int] = []
         self._peers: dict[str, _PeerConn] = {}
@@ -156,11 +212,18 @@ class TcpBackend(Backend):
 
     # ---- memory ----------------------------------------------------------------------------
     def register(self, region: Any, slot: int, gen: int) -> Any:
-        if not isinstance(region, Region) or region.kind != MemoryKind.HOST:
-            raise RegistrationError("tcp backend registers HOST memory only")
+        if not isinstance(region, Region) or region.kind not in (MemoryKind.HOST, MemoryKind.CUDA):
+            raise RegistrationError("tcp backend registers HOST and CUDA memory only")
+        if region.kind == MemoryKind.CUDA:
+            try:
+                cuda_copier()
+            except BackendUnavailable as exc:
+                raise RegistrationError(f"tcp cannot stage this GPU memory: {exc}") from exc
         with self._cv:
             self._lo[slot] = region.addr
             self._hi[slot] = region.addr + region.nbytes
+            self._kind[slot] = int(region.kind)
+            self._dev[slot] = region.dev
             self._live[slot] = True
             self._rebuild_view()
         return slot
@@ -189,24 +252,26 @@ class TcpBackend(Backend):
                 log.error("tcp: region slot %d still pinned after cutting its connections", slot)
             self._lo[slot] = self._hi[slot] = 0
 
-    def _pin(self, addr: np.ndarray, nb: np.ndarray, pinned: set[int]) -> str | None:
-        """Validate target descriptors and pin their regions; return a refusal reason or None."""
+    def _pin(self, addr: np.ndarray, nb: np.ndarray, pinned: set[int], kind: MemoryKind = MemoryKind.HOST,
+             dev: np.ndarray | None = None) -> tuple[str | None, np.ndarray | None]:
+        """Validate target descriptors (of ``kind``, on devices ``dev``) and pin their regions;
+        return (a refusal reason or None, the region slot of each descriptor)."""
         if addr.shape[0] == 0:
-            return "empty descriptor list"
-        slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
+            return "empty descriptor list", None
+        slots = self.ctx.validate_local(kind, addr, nb, np.zeros_like(addr) if dev is None else dev)
         bad = slots < 0
         if bad.any():
             i = int(np.argmax(bad))
-            return f"descriptor {i} (0x{int(addr[i]):x}+{int(nb[i])}) is outside registered memory"
+            return f"descriptor {i} (0x{int(addr[i]):x}+{int(nb[i])}) is outside registered memory", None
         used = np.unique(slots)
         with self._cv:  # re-check against our own view, atomically with pinning
-            ok = (self._live[used].all() and bool(np.all(addr >= self._lo[slots]))
-                  and bool(np.all(addr + nb <= self._hi[slots])))
+            ok = (self._live[used].all() and bool(np.all(self._kind[used] == int(kind)))
+                  and bool(np.all(addr >= self._lo[slots])) and bool(np.all(addr + nb <= self._hi[slots])))
             if not ok:
-                return "the region was released"
+                return "the region was released", None
             self._pins[used] += 1
         pinned.update(used.tolist())
-        return None
+        return None, slots
 
     def _pin_small(self, ab: bytes, nbb: bytes, pinned: set[int]) -> tuple[str | None, int]:
         """``_pin`` for a few descriptors, without numpy: each descriptor must lie inside one
@@ -235,7 +300,8 @@ class TcpBackend(Backend):
 
     def _rebuild_view(self) -> None:
         """Sorted (start, end, slot) of live regions (caller holds ``_cv``)."""
-        live = sorted((int(self._lo[sl]), int(self._hi[sl]), int(sl)) for sl in np.flatnonzero(self._live))
+        live = sorted((int(self._lo[sl]), int(self._hi[sl]), int(sl)) for sl in np.flatnonzero(self._live)
+                      if self._kind[sl] == int(MemoryKind.HOST))
         self._view = live
         self._starts = [r[0] for r in live]
 
@@ -249,7 +315,11 @@ class TcpBackend(Backend):
 
     # ---- listener / target side ------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
-        return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
+        md: dict[str, Any] = {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams,
+                              "stage": self.stage_bytes}
+        if self.stage_host:
+            md["stage_host"] = True
+        return md
 
     def _accept_loop(self) -> None:
         accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp", self.refused)
@@ -263,6 +333,7 @@ class TcpBackend(Backend):
     def _serve(self, s: socket.socket, addr: Any) -> None:
         key = id(s)
         pinned = self._served[key][2]
+        st = _ServeStaging()
         who = f"{addr[0]}:{addr[1]}"
         try:
             try:
@@ -285,10 +356,20 @@ class TcpBackend(Backend):
             tune_socket(s, self.timeout)
             send_frame(s, wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id))
             s.setblocking(False)
-            self._serve_loop(s, name, pinned)
+            self._serve_loop(s, name, pinned, st)
         except (KVXError, OSError) as exc:
             log.info("tcp: connection from %s ended: %s", who, exc)
         finally:
+            while st.pending:  # scatters already started still land; their pins go when they did
+                tk, _rid, slot, ring, fp = st.pending.popleft()
+                try:
+                    tk.wait(self.timeout)
+                except KVXError:
+                    log.error("tcp: a staging scatter did not finish")
+                ring.give(slot)
+                self._unpin(fp)
+            for ring in st.rings.values():
+                ring.close()
             self._unpin(pinned)
             with self._lock:
                 self._served.pop(key, None)
@@ -297,17 +378,112 @@ class TcpBackend(Backend):
             except OSError:
                 pass
 
-    def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int]) -> None:
+    def _copier_for(self, kind: int) -> Copier | None:
+        """The copier staging target memory of ``kind``, or None when it is received in place."""
+        if kind == int(MemoryKind.CUDA):
+            return cuda_copier()
+        return self._host_copier
+
+    def _reap(self, fd: int, st: _ServeStaging, block: bool) -> None:
+        """Acknowledge the staged writes whose scatter finished (``block``: wait for the oldest)."""
+        while st.pending:
+            tk, rid, slot, ring, fp = st.pending[0]
+            why = None
+            if not tk.done():
+                if not block:
+                    return
+                try:
+                    tk.wait(self.timeout)
+                except KVXError as exc:
+                    why = f"staging scatter failed: {exc}"
+            block = False
+            st.pending.popleft()
+            ring.give(slot)
+            self._unpin(fp)
+            reply = wire.pack("ok", re=rid) if why is None else wire.pack("err", re=rid, msg=why)
+            _net.sendv(fd, _frame(reply), None, None, self.timeout)
+
+    def _refuse(self, fd: int, t: str, rid: int, nbb: bytes, peer: str, why: str) -> None:
+        """Refuse a request: a write's payload is drained (never into registered memory)."""
+        self.refused("requests", "tcp: refused a %s from %s: %s", "write" if t == "w" else "read", peer, why)
+        if t == "w":
+            total = int(np.frombuffer(nbb, dtype=_U64).sum(dtype=np.float64))
+            if total > self.max_msg:
+                raise ProtocolError(f"refused write of {total} bytes: {why}")
+            _net.discard(fd, total, self.timeout)
+        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, self.timeout)
+
+    def _serve_staged(self, fd: int, t: str, rid: int, ab: bytes, nbb: bytes, kind: int, devb: bytes | None,
+                      copier: Copier, st: _ServeStaging, peer: str) -> None:
+        """A request on target memory staged through a pinned slot (CUDA memory): validated and
+        pinned like any other; a write lands in a slot and is acknowledged once scattered (the
+        connection goes on meanwhile), a read is gathered into a slot and sent."""
+        to = self.timeout
+        addr = np.frombuffer(ab, dtype=_U64)
+        nb = np.frombuffer(nbb, dtype=_U64)
+        total = int(nb.sum(dtype=np.float64))
+        why: str | None = None
+        slots = None
+        fp: set[int] = set()
+        if devb is not None and len(devb) != len(ab):
+            raise ProtocolError("malformed device array")
+        dev = np.frombuffer(devb, dtype=_U64) if devb is not None else None
+        if total > self.stage_bytes or addr.shape[0] > MAX_STAGED_DESCS:
+            why = (f"a staged frame of {total} bytes in {addr.shape[0]} descriptors exceeds "
+                   f"{self.stage_bytes} bytes or {MAX_STAGED_DESCS} descriptors")
+        else:
+            why, slots = self._pin(addr, nb, fp, MemoryKind(kind), dev)
+        ring = st.ring(self, copier)
+        slot = None
+        if why is None:
+            try:
+                slot = ring.take(to)
+            except KVXError as exc:
+                self._unpin(fp)
+                why = str(exc)
+        if why is not None:
+            self._refuse(fd, t, rid, nbb, peer, why)
+            return
+        assert slot is not None and slots is not None
+        devs = self._dev[slots] if kind == int(MemoryKind.CUDA) else None
+        if t == "w":
+            try:
+                _net.recvv(fd, np.array([slot.addr], dtype=_U64), np.array([total], dtype=_U64), to, 0.0,
+                           self.rcv_lowat)
+                tk = copier.scatter(slot, addr, nb, devs)
+            except BaseException:
+                ring.give(slot)
+                self._unpin(fp)
+                raise
+            st.pending.append((tk, rid, slot, ring, fp))
+            return
+        try:
+            try:
+                copier.gather(slot, addr, nb, devs).wait(to)
+            except KVXError as exc:
+                _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=f"staging gather failed: {exc}")), None, None, to)
+                return
+            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), np.array([slot.addr], dtype=_U64),
+                       np.array([total], dtype=_U64), to)
+        finally:
+            ring.give(slot)
+            self._unpin(fp)
+
+    def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int], st: _ServeStaging) -> None:
         fd = s.fileno()
         to = self.timeout
         spin = 0.0
         while not self._closed:
+            if st.pending:  # staged writes scattering: acknowledge those done, never sleep on the socket
+                self._reap(fd, st, False)
             try:
-                body = _net.recv_frame(fd, self.max_msg, to, 0.5, spin)
+                body = _net.recv_frame(fd, self.max_msg, to, 0.0 if st.pending else 0.5, spin)
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
             if body == -1:
                 spin = 0.0
+                if st.pending:
+                    self._reap(fd, st, True)
                 continue
             if body == 0:
                 return
@@ -319,6 +495,22 @@ class TcpBackend(Backend):
                 ab, nbb = msg["addr"], msg["nbytes"]
                 if len(ab) != len(nbb) or len(ab) % 8:
                     raise ProtocolError("malformed descriptor arrays")
+                kind = msg.get("k", int(MemoryKind.HOST))
+                if kind not in (int(MemoryKind.HOST), int(MemoryKind.CUDA)) or isinstance(kind, bool):
+                    raise ProtocolError(f"bad memory kind {kind!r} in a tcp request")
+                devb = msg.get("dev")
+                if kind == int(MemoryKind.CUDA) and not isinstance(devb, bytes):
+                    raise ProtocolError("a request on CUDA memory lacks its device array")
+                try:
+                    copier = self._copier_for(kind)
+                except BackendUnavailable as exc:  # nothing here can hold CUDA memory: refuse
+                    self._refuse(fd, t, rid, nbb, peer, f"no GPU staging here: {exc}")
+                    continue
+                if copier is not None:
+                    spin = 0.0
+                    self._serve_staged(fd, t, rid, ab, nbb, kind, devb if kind == int(MemoryKind.CUDA) else None,
+                                       copier, st, peer)
+                    continue
                 a2: Any
                 n2: Any
                 if len(ab) <= 8 * SMALL_DESCS:
@@ -331,7 +523,7 @@ class TcpBackend(Backend):
                     addr = np.frombuffer(ab, dtype=_U64)
                     nb = np.frombuffer(nbb, dtype=_U64)
                     total = int(nb.sum(dtype=np.float64))
-                    why = self._pin(addr, nb, pinned)
+                    why, _slots = self._pin(addr, nb, pinned)
                     if why is None:
                         a2, n2 = _coalesce(addr, nb)
                 spin = self.serve_spin if total <= FAST_MAX else 0.0
@@ -362,9 +554,9 @@ class TcpBackend(Backend):
                 self.ctx.deliver(peer, msg["msg"])
             elif t == "regions":
                 wire.check(msg, "regions", {"rid": int})
-                rows = [[int(MemoryKind.HOST), r.addr, r.nbytes, r.dev, slot, gen]
+                rows = [[int(r.kind), r.addr, r.nbytes, r.dev, slot, gen]
                         for slot, (r, gen) in self.ctx.regions().items()
-                        if isinstance(r, Region) and r.kind == MemoryKind.HOST]
+                        if isinstance(r, Region) and r.kind in (MemoryKind.HOST, MemoryKind.CUDA)]
                 _net.sendv(fd, _frame(wire.pack("rows", re=msg["rid"], rows=rows)), None, None, to)
             else:
                 rid = msg.get("rid")
@@ -382,7 +574,13 @@ class TcpBackend(Backend):
                            and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
                            for a in addrs)):
             raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
+        stage = sec.get("stage", 0)
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 1 << 40:
+            raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
         conn = _PeerConn(self, peer.name)
+        #: the largest staged frame the peer takes (0: it stages nothing, so serves no CUDA memory)
+        conn.stage = stage
+        conn.stage_host = sec.get("stage_host") is True
         socks: list[socket.socket] = []
         try:
             for i in range(self.streams + (1 if self.fast_max else 0)):
@@ -448,11 +646,18 @@ class TcpBackend(Backend):
 
     def prepare(self, plist: PreparedList) -> _Prep:
         d = plist.descs
+        copier: Copier | None = None
         if plist.peer is not None:
             conn = self._peers.get(plist.peer)
             if conn is None or conn.dead:
                 raise PeerDisconnected(f"not connected to {plist.peer!r} over tcp")
-        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64))
+        elif d.kind == MemoryKind.CUDA:
+            copier = cuda_copier()
+        else:
+            copier = self._host_copier
+        dev = np.ascontiguousarray(d.dev, dtype=_U64) if d.kind == MemoryKind.CUDA else None
+        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64),
+                     d.kind, dev, copier)
 
     # ---- transfers -------------------------------------------------------------------------
     def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
@@ -463,7 +668,7 @@ class TcpBackend(Backend):
         if conn is None or conn.dead:
             raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
                                    + (f": {conn.error}" if conn is not None else ""))
-        if self.fast_max:
+        if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST:
             small = self._small(op, lp, lidx, rp, ridx)
             if small is not None:
                 req = self._fast_post(conn, op, *small, notify)
@@ -480,19 +685,44 @@ class TcpBackend(Backend):
         if not np.array_equal(ln, rp.nbytes[ri]):
             raise ValueError("paired descriptors differ in length")
         laddr, raddr = lp.addr[li], rp.addr[ri]
-        laddr, raddr, ln = _split_large(laddr, raddr, ln, self.chunk)
+        rstaged = rp.kind == MemoryKind.CUDA or conn.stage_host
+        chunk, most = self.chunk, MAX_DESCS
+        if rstaged:
+            if conn.stage <= 0:
+                raise BackendUnavailable(f"peer {conn.name!r} does not serve GPU memory over tcp")
+            chunk, most = min(chunk, conn.stage), MAX_STAGED_DESCS
+        if lp.copier is not None:
+            chunk, most = min(chunk, self.stage_bytes), MAX_STAGED_DESCS
+        ldev = rdev = None
+        if lp.dev is not None or rp.dev is not None:  # devices follow the descriptors through the split
+            cut = _split_rep(ln, chunk)
+            ldev = lp.dev[li] if lp.dev is not None else None
+            rdev = rp.dev[ri] if rp.dev is not None else None
+            if cut is not None:
+                ldev = ldev[cut[0]] if ldev is not None else None
+                rdev = rdev[cut[0]] if rdev is not None else None
+        laddr, raddr, ln = _split_large(laddr, raddr, ln, chunk)
         total = int(ln.sum())
         cum = np.cumsum(ln)
-        g = np.maximum((cum - _U64(1)) // _U64(self.chunk), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
-        edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
-        bounds = [0, *edges.tolist(), ln.shape[0]]
+        if rstaged or lp.copier is not None:
+            bounds = _strict_bounds(cum, chunk, most)  # a staged frame must fit a slot
+        else:
+            g = np.maximum((cum - _U64(1)) // _U64(chunk), (np.arange(ln.shape[0]) // most).astype(_U64))
+            edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
+            bounds = [0, *edges.tolist(), ln.shape[0]]
         req = _TcpRequest(total, len(bounds) - 1, conn, notify)
         chunks = []
+        rkind = int(MemoryKind.CUDA) if rp.kind == MemoryKind.CUDA else 0
         for a, b in zip(bounds, bounds[1:]):
-            la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            if lp.copier is None:
+                la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            else:
+                la, lnb = laddr[a:b], ln[a:b]
             chunks.append(_Chunk(op, req, la, lnb, raddr[a:b].tobytes(), ln[a:b].tobytes(),
-                                 int(cum[b - 1] - (cum[a - 1] if a else 0))))
-        if len(chunks) == 1 and total <= self.inline:
+                                 int(cum[b - 1] - (cum[a - 1] if a else 0)), 0, rkind,
+                                 rdev[a:b].tobytes() if rdev is not None else None, lp.copier,
+                                 ldev[a:b] if ldev is not None else None))
+        if len(chunks) == 1 and total <= self.inline and lp.copier is None:
             # small: send from the posting thread when a stream is free (saves a thread hop)
             for st in conn.streams:
                 if st.send_lock.acquire(blocking=False):
@@ -567,8 +797,9 @@ class TcpBackend(Backend):
     def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
                   notify: bytes | None) -> Callable[[], Request | int]:
         """Small transfers: descriptors computed once, each post goes straight to the fast stream."""
-        small = self._small(op, local.bdata[self.name], lidx, remote.bdata[self.name], ridx) \
-            if self.fast_max else None
+        lp, rp = local.bdata[self.name], remote.bdata[self.name]
+        small = self._small(op, lp, lidx, rp, ridx) \
+            if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST else None
         if small is None:
             return super().make_plan(op, local, lidx, remote, ridx, notify)
         peer = remote.peer
