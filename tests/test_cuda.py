@@ -688,7 +688,7 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypat
         exp = np.zeros((8, 64), np.uint8)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
-        assert any(f[1] == "cuda" for f in agent._fast.values())  # reposts of the pair took the shortcut
+        assert any(r.backend.name == "cuda" for r in local.routes.values())  # the pair's route was kept
         monkeypatch.setattr(kc, "STAMPS", [])  # which way a repost goes: the route stamps "route"
         agent.write(local, [0], remote, [1]).wait(10)
         assert ("route" in [label for label, _t in kc.STAMPS or []]) == route

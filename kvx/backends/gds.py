@@ -36,7 +36,7 @@ import numpy as np
 from .. import config as _config
 from ..errors import BackendUnavailable, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, PreparedList, Request
+from .base import Backend, BackendContext, CallRoute, Op, PreparedList, Request, Route
 from .posix import _sync_code, open_preallocated, translate_oserror
 
 __all__ = ["GdsBackend"]
@@ -244,7 +244,10 @@ class GdsBackend(Backend):
             raise BackendUnavailable(f"gds does not serve {plist.kind.name}")
         return p
 
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return CallRoute(self, op, local, remote)
+
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
              notify: bytes | None) -> Request:
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)

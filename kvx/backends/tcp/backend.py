@@ -801,7 +801,7 @@ class TcpBackend(Backend):
         small = self._small(op, lp, lidx, rp, ridx) \
             if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST else None
         if small is None:
-            return super().make_plan(op, local, lidx, remote, ridx, notify)
+            return lambda: self.post(op, local, lidx, remote, ridx, notify)
         peer = remote.peer
 
         def post() -> Request | int:
