@@ -23,6 +23,7 @@ from ...errors import (
     PeerDisconnected,
     ProtocolError,
     RegistrationError,
+    UsageError,
 )
 from ...memory import MemoryKind, Region
 from ...net import (
@@ -34,7 +35,18 @@ from ...net import (
     send_frame,
     server_handshake,
 )
-from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
+from ..base import (
+    BAD_INDEX,
+    Backend,
+    BackendContext,
+    DoneRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    Route,
+    region_rows,
+)
 from .common import (
     _BIG_ENDIAN,
     _K_MSG,
@@ -660,13 +672,16 @@ class TcpBackend(Backend):
                      d.kind, dev, copier)
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
-        lp: _Prep = local.bdata[self.name]
-        rp: _Prep = remote.bdata[self.name]
-        conn = self._peers.get(remote.peer)  # type: ignore[arg-type]
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _TcpRoute(self, op, local, remote)
+
+    def _post(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: str,
+              notify: bytes | None) -> Request:
+        """Post one transfer (indices as the user gave them; bad ones raise IndexError,
+        ValueError or TypeError, which the route turns into UsageError)."""
+        conn = self._peers.get(peer)
         if conn is None or conn.dead:
-            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
+            raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
                                    + (f": {conn.error}" if conn is not None else ""))
         if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST:
             small = self._small(op, lp, lidx, rp, ridx)
@@ -794,26 +809,6 @@ class TcpBackend(Backend):
             fs.send(req, head, None, None)
         return req
 
-    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-                  notify: bytes | None) -> Callable[[], Request | int]:
-        """Small transfers: descriptors computed once, each post goes straight to the fast stream."""
-        lp, rp = local.bdata[self.name], remote.bdata[self.name]
-        small = self._small(op, lp, lidx, rp, ridx) \
-            if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST else None
-        if small is None:
-            return lambda: self.post(op, local, lidx, remote, ridx, notify)
-        peer = remote.peer
-
-        def post() -> Request | int:
-            conn = self._peers.get(peer)  # type: ignore[arg-type]
-            if conn is None or conn.dead:
-                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
-                                       + (f": {conn.error}" if conn is not None else ""))
-            req = self._fast_post(conn, op, *small, notify)
-            return req if req is not None else self.post(op, local, lidx, remote, ridx, notify)
-
-        return post
-
     def notify(self, peer_name: str, message: bytes) -> None:
         conn = self._peers.get(peer_name)
         if conn is None or conn.dead:
@@ -849,3 +844,43 @@ class TcpBackend(Backend):
         self.refused.flush()
 
 
+class _TcpRoute(Route):
+    """A list pair resolved once: both sides' prepared arrays and the peer's name; small
+    transfers' descriptors are computed once per plan and posted straight to the fast stream."""
+
+    __slots__ = ("_lp", "_peer", "_rp", "_small_ok")
+
+    def __init__(self, backend: TcpBackend, op: Op, local: PreparedList, remote: PreparedList) -> None:
+        super().__init__(backend, op, local, remote)
+        self._lp: _Prep = local.bdata[backend.name]
+        self._rp: _Prep = remote.bdata[backend.name]
+        self._peer: str = remote.peer  # type: ignore[assignment]
+        # the fast stream carries host memory on both sides only (no staging)
+        self._small_ok = bool(backend.fast_max) and self._lp.copier is None and self._rp.kind == MemoryKind.HOST
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        try:
+            return self.backend._post(self.op, self._lp, lidx, self._rp, ridx,  # type: ignore[attr-defined, no-any-return]
+                                      self._peer, notify)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        b: TcpBackend = self.backend  # type: ignore[assignment]
+        try:
+            small = b._small(self.op, self._lp, lidx, self._rp, ridx) if self._small_ok else None
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if small is None:
+            return super().plan(lidx, ridx, notify)
+        peer, op, peers, fast_post, slow = self._peer, self.op, b._peers, b._fast_post, self.post
+
+        def post() -> Request:
+            conn = peers.get(peer)
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
+                                       + (f": {conn.error}" if conn is not None else ""))
+            req = fast_post(conn, op, *small, notify)
+            return req if req is not None else slow(lidx, ridx, notify)
+
+        return post

@@ -149,10 +149,14 @@ class HostCopier(Copier):
         slot._keep = None
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, nb: np.ndarray) -> Ticket:
-        from ...copy import copy_blocking
+        from ... import _native  # type: ignore[attr-defined]
 
         idx = np.arange(nb.shape[0], dtype=np.int64)
-        copy_blocking(dst, nb, idx, src, nb, idx)
+        # the calling thread copies (inline up to any size), GIL released
+        res = _native.submit(0, 0, dst, nb, idx, src, nb, idx, None, None, 1, 1 << 62, 0)
+        if not isinstance(res, int) and not res.wait(60.0):  # pragma: no cover - inline copies finish
+            res.cancel()
+            raise TransferTimeout("a host staging copy did not finish")
         return _DONE
 
     def gather(self, slot: Slot, addr: np.ndarray, nb: np.ndarray, dev: np.ndarray | None) -> Ticket:
@@ -246,18 +250,17 @@ class CudaCopier(Copier):
             np.cumsum(per, out=first[1:])
             items = int(first[k])
             ulen = int(ln[0]) if uniform else 0
-            base = t
+            base = slot.dptr + (t - slot.addr)  # the table as the GPU addresses it
             if items == 0:
                 continue
             g = self._gpu(int(d))
             grid = max(1, min(g.cap, (items * 32 + _THREADS - 1) // _THREADS))
             cp = self.cp
-            with g.lock, cp.cuda.Device(g.dev):
+            with g.lock, cp.cuda.Device(g.dev), g.stream:  # the launch goes to the current stream
                 ev = cp.cuda.Event(block=False, disable_timing=True)
                 g.kernel((grid,), (_THREADS,),
                          (_U64(base), _U64(base + 8 * k), _U64(base + 8 * (4 * k + 1)), _U64(base + 16 * k),
-                          _U64(base + 24 * k), _U64(k), _U64(ulen), _U64(items), np.uint32(_SHIFT)),
-                         stream=g.stream)
+                          _U64(base + 24 * k), _U64(k), _U64(ulen), _U64(items), np.uint32(_SHIFT)))
                 ev.record(g.stream)
             events.append(ev)
             t += 8 * (5 * k + 1)  # the next device's table after this one's (k <= n, fits _TABLE)
