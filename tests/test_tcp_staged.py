@@ -218,6 +218,7 @@ def test_slot_ring_bounds_and_close() -> None:
     assert ring.allocated == 0
     with pytest.raises(kvx.TransferError):
         ring.take(0.1)
+    ring.copier.close()  # type: ignore[attr-defined]
 
 
 def test_host_copier_gather_scatter_roundtrip() -> None:
@@ -236,3 +237,4 @@ def test_host_copier_gather_scatter_roundtrip() -> None:
     for o, n in zip(offs, nb):
         assert np.array_equal(dst[int(o): int(o + n)], src[int(o): int(o + n)])
     c.free(slot)
+    c.close()

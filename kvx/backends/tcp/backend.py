@@ -448,6 +448,8 @@ class TcpBackend(Backend):
         ring = st.ring(self, copier)
         slot = None
         if why is None:
+            if len(st.pending) >= self.stage_slots:  # every slot holds a scattering write: finish the oldest
+                self._reap(fd, st, True)
             try:
                 slot = ring.take(to)
             except KVXError as exc:
@@ -842,6 +844,8 @@ class TcpBackend(Backend):
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
         self.refused.flush()
+        if self._host_copier is not None:
+            self._host_copier.close()
 
 
 class _TcpRoute(Route):

@@ -8,9 +8,9 @@ table area the copy kernel reads its descriptor arrays from (zero-copy, mapped h
   the cuda backend compiles; one launch per chunk and device on a blocking stream of that device,
   so work queued on the legacy default stream before a post is ordered before the copy), and a
   CUDA event per launch; slots come from ``cudaHostAlloc`` (portable, mapped).
-- :class:`HostCopier`: the native batched memcpy (``kvx.copy``), synchronous; slots are numpy
-  buffers. Host memory takes this path only when ``TcpOptions.stage_host`` forces it (tests of the
-  pipeline on machines without a GPU).
+- :class:`HostCopier`: the native batched memcpy on a thread of its own, asynchronous like a
+  stream; slots are numpy buffers. Host memory takes this path only when
+  ``TcpOptions.stage_host`` forces it (tests of the pipeline on machines without a GPU).
 
 Each TCP connection owns a :class:`SlotRing` of a few slots (allocated at its first staged frame,
 freed when the connection ends, after the copies on them finished), so connections never wait
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -66,6 +67,9 @@ _DONE = Ticket([])
 
 
 def _wait_event(ev: Any, deadline: float) -> None:
+    if isinstance(ev, _HostEvent):
+        ev.sync(deadline - time.monotonic())
+        return
     spin = _spin_fn()
     while True:
         if spin is not None:
@@ -137,8 +141,56 @@ def _offsets(nb: np.ndarray, base: int) -> np.ndarray:
     return offs + _U64(base)
 
 
+class _HostEvent:
+    """Completion of one copy on a :class:`HostCopier`'s stream thread."""
+
+    __slots__ = ("err", "ev")
+
+    def __init__(self) -> None:
+        self.ev = threading.Event()
+        self.err: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ev.is_set()
+
+    def sync(self, timeout: float) -> None:
+        if not self.ev.wait(max(0.0, timeout)):
+            raise TransferTimeout("a host staging copy did not finish in time")
+        if self.err is not None:
+            raise TransferError(f"a host staging copy failed: {self.err}") from self.err
+
+
 class HostCopier(Copier):
-    """Host memory through the staging path (``TcpOptions.stage_host``): native memcpy, synchronous."""
+    """Host memory through the staging path (``TcpOptions.stage_host``): the native batched
+    memcpy on one thread per copier, in order, completing asynchronously like a CUDA stream, so
+    the pipeline's waits and overlaps are the GPU path's."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvx-tcp-hostcopy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ... import _native  # type: ignore[attr-defined]
+
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            dst, src, nb, ev = job
+            try:
+                idx = np.arange(nb.shape[0], dtype=np.int64)
+                res = _native.submit(0, 0, dst, nb, idx, src, nb, idx, None, None, 1, 1 << 62, 0)
+                if not isinstance(res, int):  # pragma: no cover - inline copies finish in the call
+                    res.wait(60.0)
+            except Exception as exc:  # reported to the waiter
+                ev.err = exc
+            ev.ev.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(5.0)
 
     def alloc(self, size: int) -> Slot:
         buf = np.empty(size + _TABLE, dtype=np.uint8)
@@ -148,22 +200,18 @@ class HostCopier(Copier):
     def free(self, slot: Slot) -> None:
         slot._keep = None
 
-    def _copy(self, dst: np.ndarray, src: np.ndarray, nb: np.ndarray) -> Ticket:
-        from ... import _native  # type: ignore[attr-defined]
-
-        idx = np.arange(nb.shape[0], dtype=np.int64)
-        # the calling thread copies (inline up to any size), GIL released
-        res = _native.submit(0, 0, dst, nb, idx, src, nb, idx, None, None, 1, 1 << 62, 0)
-        if not isinstance(res, int) and not res.wait(60.0):  # pragma: no cover - inline copies finish
-            res.cancel()
-            raise TransferTimeout("a host staging copy did not finish")
-        return _DONE
+    def _copy(self, slot: Slot, dst: np.ndarray, src: np.ndarray, nb: np.ndarray) -> Ticket:
+        ev = _HostEvent()
+        self._q.put((dst, src, nb, ev))
+        tk = Ticket([ev])
+        slot.ticket = tk
+        return tk
 
     def gather(self, slot: Slot, addr: np.ndarray, nb: np.ndarray, dev: np.ndarray | None) -> Ticket:
-        return self._copy(_offsets(nb, slot.addr), addr, nb)
+        return self._copy(slot, _offsets(nb, slot.addr), addr, nb)
 
     def scatter(self, slot: Slot, addr: np.ndarray, nb: np.ndarray, dev: np.ndarray | None) -> Ticket:
-        return self._copy(addr, _offsets(nb, slot.addr), nb)
+        return self._copy(slot, addr, _offsets(nb, slot.addr), nb)
 
 
 class _Gpu:
@@ -235,7 +283,8 @@ class CudaCopier(Copier):
             b, o, ln = blocks[sel], offs[sel], nb[sel]
             k = int(ln.shape[0])
             # table (pinned, mapped; read by the kernel over the bus): dst[k], src[k], lens[k], first[k+1], idx[2k]
-            tab = np.frombuffer(memoryview((ctypes.c_char * _TABLE).from_address(t)).cast("B"), dtype=np.uint8)
+            tab = np.frombuffer(memoryview((ctypes.c_char * (8 * (5 * k + 1))).from_address(t)).cast("B"),
+                                dtype=np.uint8)
             u = tab[: 8 * (4 * k + 1)].view(_U64)
             dst, src, lens, first = u[:k], u[k: 2 * k], u[2 * k: 3 * k], u[3 * k: 4 * k + 1]
             dst[:] = o if gather else b
