@@ -415,6 +415,28 @@ class TcpBackend(Backend):
             reply = wire.pack("ok", re=rid) if why is None else wire.pack("err", re=rid, msg=why)
             _net.sendv(fd, _frame(reply), None, None, self.timeout)
 
+    def _serve_kind(self, fd: int, t: str, rid: int, ab: bytes, nbb: bytes, kind: Any, devb: Any,
+                    st: _ServeStaging, peer: str) -> None:
+        """A request naming its target memory kind (``k``; CUDA) or any request while host memory
+        is staged too: checked, then served through the staging slots."""
+        if kind is None:
+            kind = int(MemoryKind.HOST)
+        if kind not in (int(MemoryKind.HOST), int(MemoryKind.CUDA)) or isinstance(kind, bool):
+            raise ProtocolError(f"bad memory kind {kind!r} in a tcp request")
+        if kind == int(MemoryKind.CUDA):
+            if not isinstance(devb, bytes):
+                raise ProtocolError("a request on CUDA memory lacks its device array")
+        else:
+            devb = None
+        try:
+            copier = self._copier_for(kind)
+        except BackendUnavailable as exc:  # nothing here can hold CUDA memory: refuse
+            self._refuse(fd, t, rid, nbb, peer, f"no GPU staging here: {exc}")
+            return
+        if copier is None:  # pragma: no cover - HOST kind is staged only with a host copier
+            raise ProtocolError("unexpected memory kind in a tcp request")
+        self._serve_staged(fd, t, rid, ab, nbb, kind, devb, copier, st, peer)
+
     def _refuse(self, fd: int, t: str, rid: int, nbb: bytes, peer: str, why: str) -> None:
         """Refuse a request: a write's payload is drained (never into registered memory)."""
         self.refused("requests", "tcp: refused a %s from %s: %s", "write" if t == "w" else "read", peer, why)
@@ -509,21 +531,10 @@ class TcpBackend(Backend):
                 ab, nbb = msg["addr"], msg["nbytes"]
                 if len(ab) != len(nbb) or len(ab) % 8:
                     raise ProtocolError("malformed descriptor arrays")
-                kind = msg.get("k", int(MemoryKind.HOST))
-                if kind not in (int(MemoryKind.HOST), int(MemoryKind.CUDA)) or isinstance(kind, bool):
-                    raise ProtocolError(f"bad memory kind {kind!r} in a tcp request")
-                devb = msg.get("dev")
-                if kind == int(MemoryKind.CUDA) and not isinstance(devb, bytes):
-                    raise ProtocolError("a request on CUDA memory lacks its device array")
-                try:
-                    copier = self._copier_for(kind)
-                except BackendUnavailable as exc:  # nothing here can hold CUDA memory: refuse
-                    self._refuse(fd, t, rid, nbb, peer, f"no GPU staging here: {exc}")
-                    continue
-                if copier is not None:
+                kind = msg.get("k")
+                if kind is not None or self._host_copier is not None:  # staged (CUDA memory)
                     spin = 0.0
-                    self._serve_staged(fd, t, rid, ab, nbb, kind, devb if kind == int(MemoryKind.CUDA) else None,
-                                       copier, st, peer)
+                    self._serve_kind(fd, t, rid, ab, nbb, kind, msg.get("dev"), st, peer)
                     continue
                 a2: Any
                 n2: Any

@@ -259,7 +259,7 @@ class CudaCopier(Copier):
         except rt.CUDARuntimeError as exc:
             raise TransferError(f"cannot allocate {size} bytes of pinned staging memory: {exc}") from exc
         try:
-            d = int(rt.hostGetDevicePointer(p, 0))
+            d = int(rt.pointerGetAttributes(p).devicePointer) or p
         except rt.CUDARuntimeError:
             d = p  # unified addressing: the same address
         return Slot(p, d, size, None)
