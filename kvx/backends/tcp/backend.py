@@ -82,13 +82,14 @@ class _Prep:
 
 
 class _ServeStaging:
-    """A serving connection's staged frames: its slots, and the writes whose scatter runs (each
-    with its own pins, so frames pipelined on one connection never share a pin count)."""
+    """A serving connection's staged frames: its slots, and the requests whose copy runs (a
+    write's scatter, a read's gather; each with its own pins, so frames pipelined on one
+    connection never share a pin count)."""
 
     def __init__(self) -> None:
         self.rings: dict[int, SlotRing] = {}
-        #: (ticket, rid, slot, ring, pinned regions)
-        self.pending: collections.deque[tuple[Ticket, int, Any, SlotRing, set[int]]] = collections.deque()
+        #: (ticket, rid, slot, ring, pinned regions, bytes to send back: -1 for a write)
+        self.pending: collections.deque[tuple[Ticket, int, Any, SlotRing, set[int], int]] = collections.deque()
 
     def ring(self, be: "TcpBackend", copier: Copier) -> SlotRing:
         r = self.rings.get(id(copier))
@@ -373,7 +374,7 @@ class TcpBackend(Backend):
             log.info("tcp: connection from %s ended: %s", who, exc)
         finally:
             while st.pending:  # scatters already started still land; their pins go when they did
-                tk, _rid, slot, ring, fp = st.pending.popleft()
+                tk, _rid, slot, ring, fp, _n = st.pending.popleft()
                 try:
                     tk.wait(self.timeout)
                 except KVXError:
@@ -397,9 +398,10 @@ class TcpBackend(Backend):
         return self._host_copier
 
     def _reap(self, fd: int, st: _ServeStaging, block: bool) -> None:
-        """Acknowledge the staged writes whose scatter finished (``block``: wait for the oldest)."""
+        """Answer the staged requests whose copy finished, oldest first (``block``: wait for the
+        oldest): a write's scatter is acknowledged, a read's gathered slot is sent."""
         while st.pending:
-            tk, rid, slot, ring, fp = st.pending[0]
+            tk, rid, slot, ring, fp, total = st.pending[0]
             why = None
             if not tk.done():
                 if not block:
@@ -407,13 +409,20 @@ class TcpBackend(Backend):
                 try:
                     tk.wait(self.timeout)
                 except KVXError as exc:
-                    why = f"staging scatter failed: {exc}"
+                    why = f"staging copy failed: {exc}"
             block = False
             st.pending.popleft()
-            ring.give(slot)
-            self._unpin(fp)
-            reply = wire.pack("ok", re=rid) if why is None else wire.pack("err", re=rid, msg=why)
-            _net.sendv(fd, _frame(reply), None, None, self.timeout)
+            try:
+                if why is not None:
+                    _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, self.timeout)
+                elif total < 0:  # a write
+                    _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, self.timeout)
+                else:
+                    _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), np.array([slot.addr], dtype=_U64),
+                               np.array([total], dtype=_U64), self.timeout)
+            finally:
+                ring.give(slot)
+                self._unpin(fp)
 
     def _serve_kind(self, fd: int, t: str, rid: int, ab: bytes, nbb: bytes, kind: Any, devb: Any,
                     st: _ServeStaging, peer: str) -> None:
@@ -450,8 +459,9 @@ class TcpBackend(Backend):
     def _serve_staged(self, fd: int, t: str, rid: int, ab: bytes, nbb: bytes, kind: int, devb: bytes | None,
                       copier: Copier, st: _ServeStaging, peer: str) -> None:
         """A request on target memory staged through a pinned slot (CUDA memory): validated and
-        pinned like any other; a write lands in a slot and is acknowledged once scattered (the
-        connection goes on meanwhile), a read is gathered into a slot and sent."""
+        pinned like any other; a write lands in a slot and is acknowledged once scattered, a read
+        is gathered into a slot and sent once gathered; the connection goes on meanwhile, so the
+        next request's copy overlaps this one's socket time (answers leave in request order)."""
         to = self.timeout
         addr = np.frombuffer(ab, dtype=_U64)
         nb = np.frombuffer(nbb, dtype=_U64)
@@ -470,7 +480,7 @@ class TcpBackend(Backend):
         ring = st.ring(self, copier)
         slot = None
         if why is None:
-            if len(st.pending) >= self.stage_slots:  # every slot holds a scattering write: finish the oldest
+            if len(st.pending) >= self.stage_slots:  # every slot holds a copy in flight: finish the oldest
                 self._reap(fd, st, True)
             try:
                 slot = ring.take(to)
@@ -482,28 +492,20 @@ class TcpBackend(Backend):
             return
         assert slot is not None and slots is not None
         devs = self._dev[slots] if kind == int(MemoryKind.CUDA) else None
-        if t == "w":
-            try:
+        # a write lands in the slot and is acknowledged once scattered; a read is sent once
+        # gathered: either way the connection goes on (the next request's copy overlaps)
+        try:
+            if t == "w":
                 _net.recvv(fd, np.array([slot.addr], dtype=_U64), np.array([total], dtype=_U64), to, 0.0,
                            self.rcv_lowat)
                 tk = copier.scatter(slot, addr, nb, devs)
-            except BaseException:
-                ring.give(slot)
-                self._unpin(fp)
-                raise
-            st.pending.append((tk, rid, slot, ring, fp))
-            return
-        try:
-            try:
-                copier.gather(slot, addr, nb, devs).wait(to)
-            except KVXError as exc:
-                _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=f"staging gather failed: {exc}")), None, None, to)
-                return
-            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), np.array([slot.addr], dtype=_U64),
-                       np.array([total], dtype=_U64), to)
-        finally:
+            else:
+                tk = copier.gather(slot, addr, nb, devs)
+        except BaseException:
             ring.give(slot)
             self._unpin(fp)
+            raise
+        st.pending.append((tk, rid, slot, ring, fp, -1 if t == "w" else total))
 
     def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int], st: _ServeStaging) -> None:
         fd = s.fileno()
