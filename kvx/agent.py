@@ -100,7 +100,8 @@ class PreparedList:
         Per descriptor, the registration slot (region) that contains it.
     """
 
-    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "routes", "slots", "used")
+    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "rroutes", "slots", "used",
+                 "wroutes")
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
@@ -113,8 +114,14 @@ class PreparedList:
         self.bdata: dict[str, Any] = {}
         self.pinfo = pinfo
         self.epoch = agent._epoch
-        # (remote list, op) -> the Route of the backend that serves the pair, made at its first post
-        self.routes: dict[tuple[PreparedList, Op], Route] = {}
+        # remote list -> the Route of the backend that serves the pair for reads / for writes,
+        # made at the pair's first post
+        self.rroutes: dict[PreparedList, Route] = {}
+        self.wroutes: dict[PreparedList, Route] = {}
+
+    def routes(self, op: Op) -> dict[PreparedList, Route]:
+        """The routes of this (local) list for ``op``, by remote list."""
+        return self.wroutes if op is Op.WRITE else self.rroutes
 
     @property
     def kind(self) -> MemoryKind:
@@ -581,7 +588,8 @@ class Agent:
 
     def _route(self, op: Op, local: PreparedList, remote: PreparedList, backend: str | None) -> Route:
         """The route of a checked list pair: cached on the local list, made at the first post."""
-        r = local.routes.get((remote, op))
+        routes = local.routes(op)
+        r = routes.get(remote)
         if r is not None and (backend is None or r.backend.name == backend):
             return r
         loopback = remote.peer is None
@@ -592,9 +600,9 @@ class Agent:
             if b.serves(local.kind, remote.kind, loopback):
                 r = b.route(op, local, remote)
                 if backend is None:
-                    if len(local.routes) >= 64:
-                        local.routes.clear()
-                    local.routes[(remote, op)] = r
+                    if len(routes) >= 64:
+                        routes.clear()
+                    routes[remote] = r
                 return r
         raise BackendUnavailable(
             f"no backend moves {local.kind.name} -> {remote.kind.name}"
@@ -619,19 +627,17 @@ class Agent:
 
     def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
               notify: bytes | None, backend: str | None) -> Transfer:
-        r = None
-        if type(local) is PreparedList and local.agent is self and notify is None and backend is None:
-            r = local.routes.get((remote, op))
-        if r is None:  # the first post of this pair (or a forced backend, or a notification)
-            self._args(local, remote, notify)
-            self._check_post(local, remote)
-            r = self._route(op, local, remote, backend)
-            if notify is not None:
-                notify = bytes(notify)
-        elif self.closed or local.epoch != self._epoch or (remote.epoch != self._epoch if remote.peer is None
-                                                           else self._peers.get(remote.peer) is not remote.pinfo):
-            self._check_post(local, remote)
-        return self._transfer(r.post(lidx, ridx, notify), r.backend.name)
+        """A post of a pair without a usable cached route (or with notify/backend): every check."""
+        self._args(local, remote, notify)
+        self._check_post(local, remote)
+        r = self._route(op, local, remote, backend)
+        return self._transfer(r.post(lidx, ridx, bytes(notify) if notify is not None else None), r.backend.name)
+
+    def _live(self, local: PreparedList, remote: PreparedList) -> bool:
+        """Whether a cached route may be posted without the full checks (nothing changed since)."""
+        ep = self._epoch
+        return not self.closed and local.epoch == ep and (
+            remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo)
 
     def make_transfer(self, op: str, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any,
                       *, notify: bytes | None = None, backend: str | None = None) -> TransferPlan:
@@ -676,11 +682,19 @@ class Agent:
         backend
             Force a backend by name.
         """
+        if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
+            r = local.rroutes.get(remote)
+            if r is not None and self._live(local, remote):
+                return self._transfer(r.post(local_idx, remote_idx, None), r.backend.name)
         return self._post(Op.READ, local, local_idx, remote, remote_idx, notify, backend)
 
     def write(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
               notify: bytes | None = None, backend: str | None = None) -> Transfer:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
+        if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
+            r = local.wroutes.get(remote)
+            if r is not None and self._live(local, remote):
+                return self._transfer(r.post(local_idx, remote_idx, None), r.backend.name)
         return self._post(Op.WRITE, local, local_idx, remote, remote_idx, notify, backend)
 
     # ------------------------------------------------------------------------------------------

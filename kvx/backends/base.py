@@ -36,8 +36,9 @@ from ..memory import DescList, MemoryKind, Region
 if TYPE_CHECKING:
     from ..config import AgentConfig
 
-__all__ = ["Backend", "BackendContext", "DoneRequest", "ErrorMap", "JobRequest", "Op", "PeerInfo", "PreparedList",
-           "BAD_INDEX", "CallRoute", "Request", "Route", "ThreadRequest", "indices", "region_rows", "validate"]
+__all__ = ["BAD_INDEX", "Backend", "BackendContext", "CallRoute", "DoneRequest", "ErrorMap", "JobRequest", "Op",
+           "PeerInfo", "PreparedList", "Request", "Route", "ThreadRequest", "index_array", "index_vector", "indices",
+           "region_rows", "validate"]
 
 _U64 = np.uint64
 _I64 = np.dtype(np.int64)
@@ -364,10 +365,23 @@ def indices(idx: Any) -> Any:
     return np.ascontiguousarray(a.reshape(-1))
 
 
+def index_vector(idx: Any) -> np.ndarray:
+    """``idx`` (an int, a sequence or an integer array) as a contiguous 1-D int64 array; UsageError
+    for non-integer input. Bounds are the caller's (or the native layer's) to check."""
+    if type(idx) is int:
+        return np.array([idx], dtype=np.int64)
+    a = np.atleast_1d(np.asarray(idx))
+    if a.size and a.dtype.kind not in "iu":
+        raise UsageError(f"indices must be integers, not {a.dtype}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
+        raise UsageError("index out of range")
+    return np.ascontiguousarray(a.astype(np.int64, copy=False).reshape(-1))
+
+
 def index_array(idx: Any, n: int, what: str = "index") -> np.ndarray:
     """``idx`` as a checked int64 array of positions in a list of ``n`` descriptors (UsageError if not)."""
     try:
-        a = np.asarray(indices(idx), dtype=np.int64).reshape(-1)
+        a = index_vector(idx)
     except (TypeError, ValueError, OverflowError) as exc:
         raise UsageError(f"bad {what}: {exc}") from None
     if a.size and (int(a.min()) < 0 or int(a.max()) >= n):

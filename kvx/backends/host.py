@@ -58,6 +58,7 @@ from .base import (
     Request,
     Route,
     ThreadRequest,
+    index_vector,
     indices,
     validate,
 )
@@ -527,7 +528,7 @@ class HostBackend(SameNodeLink, Backend):
 
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
-        li, ri = _i64(lidx), _i64(ridx)
+        li, ri = index_vector(lidx), index_vector(ridx)
         if li.shape != ri.shape:
             raise ValueError("index lists differ in length")
         if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
@@ -633,6 +634,15 @@ class _HostRoute(Route):
             raise UsageError(f"bad transfer request: {exc}") from None
         send_notif = b._notifier(self._peer, notify)
         start, finish, name, chan = plan.start, b._finish, self._name, self._chan
+        if send_notif is None and chan is None:
+            def post_local() -> Request:
+                try:
+                    res = start()
+                except OSError as exc:
+                    raise translate_oserror(exc, name) from exc
+                return DoneRequest(res) if type(res) is int else JobRequest(res, name, translate_oserror)
+
+            return post_local
 
         def post() -> Request:
             if chan is not None and not chan.alive:
@@ -644,10 +654,3 @@ class _HostRoute(Route):
             return finish(res, name, send_notif)
 
         return post
-
-
-def _i64(x: Any) -> np.ndarray:
-    a = np.atleast_1d(np.asarray(x))
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    return a.astype(np.int64).reshape(-1)

@@ -29,11 +29,12 @@ from ..base import (
     PreparedList,
     Request,
     Route,
+    index_vector,
     indices,
 )
 from .direct import DirectPath
 from .files import _U64, ALIGN, _sync_code, open_preallocated, translate_oserror
-from .jobs import _FailedRequest, _File, _i64, _Mem, _Prep
+from .jobs import _FailedRequest, _File, _Mem, _Prep
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ class PosixBackend(DirectPath, Backend):
             dst, di, src, si = lp, lidx, rp, ridx
         to_file = dst.kind is MemoryKind.FILE
         fp, fi, mp, mi = (dst, di, src, si) if to_file else (src, si, dst, di)
-        fi, mi = _i64(fi), _i64(mi)
+        fi, mi = index_vector(fi), index_vector(mi)
         if fi.shape != mi.shape:
             raise ValueError(f"index lists differ in length ({len(mi)} vs {len(fi)})")
         if len(fi) > 1:
