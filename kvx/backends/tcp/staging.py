@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BackendUnavailable, TransferError, TransferTimeout
+from ...errors import TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -218,16 +218,12 @@ class _Gpu:
     """One device's stream and copy kernel."""
 
     def __init__(self, cp: Any, dev: int) -> None:
-        from ..._cuda import kernel_source_path
+        from ..._cuda import copy_module
 
-        src = kernel_source_path()
-        if src is None:
-            raise BackendUnavailable("the copy kernel source kvx_copy.cu is missing")
         self.dev = dev
         with cp.cuda.Device(dev):
             self.stream = cp.cuda.Stream(non_blocking=False)
-            mod = cp.RawModule(code=src.read_text(), options=("--std=c++17",))
-            self.kernel = mod.get_function("kvx_gather_copy_i32")
+            self.kernel = copy_module(cp).get_function("kvx_gather_copy_i32")
             self.cap = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"]) * _CTAS_PER_SM
         self.lock = threading.Lock()
 
