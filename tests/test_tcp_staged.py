@@ -238,3 +238,43 @@ def test_host_copier_gather_scatter_roundtrip() -> None:
         assert np.array_equal(dst[int(o): int(o + n)], src[int(o): int(o + n)])
     c.free(slot)
     c.close()
+
+
+def test_staged_connections_leave_no_threads_fds_or_slots() -> None:
+    """Both agents in this process, both staging: after the initiator closes, the target's serving
+    threads end with their slots freed, and no thread or fd of either side stays."""
+    import gc
+    import os
+
+    def census() -> tuple[int, int]:
+        gc.collect()
+        return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+    cfg = kvx.AgentConfig(backends=("tcp",), peer_timeout=3.0, options={"tcp": _opts()})
+    with kvx.Agent("target", cfg) as tgt:
+        treg = tgt.register(np.zeros(1 << 20, np.uint8))
+        be: Any = tgt.backend("tcp")
+        made: list[int] = []
+        freed: list[int] = []
+        copier = be._host_copier  # shared by the target's rings: count what they take and give back
+        orig_alloc, orig_free = copier.alloc, copier.free
+        copier.alloc = lambda size: (made.append(size), orig_alloc(size))[1]
+        copier.free = lambda slot: (freed.append(slot.size), orig_free(slot))
+        time.sleep(0.5)
+        t0, f0 = census()
+        for _ in range(2):
+            with kvx.Agent("initiator", cfg) as a:
+                name = a.add_peer(tgt.metadata())
+                reg = a.register(np.full(1 << 20, 3, np.uint8))
+                loc = a.prepare(kvx.DescList.blocks(reg, 4096))
+                rem = a.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=name)
+                a.write(loc, np.arange(256), rem, np.arange(256)[::-1], notify=b"n").wait(10)
+                a.read(loc, np.arange(256), rem, np.arange(256)).wait(10)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and (census() != (t0, f0) or be._served):
+            time.sleep(0.1)
+        threads, fds = census()
+        assert threads <= t0 and fds <= f0, f"threads {t0} -> {threads}, fds {f0} -> {fds}"
+        assert not be._served
+        assert made and len(freed) == len(made), f"target slots: {len(made)} allocated, {len(freed)} freed"
+        treg.release()
