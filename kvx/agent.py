@@ -633,12 +633,6 @@ class Agent:
         r = self._route(op, local, remote, backend)
         return self._transfer(r.post(lidx, ridx, bytes(notify) if notify is not None else None), r.backend.name)
 
-    def _live(self, local: PreparedList, remote: PreparedList) -> bool:
-        """Whether a cached route may be posted without the full checks (nothing changed since)."""
-        ep = self._epoch
-        return not self.closed and local.epoch == ep and (
-            remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo)
-
     def make_transfer(self, op: str, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any,
                       *, notify: bytes | None = None, backend: str | None = None) -> TransferPlan:
         """Prepare a transfer once to post it many times (like NIXL's ``make_prepped_xfer``).
@@ -684,8 +678,13 @@ class Agent:
         """
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
             r = local.rroutes.get(remote)
-            if r is not None and self._live(local, remote):
-                return self._transfer(r.post(local_idx, remote_idx, None), r.backend.name)
+            ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
+            if r is not None and not self.closed and local.epoch == ep and (
+                    remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
+                req = r.post(local_idx, remote_idx, None)
+                if type(req) is DoneRequest:
+                    return Transfer._completed(req.nbytes, r.backend.name)
+                return Transfer(req, req.nbytes, r.backend.name, self.config.transfer_timeout)
         return self._post(Op.READ, local, local_idx, remote, remote_idx, notify, backend)
 
     def write(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
@@ -693,8 +692,13 @@ class Agent:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
             r = local.wroutes.get(remote)
-            if r is not None and self._live(local, remote):
-                return self._transfer(r.post(local_idx, remote_idx, None), r.backend.name)
+            ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
+            if r is not None and not self.closed and local.epoch == ep and (
+                    remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
+                req = r.post(local_idx, remote_idx, None)
+                if type(req) is DoneRequest:
+                    return Transfer._completed(req.nbytes, r.backend.name)
+                return Transfer(req, req.nbytes, r.backend.name, self.config.transfer_timeout)
         return self._post(Op.WRITE, local, local_idx, remote, remote_idx, notify, backend)
 
     # ------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ $PY -c "import kvx.backends.cuda as c; print('cuda backend:', c.CudaBackend.unav
 rc=0
 if [ "$TESTS" = 1 ]; then
   echo "== tests (gpu)"
-  $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py \
+  $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py tests/test_tcp_gpu.py \
     2>&1 | tee "$OUT/tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi

@@ -349,7 +349,7 @@ def indices(idx: Any) -> Any:
     t = type(idx)
     if t is list or t is int or t is tuple:
         return idx
-    if t is np.ndarray and idx.dtype == _I64 and idx.ndim == 1 and idx.flags.c_contiguous:
+    if t is np.ndarray and idx.dtype is _I64 and idx.ndim == 1 and idx.flags.c_contiguous:
         return idx
     if isinstance(idx, (list, tuple)):
         return idx
@@ -444,7 +444,7 @@ class CallRoute(Route):
             raise UsageError(f"bad transfer request: {exc}") from None
 
 
-class Backend(ABC):  # noqa: B024 (route() becomes abstract once no backend needs the legacy adapter)
+class Backend(ABC):
     """A way of moving bytes. Subclasses set the class attributes and implement the methods.
 
     Attributes
@@ -526,12 +526,12 @@ class Backend(ABC):  # noqa: B024 (route() becomes abstract once no backend need
         return None
 
     # ---- transfers -------------------------------------------------------------------------
+    @abstractmethod
     def route(self, op: Op, local: "PreparedList", remote: "PreparedList") -> Route:
         """This backend's :class:`Route` for a list pair it serves (called once per pair).
 
         Raise a kvx error if the pair cannot be served (e.g. the peer is not connected).
         """
-        return _LegacyRoute(self, op, local, remote)
 
     def notify(self, peer_name: str, message: bytes) -> None:
         """Send a notification to a peer (backends with ``notifications = True``)."""
@@ -539,45 +539,3 @@ class Backend(ABC):  # noqa: B024 (route() becomes abstract once no backend need
 
     def close(self) -> None:
         """Release everything; pending requests fail."""
-
-
-class _LegacyRoute(Route):
-    """Adapter for a backend that still implements ``post``/``make_plan``/``fast_path``
-    (returning a Request or an int) instead of :meth:`Backend.route`; goes when none is left."""
-
-    __slots__ = ("_fast",)
-
-    def __init__(self, backend: Backend, op: Op, local: "PreparedList", remote: "PreparedList") -> None:
-        super().__init__(backend, op, local, remote)
-        self._fast: Any = None
-
-    @staticmethod
-    def _req(r: Any) -> Request:
-        return DoneRequest(r) if type(r) is int else r  # type: ignore[no-any-return]
-
-    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
-        b: Any = self.backend
-        try:
-            if notify is None:
-                if self._fast is None:
-                    fp = getattr(b, "fast_path", None)
-                    self._fast = (fp(self.op, self.local, self.remote) if fp else None) or False
-                if self._fast:
-                    try:
-                        return self._req(self._fast(lidx, ridx))
-                    except (TypeError, ValueError, IndexError):
-                        pass
-            return self._req(b.post(self.op, self.local, indices(lidx), self.remote, indices(ridx), notify))
-        except (IndexError, ValueError, TypeError) as exc:
-            raise UsageError(f"bad transfer request: {exc}") from exc
-
-    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
-        b: Any = self.backend
-        if not hasattr(b, "make_plan"):
-            return super().plan(lidx, ridx, notify)
-        try:
-            p = b.make_plan(self.op, self.local, indices(lidx), self.remote, indices(ridx), notify)
-        except (IndexError, ValueError, TypeError) as exc:
-            raise UsageError(f"bad transfer request: {exc}") from exc
-        req = self._req
-        return lambda: req(p())

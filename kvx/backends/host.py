@@ -585,7 +585,8 @@ class HostBackend(SameNodeLink, Backend):
 class _HostRoute(Route):
     """A list pair resolved once: address arrays, guards, the peer's channel, the copy mode."""
 
-    __slots__ = ("_a", "_chan", "_code", "_guards", "_lp", "_name", "_peer", "_pid", "_rp", "_uds", "_write")
+    __slots__ = ("_a", "_chan", "_code", "_guards", "_inline", "_lp", "_name", "_peer", "_pid", "_rp", "_threads",
+                 "_uds", "_write")
 
     def __init__(self, backend: HostBackend, op: Op, local: PreparedList, remote: PreparedList) -> None:
         super().__init__(backend, op, local, remote)
@@ -596,6 +597,7 @@ class _HostRoute(Route):
         self._name = remote.peer
         self._guards = rp.guards
         self._write = op is Op.WRITE
+        self._threads, self._inline = backend.threads, backend.inline
         # (dst addr, dst nbytes, src addr, src nbytes)
         self._a = (rp.addr, rp.nbytes, lp.addr, lp.nbytes) if self._write else (lp.addr, lp.nbytes, rp.addr, rp.nbytes)
 
@@ -603,22 +605,30 @@ class _HostRoute(Route):
         chan = self._chan
         if chan is not None and not chan.alive:
             raise PeerDisconnected(f"peer {self._name!r} is not connected")
-        b: HostBackend = self.backend  # type: ignore[assignment]
-        lidx, ridx = indices(lidx), indices(ridx)
+        # lists and ints go to C as they are; indices() passes int64 vectors and converts the rest
+        if type(lidx) is not list:
+            lidx = indices(lidx)
+        if type(ridx) is not list:
+            ridx = indices(ridx)
         try:
             if self._uds:
                 assert self._peer is not None
-                return b._post_uds(self.op, self._lp, lidx, self._rp, ridx, self._peer, notify)
+                return self.backend._post_uds(self.op, self._lp, lidx, self._rp, ridx,  # type: ignore[attr-defined, no-any-return]
+                                              self._peer, notify)
             da, dl, sa, sl = self._a
-            di, si = (ridx, lidx) if self._write else (lidx, ridx)
-            res = _native.submit(self._code, self._pid, da, dl, di, sa, sl, si, None, self._guards, b.threads,
-                                 b.inline, 0)
+            if self._write:
+                res = _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
+                                     self._threads, self._inline, 0)
+            else:
+                res = _native.submit(self._code, self._pid, da, dl, lidx, sa, sl, ridx, None, self._guards,
+                                     self._threads, self._inline, 0)
         except OSError as exc:
             raise translate_oserror(exc, self._name) from exc
         except BAD_INDEX as exc:
             raise UsageError(f"bad transfer request: {exc}") from None
         if notify is None:
             return DoneRequest(res) if type(res) is int else JobRequest(res, self._name, translate_oserror)
+        b: HostBackend = self.backend  # type: ignore[assignment]
         return b._finish(res, self._name, b._notifier(self._peer, notify))
 
     def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
