@@ -198,7 +198,8 @@ class HiCacheKVX(HiCacheStorage):
             self.pages = _TieredPages(self.cfg, geom, ranges, name)
         else:
             options = {"posix": PosixOptions(direct=True)} if self.cfg.direct_io else {}
-            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}", kvx.AgentConfig(options=options))
+            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}",
+                                   kvx.AgentConfig(options=options, **self._inline()))
             try:
                 self._reg = self.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
                 self._host = self.agent.prepare(DescList.from_arrays(
@@ -226,10 +227,14 @@ class HiCacheKVX(HiCacheStorage):
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
                  geom.layout, geom.nfrag, ",".join(map(str, sorted(set(geom.sizes.tolist())))))
 
+    def _inline(self) -> dict[str, Any]:
+        """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""
+        return {"inline_bytes": 1 << 50} if self.cfg.inline and not self.cfg.direct_io else {}
+
     def _fresh_way(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> tuple[Any, Any, Any]:
         """The agent that writes slab slots for the first time: ``pwritev`` (see :class:`SlabStore`)."""
         self._fresh_agent = kvx.Agent(f"hicache-kvx-fresh-{os.getpid()}-{id(self):x}", kvx.AgentConfig(
-            backends=("posix",), options={"posix": PosixOptions(mmap=False, threads=1)}))
+            backends=("posix",), options={"posix": PosixOptions(mmap=False, threads=1)}, **self._inline()))
         self._fresh_agent.register([kvx.RawRegion(a, n) for a, n in ranges])
         host = self._fresh_agent.prepare(DescList.from_arrays(
             kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))

@@ -134,6 +134,25 @@ def test_corrupt_page_is_a_miss(tmp_path, direct_io):
         b.close()
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_batches_on_the_io_threads_or_inline(tmp_path, inline):
+    """Both ways of running a batch (calling thread, kvx's I/O threads) store, reuse and load
+    the same bytes, first writes (pwritev) and rewrites (the mapping) alike."""
+    pool = mha_pool("page_first", pages=64)
+    fill(pool, 8)
+    b = make(tmp_path, pool, inline=inline, capacity_gb=10 * pool.page_size * pool.size_per_token / (1 << 30))
+    try:
+        for r in range(3):  # 10 slots, 6 pages a round: later rounds evict and rewrite slots
+            ks = keys(6, f"r{r}")
+            src = [r, r + 10, r + 20, r + 30, r + 40, r + 50]
+            want = [page_bytes(pool, p) for p in src]
+            assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
+            assert b.batch_get_v1(ks, token_indices([60, 61, 62, 63, 59, 58], pool.page_size)) == [True] * 6
+            assert [page_bytes(pool, p) for p in (60, 61, 62, 63, 59, 58)] == want
+    finally:
+        b.close()
+
+
 def test_checksums_agree_between_buffered_and_direct(tmp_path):
     """Pages stored through the buffered slab (checksums from the copy) load through O_DIRECT
     (checksums in Python) and the other way round: one checksum, however it is taken."""
