@@ -173,7 +173,6 @@ class HiCacheKVX(HiCacheStorage):
         self.config_suffix = f"_{model}{shard}" if self.is_mla else self.tp_config_suffix
         self.writer = bool(storage_config.is_storage_writer)
         self.agent: kvx.Agent | None = None
-        self._fresh_agent: kvx.Agent | None = None
         self.pages: Any = None
         self.geom: PageGeometry | None = None
         self._host: kvx.PreparedList | None = None
@@ -209,19 +208,13 @@ class HiCacheKVX(HiCacheStorage):
                     posix = next(b for b in self.agent.backends if b.name == "posix")
                     moved = posix.keep_digests(self._host)  # type: ignore[attr-defined]
                 view = _HostView(ranges, geom, moved)
-                fresh = None
-                if moved is not None and self.writer:
-                    fresh = self._fresh_way(ranges, geom)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
                                        writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
-                                       chunks=1 if view.fused else SlabStore.CHUNKS, fresh=fresh)
+                                       chunks=1 if view.fused else SlabStore.CHUNKS)
             except BaseException:
                 self.agent.close()
                 self.agent = None
-                if self._fresh_agent is not None:
-                    self._fresh_agent.close()
-                    self._fresh_agent = None
                 raise
         self.geom = geom
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
@@ -230,16 +223,6 @@ class HiCacheKVX(HiCacheStorage):
     def _inline(self) -> dict[str, Any]:
         """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""
         return {"inline_bytes": 1 << 50} if self.cfg.inline and not self.cfg.direct_io else {}
-
-    def _fresh_way(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> tuple[Any, Any, Any]:
-        """The agent that writes slab slots for the first time: ``pwritev`` (see :class:`SlabStore`)."""
-        self._fresh_agent = kvx.Agent(f"hicache-kvx-fresh-{os.getpid()}-{id(self):x}", kvx.AgentConfig(
-            backends=("posix",), options={"posix": PosixOptions(mmap=False, threads=1)}, **self._inline()))
-        self._fresh_agent.register([kvx.RawRegion(a, n) for a, n in ranges])
-        host = self._fresh_agent.prepare(DescList.from_arrays(
-            kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))
-        moved = self._fresh_agent.backends[0].keep_digests(host)  # type: ignore[attr-defined]
-        return self._fresh_agent, host, _HostView(ranges, geom, moved).digest
 
     def _ready(self) -> PageGeometry:
         if self._closed:
@@ -349,6 +332,5 @@ class HiCacheKVX(HiCacheStorage):
             if self._reg is not None:
                 self._reg.release()
         finally:
-            for agent in (self.agent, self._fresh_agent):
-                if agent is not None:
-                    agent.close()
+            if self.agent is not None:
+                self.agent.close()

@@ -62,12 +62,6 @@ class SlabStore:
     chunks
         A get is read and verified in this many transfers (checksumming in Python then
         overlaps the reading); 1 where the copy takes the checksums.
-    fresh
-        ``(agent, host_list, digest)``: a second way in for slots never written since the slab
-        was opened -- an agent whose posix backend writes with ``pwritev`` (a first write
-        through the file mapping faults every page in and zero-fills it first: about twice the
-        time of ``pwritev`` on the test VM, while rewrites of cached slots are fastest through
-        the mapping). Its host list covers the same host memory as the main one.
     """
 
     #: Transfers per get when the checksums are taken in Python.
@@ -75,8 +69,7 @@ class SlabStore:
 
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
-                 fsync: bool = False, chunks: int = CHUNKS,
-                 fresh: tuple[kvx.Agent, kvx.PreparedList, Callable[[np.ndarray], np.ndarray]] | None = None) -> None:
+                 fsync: bool = False, chunks: int = CHUNKS) -> None:
         if capacity <= 0:
             raise UsageError("slab capacity must be at least one page")
         self.agent = agent
@@ -117,20 +110,6 @@ class SlabStore:
         addr = (slot_base + geom.offsets[None, :]).ravel()
         self._plist = agent.prepare(DescList.from_arrays(
             kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity), dev=file_id))
-        self._fresh: tuple[kvx.Agent, kvx.PreparedList, Any, kvx.Registration] | None = None
-        if fresh is not None:
-            fagent, fhost, fdigest = fresh
-            freg = fagent.register(kvx.FileRegion(self.slab_path, self.capacity * geom.page_bytes))
-            try:
-                fplist = fagent.prepare(DescList.from_arrays(
-                    kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity),
-                    dev=int(freg.descs.dev[0])))
-            except BaseException:
-                freg.release()
-                raise
-            self._fresh = (fagent, fhost, (fplist, fdigest), freg)
-        # slots written since the slab was opened (the others take the fresh way in)
-        self._written = np.zeros(self.capacity, dtype=bool)
         self._log_pos = 0
         self._log_ino = -1
         self._records = 0
@@ -261,10 +240,12 @@ class SlabStore:
         ok = [k in self._index for k in keys]
         if not new_i:
             return ok
-        sl = np.asarray(slots, dtype=np.int64)
-        pg = pages[new_i]
+        src = self.geom.frag_index(pages[new_i])
+        dst = self.geom.frag_index(np.asarray(slots, dtype=np.int64))
         try:
-            sums = self._write(host, pg, sl)
+            x = self.agent.write(host, src, self._plist, dst)
+            x.wait(self.timeout)
+            sums = self.digest(pages[new_i])
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
@@ -276,27 +257,6 @@ class SlabStore:
                 recs.append([_PUT, keys[i], slot, c])
             self._append(recs)
             return [k in self._index for k in keys]
-
-    def _write(self, host: kvx.PreparedList, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Write host ``pages`` into ``slots`` (one transfer per way in); their checksums."""
-        g = self.geom
-        fresh = ~self._written[slots] if self._fresh is not None else np.zeros(len(slots), dtype=bool)
-        xs = []
-        if not fresh.all():
-            old = ~fresh
-            xs.append((old, self.agent.write(host, g.frag_index(pages[old]), self._plist, g.frag_index(slots[old])),
-                       self.digest))
-        if fresh.any():
-            assert self._fresh is not None
-            fagent, fhost, (fplist, fdigest), _ = self._fresh
-            xs.append((fresh, fagent.write(fhost, g.frag_index(pages[fresh]), fplist, g.frag_index(slots[fresh])),
-                       fdigest))
-        sums = np.empty(len(slots), dtype=np.uint64)
-        for mask, x, digest in xs:
-            x.wait(self.timeout)
-            sums[mask] = digest(pages[mask])
-        self._written[slots] = True
-        return sums
 
     def get(self, keys: Sequence[str], pages: np.ndarray, host: kvx.PreparedList) -> list[bool]:
         """Read the stored prefix of ``keys`` into host pages ``pages``; verify each page.
@@ -373,9 +333,7 @@ class SlabStore:
             if self._log is not None:
                 self._log.close()
                 self._log = None
-            regs = [self._reg] + ([self._fresh[3]] if self._fresh is not None else [])
-            for reg in regs:
-                try:
-                    reg.release()
-                except kvx.KVXError:
-                    log.debug("slab release", exc_info=True)
+            try:
+                self._reg.release()
+            except kvx.KVXError:
+                log.debug("slab release", exc_info=True)

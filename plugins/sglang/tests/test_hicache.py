@@ -137,7 +137,7 @@ def test_corrupt_page_is_a_miss(tmp_path, direct_io):
 @pytest.mark.parametrize("inline", [True, False])
 def test_batches_on_the_io_threads_or_inline(tmp_path, inline):
     """Both ways of running a batch (calling thread, kvx's I/O threads) store, reuse and load
-    the same bytes, first writes (pwritev) and rewrites (the mapping) alike."""
+    the same bytes, first writes and rewrites of slots alike."""
     pool = mha_pool("page_first", pages=64)
     fill(pool, 8)
     b = make(tmp_path, pool, inline=inline, capacity_gb=10 * pool.page_size * pool.size_per_token / (1 << 30))
