@@ -1,6 +1,6 @@
 """Tier I/O benchmarks of issue 19, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_tiers.py [--base 27cdcfb] [--limit 1000] [--skip-replay]
+    .venv/bin/python benchmarks/bench_tiers.py [--base 27cdcfb,b4af9a6] [--limit 1000] [--skip-replay]
 
 1. ``kvx replay`` through host + disk + SeaweedFS objects (one SeaweedFS for both runs), the
    code of ``--base`` (extracted with ``git archive`` into a temporary directory, sharing this
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kvx  # noqa: E402
-from kvx.tiers import DiskTier, HostTier, TieredStore  # noqa: E402
+from kvx.tiers import DiskTier, HostTier, TieredStore, checksum  # noqa: E402
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 
@@ -61,11 +61,12 @@ def bench_replay(base_ref: str, limit: int, trace: str, policy: str) -> None:
     sw = SeaweedFS()
     sw.start()
     try:
-        base = extract_base(base_ref, _mk(tmp, "base"))
+        codes = [(f"main {ref}" if i == 0 else f"{ref}", extract_base(ref, _mk(tmp, f"base{i}")))
+                 for i, ref in enumerate(base_ref.split(","))]
         args = [trace, "--capacity", "1000", "--disk", "4000", "--s3", "2000", "--limit", str(limit),
                 "--policy", policy]
         rows = []
-        for name, path in (("main " + base_ref, base), ("this tree", ROOT)):
+        for name, path in (*codes, ("this tree", ROOT)):
             t0 = time.perf_counter()
             res = replay(path, args, sw.env())
             rows.append((name, res, time.perf_counter() - t0))
@@ -99,21 +100,35 @@ def bench_get(bs: int, iters: int) -> None:
             for keys in sets:  # A, B, C: A and B end up on disk (and stay there: persistent)
                 st.put(keys, src)
             st.flush()
-            out = np.zeros(n * bs, np.uint8)
-            dst = st.agent.prepare(kvx.DescList.blocks(st.agent.register(out), bs))
+            pool = kvx.alloc_host(n * bs)  # the destination: host memory as kvx bench's (alloc_host)
+            out = np.frombuffer(pool.data, np.uint8)
+            dst = st.agent.prepare(kvx.DescList.blocks(st.agent.register(pool), bs))
             for keys in (sets[0], sets[1], sets[0], sets[1]):  # warm up; C lands on disk too
                 st.get(keys, dst)
             st.flush()
             ts = []
+            tf = []
+            tp = []
+            disk = st.tiers[1]
+            assert disk.plist is not None
             for i in range(iters):  # alternate: every get reads its 64 blocks from disk
                 keys = sets[i % 2]
                 assert st.lookup(keys).tiers == (1,) * n
+                # the ceiling, interleaved: one plain posix read of the same 64 slots into dst
+                slots = [disk.index[k][0] for k in keys]
+                t0 = time.perf_counter()
+                st.agent.read(dst, list(range(n)), disk.plist, slots).wait(60)
+                tp.append(time.perf_counter() - t0)
+                out[:] = 0
                 t0 = time.perf_counter()
                 assert st.get(keys, dst) == n
                 ts.append(time.perf_counter() - t0)
-                st.flush()
-            assert np.array_equal(out, data)
+                st.flush()  # the promotions to the host tier (background jobs) land
+                tf.append(time.perf_counter() - t0)
+                assert np.array_equal(out, data)
             get_gbps = n * bs / statistics.median(ts) / 1e9
+            getf_gbps = n * bs / statistics.median(tf) / 1e9
+            plain_gbps = n * bs / statistics.median(tp) / 1e9
         jpath = os.path.join(tmp, "posix.json")
         r = subprocess.run([sys.executable, "-m", "kvx.cli", "bench", "--backend", "posix", "--op", "read",
                             "--block-sizes", f"{bs >> 10}K", "--total", f"{n * bs >> 10}K", "--iters", str(iters),
@@ -130,15 +145,22 @@ def bench_get(bs: int, iters: int) -> None:
         print("| path | GB/s | ratio |")
         print("|---|---|---|")
         print(f"| kvx bench --backend posix read (row kvx) | {posix['gbps']:.2f} | 1.00 |")
-        print(f"| TieredStore.get, 64 blocks from disk (checksummed, promoted) | {get_gbps:.2f} | "
+        print(f"| plain posix read of the same 64 disk slots into the destination (agent.read, interleaved) | "
+              f"{plain_gbps:.2f} | {plain_gbps / posix['gbps']:.2f} |")
+        print(f"| TieredStore.get, 64 blocks from disk (checksummed in the destination) | {get_gbps:.2f} | "
               f"{get_gbps / posix['gbps']:.2f} |")
+        print(f"| the same get + flush() (its 64 promotions to the host tier landed) | {getf_gbps:.2f} | "
+              f"{getf_gbps / posix['gbps']:.2f} |")
+        print(f"\nget / plain read of the same slots: {get_gbps / plain_gbps:.2f}x; checksums: "
+              f"{checksum.IMPL}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="27cdcfb", help="git ref of the code to compare against")
+    ap.add_argument("--base", default="27cdcfb,b4af9a6",
+                    help="git refs of the codes to compare against, comma-separated (ratios to the first)")
     ap.add_argument("--limit", type=int, default=1000, help="requests of the trace to replay")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--block-bytes", type=int, default=256 << 10, help="block size of the get benchmark")

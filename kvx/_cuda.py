@@ -18,8 +18,8 @@ import numpy as np
 
 from .errors import BackendUnavailable, RegistrationError
 
-__all__ = ["host_device_pointer", "import_cupy", "kernel_source_path", "pin_host", "region_from_cai", "require_runtime",
-           "unavailable", "unpin_host"]
+__all__ = ["copy_module", "host_device_pointer", "import_cupy", "kernel_source_path", "pin_host", "region_from_cai",
+           "require_runtime", "unavailable", "unpin_host"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ def kernel_source_path() -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+def copy_module(cp: Any) -> Any:
+    """The batched copy kernels (``kvx_copy.cu``) compiled by NVRTC for the current device (a
+    ``cupy.RawModule``; entry points ``kvx_gather_copy``, ``..._i32`` and the variants).
+
+    Raises
+    ------
+    BackendUnavailable
+        If the kernel source is missing.
+    """
+    src = kernel_source_path()
+    if src is None:
+        raise BackendUnavailable(f"copy kernel source {KERNEL_FILE} not found (native/cuda or kvx/_kernels)")
+    return cp.RawModule(code=src.read_text(), options=("--std=c++17",))
 
 
 def _probe() -> str | None:

@@ -16,7 +16,18 @@ import numpy as np
 from . import wire
 from ._slots import BOOT_ID, MAX_SLOTS
 from .backends import registry
-from .backends.base import Backend, BackendContext, Op, PeerInfo, region_rows, validate
+from .backends.base import (
+    Backend,
+    BackendContext,
+    DoneRequest,
+    Op,
+    PeerInfo,
+    Request,
+    Route,
+    index_array,
+    region_rows,
+    validate,
+)
 from .config import AgentConfig
 from .errors import (
     BackendUnavailable,
@@ -89,7 +100,8 @@ class PreparedList:
         Per descriptor, the registration slot (region) that contains it.
     """
 
-    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "slots", "used")
+    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "rroutes", "slots", "used",
+                 "wroutes")
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
@@ -102,6 +114,14 @@ class PreparedList:
         self.bdata: dict[str, Any] = {}
         self.pinfo = pinfo
         self.epoch = agent._epoch
+        # remote list -> the Route of the backend that serves the pair for reads / for writes,
+        # made at the pair's first post
+        self.rroutes: dict[PreparedList, Route] = {}
+        self.wroutes: dict[PreparedList, Route] = {}
+
+    def routes(self, op: Op) -> dict[PreparedList, Route]:
+        """The routes of this (local) list for ``op``, by remote list."""
+        return self.wroutes if op is Op.WRITE else self.rroutes
 
     @property
     def kind(self) -> MemoryKind:
@@ -150,11 +170,7 @@ class Agent:
         self._notifs: dict[str, list[bytes]] = defaultdict(list)
         self._notif_lock = threading.Lock()
         self._notif_cv = threading.Condition(self._notif_lock)
-        self._pair_cache: dict[tuple[int, int], Backend] = {}
         self._epoch = 0  # bumped by every release: prepared lists re-check liveness only then
-        # (id(local), id(remote), op) -> (post function, backend name, local, remote): the
-        # routing of a list pair resolved once, for plain read/write calls
-        self._fast: dict[tuple[int, int, Op], tuple[Any, str, PreparedList, PreparedList]] = {}
         self._handles: dict[int, list[tuple[Backend, Any]]] = {}
         ctx = BackendContext(
             agent_name=name,
@@ -355,7 +371,6 @@ class Agent:
     def _release(self, reg: Registration) -> None:
         with self._lock:
             self._epoch += 1
-            self._fast = {}
             for slot in reg.slots:
                 entry = self._regions.pop(slot, None)
                 if entry is None:
@@ -369,7 +384,6 @@ class Agent:
                     except KVXError:
                         log.warning("backend %s failed to deregister a region", b.name, exc_info=True)
                 self._free.append(slot)
-            self._pair_cache.clear()
 
     # ------------------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -476,8 +490,6 @@ class Agent:
         """Disconnect from a peer; its pending transfers fail with PeerDisconnected."""
         with self._lock:
             info = self._peers.pop(name, None)
-            self._pair_cache.clear()
-            self._fast = {}
         if info is None:
             return
         for b in self.backends:
@@ -574,23 +586,24 @@ class Agent:
             raise UsageError(f"peer {remote.peer!r} was removed and added again since this list was prepared; "
                              "prepare again")
 
-    def _select(self, local: PreparedList, remote: PreparedList, backend: str | None) -> Backend:
-        key = (id(local), id(remote))
-        if backend is None:
-            b = self._pair_cache.get(key)
-            if b is not None:
-                return b
+    def _route(self, op: Op, local: PreparedList, remote: PreparedList, backend: str | None) -> Route:
+        """The route of a checked list pair: cached on the local list, made at the first post."""
+        routes = local.routes(op)
+        r = routes.get(remote)
+        if r is not None and (backend is None or r.backend.name == backend):
+            return r
         loopback = remote.peer is None
         cands = [self.backend(backend)] if backend else self.backends
         for b in cands:
             if b.name not in local.bdata or b.name not in remote.bdata:
                 continue
             if b.serves(local.kind, remote.kind, loopback):
+                r = b.route(op, local, remote)
                 if backend is None:
-                    if len(self._pair_cache) > 4096:
-                        self._pair_cache.clear()
-                    self._pair_cache[key] = b
-                return b
+                    if len(routes) >= 64:
+                        routes.clear()
+                    routes[remote] = r
+                return r
         raise BackendUnavailable(
             f"no backend moves {local.kind.name} -> {remote.kind.name}"
             + (" locally" if loopback else f" to peer {remote.peer!r}")
@@ -607,42 +620,18 @@ class Agent:
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise UsageError("notify must be bytes")
 
+    def _transfer(self, req: Request, backend: str) -> Transfer:
+        if type(req) is DoneRequest:
+            return Transfer._completed(req.nbytes, backend)
+        return Transfer(req, req.nbytes, backend, self.config.transfer_timeout)
+
     def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
               notify: bytes | None, backend: str | None) -> Transfer:
+        """A post of a pair without a usable cached route (or with notify/backend): every check."""
         self._args(local, remote, notify)
         self._check_post(local, remote)
-        b = self._select(local, remote, backend)
-        try:
-            req = b.post(op, local, as_index(lidx), remote, as_index(ridx),
-                         bytes(notify) if notify is not None else None)
-        except (IndexError, ValueError, TypeError) as exc:
-            raise UsageError(f"bad transfer request: {exc}") from exc
-        fk = (id(local), id(remote), op)
-        f = self._fast.get(fk)
-        if notify is None and backend is None and len(self._fast) < 4096 and (
-                f is None or f[2] is not local or f[3] is not remote or f[1] != b.name):
-            fp = b.fast_path(op, local, remote)  # once per pair: a backend may cache work in it
-            if fp is not None:
-                self._fast[fk] = (fp, b.name, local, remote)
-        if isinstance(req, int):
-            return Transfer._completed(req, b.name)
-        return Transfer(req, req.nbytes, b.name, self.config.transfer_timeout)
-
-    def _try_fast(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any) -> Transfer | None:
-        """The resolved route of a list pair already posted once, if it is still valid."""
-        f = self._fast.get((id(local), id(remote), op))
-        if f is None or f[2] is not local or f[3] is not remote or self.closed:
-            return None
-        ep = self._epoch
-        if local.epoch != ep or (remote.peer is None and remote.epoch != ep):
-            return None
-        try:
-            r = f[0](lidx, ridx)
-        except (TypeError, ValueError, IndexError):
-            return None  # the general path converts what it can and raises UsageError for the rest
-        if type(r) is int:
-            return Transfer._completed(r, f[1])
-        return Transfer(r, r.nbytes, f[1], self.config.transfer_timeout)
+        r = self._route(op, local, remote, backend)
+        return self._transfer(r.post(lidx, ridx, bytes(notify) if notify is not None else None), r.backend.name)
 
     def make_transfer(self, op: str, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any,
                       *, notify: bytes | None = None, backend: str | None = None) -> TransferPlan:
@@ -665,14 +654,10 @@ class Agent:
             raise UsageError(f"op must be 'read' or 'write', not {op!r}")
         self._args(local, remote, notify)
         self._check_post(local, remote)
-        b = self._select(local, remote, backend)
-        li, ri = as_index(local_idx), as_index(remote_idx)
-        try:
-            post = b.make_plan(Op(op), local, li, remote, ri, bytes(notify) if notify is not None else None)
-        except (IndexError, ValueError, TypeError) as exc:
-            raise UsageError(f"bad transfer request: {exc}") from exc
-        nb = int(local.descs.nbytes[np.atleast_1d(np.asarray(li, dtype=np.int64))].sum())
-        return TransferPlan(self, post, b.name, (local, remote), nb)
+        r = self._route(Op(op), local, remote, backend)
+        post = r.plan(local_idx, remote_idx, bytes(notify) if notify is not None else None)
+        nb = int(local.descs.nbytes[index_array(local_idx, len(local), "local index")].sum())
+        return TransferPlan(self, post, r.backend.name, (local, remote), nb)
 
     def read(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
              notify: bytes | None = None, backend: str | None = None) -> Transfer:
@@ -691,19 +676,29 @@ class Agent:
         backend
             Force a backend by name.
         """
-        if notify is None and backend is None:
-            x = self._try_fast(Op.READ, local, local_idx, remote, remote_idx)
-            if x is not None:
-                return x
+        if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
+            r = local.rroutes.get(remote)
+            ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
+            if r is not None and not self.closed and local.epoch == ep and (
+                    remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
+                req = r.post(local_idx, remote_idx, None)
+                if type(req) is DoneRequest:
+                    return Transfer._completed(req.nbytes, r.backend.name)
+                return Transfer(req, req.nbytes, r.backend.name, self.config.transfer_timeout)
         return self._post(Op.READ, local, local_idx, remote, remote_idx, notify, backend)
 
     def write(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,
               notify: bytes | None = None, backend: str | None = None) -> Transfer:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
-        if notify is None and backend is None:
-            x = self._try_fast(Op.WRITE, local, local_idx, remote, remote_idx)
-            if x is not None:
-                return x
+        if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
+            r = local.wroutes.get(remote)
+            ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
+            if r is not None and not self.closed and local.epoch == ep and (
+                    remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
+                req = r.post(local_idx, remote_idx, None)
+                if type(req) is DoneRequest:
+                    return Transfer._completed(req.nbytes, r.backend.name)
+                return Transfer(req, req.nbytes, r.backend.name, self.config.transfer_timeout)
         return self._post(Op.WRITE, local, local_idx, remote, remote_idx, notify, backend)
 
     # ------------------------------------------------------------------------------------------
@@ -797,19 +792,3 @@ class _StorageRegion:
     @property
     def dev(self) -> int:
         return self.slot
-
-
-def as_index(idx: Any) -> Any:
-    """Normalize an index argument for the native layer (list/tuple/int pass through)."""
-    if isinstance(idx, (list, tuple)) or type(idx) is int:
-        return idx
-    if isinstance(idx, np.integer):
-        return int(idx)
-    a = np.asarray(idx)
-    if a.dtype.kind not in "iu":
-        raise UsageError(f"indices must be integers, not {a.dtype}")
-    if a.dtype != np.int64:
-        if a.size and a.dtype.kind == "u" and int(a.max()) >= (1 << 63):
-            raise UsageError("index out of range")
-        a = a.astype(np.int64)
-    return np.ascontiguousarray(a.reshape(-1))

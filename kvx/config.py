@@ -183,6 +183,14 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_BENCH_GPU_NAME", str, None, "GPU name printed in the kvx bench header (set by gpu_check.sh)."),
         Setting("KVX_NIXL_LOG", _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True), "WARNING",
                 "Log level of the NIXL comparison's child processes."),
+        Setting("KVX_TCP_STAGE_BYTES", _int(64 << 10, 1 << 30), 4 << 20,
+                "Bytes per pinned staging slot of the tcp backend: the largest frame of a transfer touching "
+                "CUDA memory."),
+        Setting("KVX_TCP_STAGE_SLOTS", _int(2, 64), 4,
+                "Pinned staging slots per tcp connection (frames gathered, on the wire or scattering at once)."),
+        Setting("KVX_TCP_STAGE_HOST", _bool, False,
+                "Move host memory through the tcp backend's staging path too (tests of the GPU pipeline "
+                "without a GPU; slower)."),
         Setting("KVX_TCP_STREAMS", _int(1, 64), 2, "TCP connections per peer (a large transfer is striped over them)."),
         Setting("KVX_TCP_CHUNK", _int(4096, 1 << 30), 16 << 20,
                 "Bytes per TCP data frame (pipelining unit of large transfers; 16 MiB measured best on loopback)."),

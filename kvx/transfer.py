@@ -197,10 +197,7 @@ class TransferPlan:
     def post(self) -> Transfer:
         """Start the transfer again; returns a new :class:`Transfer`."""
         self._agent._check_post(*self._lists)
-        r = self._post()
-        if type(r) is int:
-            return Transfer._completed(r, self._backend)
-        return Transfer(r, self.nbytes, self._backend, self._agent.config.transfer_timeout)
+        return self._agent._transfer(self._post(), self._backend)
 
     def __repr__(self) -> str:
         return f"<TransferPlan {self.nbytes} bytes via {self._backend}>"

@@ -4,8 +4,9 @@
  * One Worker object owns a UCP context, one worker, its endpoints and a progress thread:
  *
  * - post() issues a whole transfer's index list in one call: one ucp_put_nbx/ucp_get_nbx per
- *   descriptor pair (local memh and remote rkey per descriptor), the requests freed at once
- *   (UCX releases them when they complete), then one ucp_ep_flush_nbx whose completion means
+ *   descriptor pair (local memh and remote rkey per descriptor, UCP_OP_ATTR_FLAG_MULTI_SEND;
+ *   each request freed by its completion callback, which also marks the endpoint's progress
+ *   for the peer_timeout watchdog), then one ucp_ep_flush_nbx whose completion means
  *   every operation before it completed remotely. The transfer is done when the flush is; a
  *   notification attached to it is sent (active message) from the flush callback, i.e. after
  *   the data landed.
@@ -105,6 +106,7 @@ typedef struct kworker {
     int stop;
     double peer_timeout;
     kep *eps[MAX_EPS];
+    int eps_hi;           /* one past the highest slot of eps[] ever used (bounds the scans) */
     amsg *qhead, *qtail;
     long qlen;
     long dropped;
@@ -208,16 +210,20 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t st) {
 }
 
 /* force-close failed endpoints (pending flushes complete with an error), under lk */
-static void reap_failed(kworker *w) {
+static int reap_failed(kworker *w) {
     double t = now_s();
-    for (int i = 0; i < MAX_EPS; i++) {
+    int busy = 0;
+    for (int i = 0; i < w->eps_hi; i++) {
         kep *e = w->eps[i];
         if (!e || e->closed) continue;
         if (!e->failed && e->pending > 0 && w->peer_timeout > 0 && t - e->last > w->peer_timeout) {
             e->failed = 1;
             e->status = UCS_ERR_ENDPOINT_TIMEOUT;
         }
-        if (!e->failed) continue;
+        if (!e->failed) {
+            if (e->pending > 0) busy = 1;
+            continue;
+        }
         ucp_request_param_t prm;
         memset(&prm, 0, sizeof(prm));
         prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -230,6 +236,7 @@ static void reap_failed(kworker *w) {
             ucp_request_free(r);
         }
     }
+    return busy;
 }
 
 /* ---- progress thread --------------------------------------------------------------------- */
@@ -254,10 +261,7 @@ static void *progress_main(void *arg) {
         if (w->stop) { pthread_mutex_unlock(&w->lk); break; }
         unsigned got = 0, k;
         while ((k = ucp_worker_progress(w->worker)) != 0) got += k;
-        reap_failed(w);
-        int busy = 0;
-        for (int i = 0; i < MAX_EPS; i++)
-            if (w->eps[i] && !w->eps[i]->closed && w->eps[i]->pending > 0) { busy = 1; break; }
+        int busy = reap_failed(w);
         double t = now_s();
         if (got) last_active = t;
         if (t - last_active < SPIN_S) {
@@ -401,7 +405,7 @@ static void worker_close_impl(kworker *w) {
     }
     if (w->worker) {
         pthread_mutex_lock(&w->lk);
-        for (int i = 0; i < MAX_EPS; i++) {
+        for (int i = 0; i < w->eps_hi; i++) {
             kep *e = w->eps[i];
             if (!e) continue;
             if (!e->closed) {
@@ -561,6 +565,7 @@ static PyObject *worker_ep_create(kworker *w, PyObject *args) {
             e->id = id;
             e->last = now_s();
             w->eps[id] = e;
+            if (id >= w->eps_hi) w->eps_hi = id + 1;
         }
     }
     pthread_mutex_unlock(&w->lk);
@@ -746,7 +751,9 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
         x->ep = e;
         ucp_request_param_t prm;
         memset(&prm, 0, sizeof(prm));
-        prm.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        /* MULTI_SEND: UCX picks its protocols for the bandwidth of many operations in flight */
+        prm.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                           UCP_OP_ATTR_FLAG_MULTI_SEND;
         prm.cb.send = op_cb;
         prm.user_data = e;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -903,7 +910,7 @@ static PyObject *worker_stats(kworker *w, PyObject *unused) {
     (void)unused;
     long neps = 0, pend = 0;
     pthread_mutex_lock(&w->lk);
-    for (int i = 0; i < MAX_EPS; i++) if (w->eps[i]) { neps++; pend += w->eps[i]->pending; }
+    for (int i = 0; i < w->eps_hi; i++) if (w->eps[i]) { neps++; pend += w->eps[i]->pending; }
     long dropped = w->dropped;
     pthread_mutex_unlock(&w->lk);
     return Py_BuildValue("{s:l,s:l,s:l}", "endpoints", neps, "pending", pend, "dropped", dropped);

@@ -15,7 +15,7 @@ SIZES=${GPU_CHECK_SIZES:-4K,32K,256K,2M,64M}
 SEGS=${GPU_CHECK_SEGS:-vram,vram vram,pinned}
 ITERS=${GPU_CHECK_ITERS:-9}
 TESTS=${GPU_CHECK_TESTS:-1}
-# after the table: where the CPU time of one kernel post goes at 4K/32K, phase by phase
+# after the table: the CPU time of one kernel post at 4K/32K (call to return) and the wait after it
 PROFILE=${GPU_CHECK_PROFILE:-1}
 
 $PY -c "import msgpack" 2>/dev/null || $PY -m pip install -q --no-index --find-links .carry msgpack \
@@ -39,7 +39,7 @@ $PY -c "import kvx.backends.cuda as c; print('cuda backend:', c.CudaBackend.unav
 rc=0
 if [ "$TESTS" = 1 ]; then
   echo "== tests (gpu)"
-  $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py \
+  $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py tests/test_tcp_gpu.py \
     2>&1 | tee "$OUT/tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
@@ -89,9 +89,10 @@ for path in sorted(glob.glob(os.path.join(out, "bench-cuda-*.json"))):
                   f"p99 {r['lat_us_p99']:.1f} us")
 PYEOF
 if [ "$PROFILE" = 1 ]; then
-  # where the CPU time of one kernel post goes (clock stamps at each phase of post(), medians)
-  echo "== profile: one kernel post at 4K/32K, phase by phase (python -m kvx.bench.cuda stamps)"
-  $PY -m kvx.bench.cuda stamps --total "$TOTAL" --block-sizes 4K,32K 2>&1 | tee "$OUT/profile.txt" \
+  # the CPU time of one kernel post (call to return) and the rest to completion, medians, timed from
+  # outside; the pair's native route and the general path side by side
+  echo "== profile: one kernel post at 4K/32K (benchmarks/gpu_tune.py stamps)"
+  $PY benchmarks/gpu_tune.py stamps --total "$TOTAL" --block-sizes 4K,32K 2>&1 | tee "$OUT/profile.txt" \
     || echo "profile failed"
 fi
 exit $rc

@@ -167,7 +167,13 @@ def test_torch_cpu_tensors_register_and_move() -> None:
 
 def test_registry_third_party_backend() -> None:
     from kvx.backends import Backend, Op, register_backend, registry
-    from kvx.backends.base import DoneRequest
+    from kvx.backends.base import DoneRequest, Route
+
+    class NullRoute(Route):
+        def post(self, lidx, ridx, notify):  # type: ignore[no-untyped-def]
+            type(self.backend).posts += 1
+            assert self.op in (Op.READ, Op.WRITE)
+            return DoneRequest(0)
 
     class Null(Backend):
         """Pretends to move host memory locally; counts posts."""
@@ -177,10 +183,8 @@ def test_registry_third_party_backend() -> None:
         local = True
         posts = 0
 
-        def post(self, op, local, lidx, remote, ridx, notify):  # type: ignore[no-untyped-def]
-            type(self).posts += 1
-            assert op in (Op.READ, Op.WRITE)
-            return DoneRequest(0)
+        def route(self, op, local, remote):  # type: ignore[no-untyped-def]
+            return NullRoute(self, op, local, remote)
 
     register_backend("null", Null)
     assert "null" in registry.names()

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx.bench.cuda import Helper, digest, pattern
 from kvx.testing.conformance import TransferConformance
+from kvx.testing.gpu_peer import Helper, alloc, digest, pattern
 
 
 def _reason() -> str | None:
@@ -274,8 +274,8 @@ def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatc
         ctl[1] = ctl[3] = 0
         rcs["launch"] = 0
     # small transfers: chunks halved while the items still fit the grid's warps (528 x 256 / 32),
-    # down to min_shift; as kvx.backends.cuda._chunk_shift
-    from kvx.backends import cuda as kc
+    # down to min_shift; as kvx.backends.cuda.indices._chunk_shift
+    from kvx.backends.cuda.indices import _chunk_shift
 
     for min_shift, n_pairs, want_shift in ((12, 3, 12), (13, 3, 13), (12, 200, 12), (12, 500, 13), (12, 2000, 14),
                                          (15, 3, 14)):
@@ -289,26 +289,128 @@ def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatc
         items = n_pairs * -(-ulen // (1 << want_shift))
         assert launch_args[6] == want_shift and launch_args[5][7] == items, (min_shift, n_pairs, launch_args)
         assert launch_args[2] == min(528, (items * 32 + 255) // 256)
-        with monkeypatch.context() as m:
-            m.setattr(kc, "CHUNK_SHIFT_MIN", min_shift)
-            assert kc._chunk_shift(n_pairs, ulen, 528 * 256 // 32) == want_shift
+        assert _chunk_shift(n_pairs, ulen, 528 * 256 // 32, 14, min_shift) == want_shift
     with pytest.raises(ValueError):  # guards must be u64 triples
         _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards[:4])
     with pytest.raises(ValueError):  # no kernel
         _native.CudaRoute(*fns, 0x7, 0x30, 0, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards)
 
 
-def test_spin_setting() -> None:
-    """``KVX_CUDA_SPIN_US`` sets how long a waiter spins natively (read at import): microseconds, 0 or
-    less for none; a value that is not a number is a UsageError naming the setting."""
-    code = "import kvx.backends.cuda as c; print(repr(c.SPIN_WAIT))"
-    for raw, want in (("500", 0.0005), ("-3", 0.0), ("", 0.002)):
-        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVX_CUDA_SPIN_US": raw},
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and float(r.stdout) == pytest.approx(want), (raw, r.stdout, r.stderr)
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVX_CUDA_SPIN_US": "abc"},
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "UsageError: KVX_CUDA_SPIN_US='abc'" in r.stderr
+def test_options_from_the_environment_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CudaOptions``: the three deployment knobs default to their ``KVX_CUDA_*`` variables, read when
+    the options are made (not at import); a bad value is a UsageError naming the variable or field;
+    the advanced fields are checked too."""
+    from kvx.backends.cuda import CudaOptions
+
+    monkeypatch.setenv("KVX_CUDA_SPIN_US", "500")
+    monkeypatch.setenv("KVX_CUDA_COPY", "ce")
+    monkeypatch.setenv("KVX_CUDA_EXEC", "pull")
+    o = CudaOptions()
+    assert (o.spin_us, o.copy, o.exec_on) == (500.0, "ce", "pull")
+    monkeypatch.setenv("KVX_CUDA_SPIN_US", "abc")
+    with pytest.raises(kvx.UsageError, match="KVX_CUDA_SPIN_US='abc'"):
+        CudaOptions()
+    monkeypatch.delenv("KVX_CUDA_SPIN_US")
+    monkeypatch.delenv("KVX_CUDA_COPY")
+    monkeypatch.delenv("KVX_CUDA_EXEC")
+    assert (CudaOptions().spin_us, CudaOptions().copy, CudaOptions().exec_on) == (2000.0, "auto", "initiator")
+    with pytest.raises(kvx.UsageError, match="copy"):  # an option() field: checked by AgentConfig
+        kvx.AgentConfig(options={"cuda": CudaOptions(copy="fast")})
+    with pytest.raises(kvx.UsageError, match="exec_on"):
+        kvx.AgentConfig(options={"cuda": CudaOptions(exec_on="anywhere")})
+    for bad in ({"threads": 100}, {"threads": 2048}, {"kernel": "turbo"}, {"staging_slots": 0},
+                {"split_fraction": 1.5}, {"route": 1}, {"chunk_shift": 40}, {"auto_plan": ()},
+                {"auto_plan": ((8 << 20, "ce", 0.0), (0, "kernel", 0.0))}, {"auto_plan": ((0, "dma", 0.0),)},
+                {"blocks_per_sm": 0}, {"reaper_lazy": -1.0}, {"pipe_pairs": -1}):
+        with pytest.raises(kvx.UsageError, match=f"CudaOptions.{next(iter(bad))}"):
+            CudaOptions(**bad)
+    ok = CudaOptions(threads=128, kernel="warp", auto_plan=((0, "kernel", 0.0), (1 << 20, "split", 0.3)))
+    assert ok.threads == 128 and ok.auto_plan[1] == (1 << 20, "split", 0.3)
+
+
+def test_error_map() -> None:
+    """The backend's one error map: a CUDA return code, cupy's CUDA exceptions (matched by class
+    without importing cupy) and a libcuda that does not load become the kvx class of the boundary
+    (TransferError unless ``where`` names another), with the cause kept; kvx errors pass through."""
+    from kvx.backends.cuda import ERRORS, CudaError
+    from kvx.backends.cuda.errors import fail
+
+    err = fail(700, "CUDA kernel launch")
+    assert type(err) is kvx.TransferError and str(err) == "CUDA kernel launch failed with CUDA error 700"
+    assert isinstance(err.__cause__, CudaError) and err.__cause__.code == 700
+    err = fail(1, (kvx.RegistrationError, "cuMemGetAddressRange(0x10)"))
+    assert type(err) is kvx.RegistrationError and "cuMemGetAddressRange(0x10) failed with CUDA error 1" in str(err)
+
+    runtime_error = type("CUDARuntimeError", (RuntimeError,), {"__module__": "cupy_backends.cuda.api.runtime"})
+    exc = runtime_error("cudaErrorInvalidValue: invalid argument")
+    err = ERRORS(exc, (kvx.BackendUnavailable, "cannot open 'p''s GPU memory with CUDA IPC on GPU 1"))
+    assert type(err) is kvx.BackendUnavailable and str(err).endswith("GPU 1: cudaErrorInvalidValue: invalid argument")
+    assert type(ERRORS(exc, "CUDA launch failed")) is kvx.TransferError
+    lookalike = type("CUDARuntimeError", (RuntimeError,), {"__module__": "somewhere.else"})
+    assert type(ERRORS(lookalike("x"), "CUDA launch failed")) is kvx.TransferError  # the default: still kvx
+    err = ERRORS(OSError(2, "libcuda.so.1: cannot open shared object file"), (kvx.BackendUnavailable,
+                                                                              "libcuda.so.1 not loadable"))
+    assert type(err) is kvx.BackendUnavailable and "not loadable" in str(err)
+    gone = kvx.PeerDisconnected("p")
+    assert ERRORS(gone, "x") is gone
+    with pytest.raises(kvx.TransferError) as info:
+        with ERRORS.mapped("CUDA launch failed"):
+            raise exc
+    assert info.value.__cause__ is exc
+
+
+def test_route_dispatch_without_a_gpu() -> None:
+    """``CudaRoute`` (the post contract), driven with a stand-in backend (no GPU here): the pair's
+    first post and posts with a notification take the general path with normalised indices; later
+    ones the fast poster with the indices as given, falling back to the general path for a form it
+    refuses; a bad index is a UsageError at the route; a plan checks its indices when made."""
+    import types
+
+    from kvx.backends.base import DoneRequest, Op
+    from kvx.backends.cuda.route import CudaRoute
+
+    calls: list[tuple[str, Any, Any, Any]] = []
+
+    class StandIn:
+        route_on = False  # the fast poster then calls _post with the indices as given
+
+        def _post(self, op: Op, local: Any, lidx: Any, remote: Any, ridx: Any, notify: bytes | None) -> Any:
+            calls.append(("post", lidx, ridx, notify))
+            if type(lidx) is np.ndarray and lidx.dtype == np.int16:
+                raise TypeError("int16 indices are not taken as they are")
+            li = np.atleast_1d(np.asarray(lidx))
+            if li.dtype.kind not in "iu":
+                raise TypeError(f"indices must be integers, not {li.dtype}")
+            if li.size and int(li.max()) >= 8:
+                raise IndexError("descriptor index out of range for a list of 8")
+            return DoneRequest(4096 * li.size)
+
+    plist = types.SimpleNamespace(bdata={"cuda": types.SimpleNamespace(addr=np.zeros(8, np.uint64))})
+    r = CudaRoute(StandIn(), Op.WRITE, plist, plist)  # type: ignore[arg-type]
+    i32 = np.array([1, 2], np.int32)
+    assert r.post(i32, [3, 4], None).nbytes == 8192
+    assert calls[-1][1].dtype == np.int64 and calls[-1][2] == [3, 4]  # first post: general, normalised
+    assert r.post(i32, [3, 4], None).nbytes == 8192
+    assert calls[-1][1] is i32  # then the fast poster, indices as given
+    calls.clear()
+    i16 = np.array([5], np.int16)
+    assert r.post(i16, [6], None).nbytes == 4096
+    assert [c[1].dtype for c in calls] == [np.int16, np.int64]  # refused as given, converted, posted
+    calls.clear()
+    r.post([0], [1], b"note")
+    assert [c[3] for c in calls] == [b"note"]  # a notification: the general path only
+    for bad in ([8], [0.5], np.array([9], np.int16)):
+        with pytest.raises(kvx.UsageError):
+            r.post(bad, [0], None)
+    calls.clear()
+    with pytest.raises(kvx.UsageError):
+        r.plan([0, 8], [0, 1], None)
+    with pytest.raises(kvx.UsageError):
+        r.plan([0, 1], [0], None)
+    assert calls == []  # nothing posted by a plan that was refused
+    post = r.plan(np.array([1, 2], np.int32), [3, 4], None)
+    assert post().nbytes == 8192 and post().nbytes == 8192
+    assert len(calls) == 2 and all(c[1].dtype == np.int64 for c in calls)  # checked once, as int64
 
 
 def test_native_cuda_event_spin_polls_until_done_or_bound() -> None:
@@ -360,8 +462,16 @@ def _ndev() -> int:
     return int(cupy.cuda.runtime.getDeviceCount())
 
 
-def _config() -> kvx.AgentConfig:
-    return kvx.AgentConfig(backends=("cuda",), peer_timeout=3.0)
+def _config(**opts: Any) -> kvx.AgentConfig:
+    """The initiator's configuration, with ``CudaOptions(**opts)`` if any (``copy`` ce or split: skips
+    where the driver has no cuMemcpyBatchAsync)."""
+    from kvx.backends.cuda import CudaOptions
+    from kvx.backends.cuda.driver import _driver
+
+    if opts.get("copy") in ("ce", "split") and not _driver().has_batch:
+        pytest.skip("cuMemcpyBatchAsync not available (CUDA < 12.8)")
+    return kvx.AgentConfig(backends=("cuda",), peer_timeout=3.0,
+                           options={"cuda": CudaOptions(**opts)} if opts else {})
 
 
 @pytest.fixture(scope="module")
@@ -380,10 +490,24 @@ def agent(helper: Helper) -> Any:
     a.close()
 
 
-def _local(seg: str, n: int, dev: int = 0) -> tuple[Any, Any]:
-    from kvx.bench.cuda import _alloc
+@pytest.fixture
+def make_agent(helper: Helper) -> Any:
+    """``make_agent(**opts)``: an initiator whose cuda backend has ``CudaOptions(**opts)``; closed after
+    the test."""
+    made: list[kvx.Agent] = []
 
-    return _alloc(seg, n, dev)
+    def make(name: str = "initiator", **opts: Any) -> kvx.Agent:
+        a = kvx.Agent(name, _config(**opts))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def _local(seg: str, n: int, dev: int = 0) -> tuple[Any, Any]:
+    return alloc(seg, n, dev)
 
 
 def _xp(view: Any) -> Any:
@@ -398,11 +522,19 @@ def _host(view: Any) -> np.ndarray:
     return view if isinstance(view, np.ndarray) else view.get()
 
 
-def _set_path(agent: kvx.Agent, path: str) -> None:
-    be = agent.backend("cuda")
-    if path in ("ce", "split") and not be.drv.has_batch:  # type: ignore[attr-defined]
-        pytest.skip("cuMemcpyBatchAsync not available (CUDA < 12.8)")
-    be.mode = path  # type: ignore[attr-defined]
+def _count_general_posts(monkeypatch: pytest.MonkeyPatch, agent: kvx.Agent) -> list[int]:
+    """A list that grows by one per post through the backend's general path (not a route's native
+    launch): which way a repost went."""
+    be: Any = agent.backend("cuda")
+    calls: list[int] = []
+    real = be._post
+
+    def post(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(be, "_post", post)
+    return calls
 
 
 @pytest.mark.gpu
@@ -448,13 +580,13 @@ SEGS = [("vram", "vram", 0), ("vram", "vram", 1), ("vram", "pinned", 0), ("pinne
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("lseg,rseg,rdev", SEGS)
 @pytest.mark.parametrize("bs", [1, 4096, 4097, 65536])
-def test_write_then_read_permuted(agent: kvx.Agent, helper: Helper, path: str, lseg: str, rseg: str, rdev: int,
+def test_write_then_read_permuted(make_agent: Any, helper: Helper, path: str, lseg: str, rseg: str, rdev: int,
                                   bs: int) -> None:
     if rdev >= _ndev():
         pytest.skip("needs two GPUs")
     if "torch" in (lseg, rseg):
         pytest.importorskip("torch")
-    _set_path(agent, path)
+    agent = make_agent(copy=path)
     n = 64
     rid, rdescs = helper.register(rseg, n * bs, rdev)
     try:
@@ -499,22 +631,17 @@ def test_write_then_read_permuted(agent: kvx.Agent, helper: Helper, path: str, l
 @pytest.mark.parametrize("path", PATHS_SPLIT)
 @pytest.mark.parametrize("exec_on", ["initiator", "owner", "pull"])
 @pytest.mark.parametrize("bs", [4096, 4097])
-def test_exec_gpu_choice_cross_gpu(helper: Helper, monkeypatch: pytest.MonkeyPatch, path: str, exec_on: str,
-                                   bs: int) -> None:
+def test_exec_gpu_choice_cross_gpu(helper: Helper, path: str, exec_on: str, bs: int) -> None:
     """Every executing-GPU policy moves the right bytes between GPU 0 and another process's GPU 1,
     also when the source was filled on GPU 0's default stream just before the post."""
-    from kvx.backends import cuda as kc
-
     if _ndev() < 2:
         pytest.skip("needs two GPUs")
     import cupy
 
-    monkeypatch.setattr(kc, "EXEC_ON", exec_on)
     n = 256
     rid, rdescs = helper.register("vram", n * bs, 1)
-    a = kvx.Agent(f"exec-{exec_on}", _config())
+    a = kvx.Agent(f"exec-{exec_on}", _config(copy=path, exec_on=exec_on))
     try:
-        _set_path(a, path)
         peer = a.add_peer(helper.meta)
         with cupy.cuda.Device(0):
             view = cupy.zeros(n * bs, cupy.uint8)
@@ -541,9 +668,9 @@ def test_exec_gpu_choice_cross_gpu(helper: Helper, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS_SPLIT)
-def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -> None:
+def test_odd_sizes_and_alignments(make_agent: Any, helper: Helper, path: str) -> None:
     """Unequal lengths, odd offsets on both sides (every co-alignment class), large and tiny."""
-    _set_path(agent, path)
+    agent = make_agent(copy=path)
     rng = np.random.default_rng(5)
     lens = np.array([1, 3, 15, 16, 17, 31, 100, 4095, 4097, 65537, 1 << 20, (1 << 20) + 13, 7, 2], dtype=np.uint64)
     loffs = np.array([0, 1, 2, 3, 4, 8, 9, 12, 16, 5, 7, 0, 1, 3], dtype=np.uint64)
@@ -592,8 +719,7 @@ def test_odd_sizes_and_alignments(agent: kvx.Agent, helper: Helper, path: str) -
 def test_loopback_same_and_peer_device_and_pinned(path: str) -> None:
     import cupy
 
-    with kvx.Agent("solo", _config()) as a:
-        _set_path(a, path)
+    with kvx.Agent("solo", _config(copy=path)) as a:
         bs, n = 8192 + 16, 32
         devs = [0, 1] if _ndev() > 1 else [0, 0]
         with cupy.cuda.Device(devs[0]):
@@ -666,13 +792,11 @@ def _scattered(perm: Any, bs: int, seed: int) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [True, False])
-def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch,
+def test_index_forms_and_bad_indices(make_agent: Any, helper: Helper, monkeypatch: pytest.MonkeyPatch,
                                      route: bool) -> None:
     """Every index form through the agent's cached route of the pair (a native ``_Route``, or
-    ``post()`` with ``ROUTE`` off), and bad indices rejected with nothing moved."""
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "ROUTE", route)
+    ``post()`` with ``CudaOptions(route=False)``), and bad indices rejected with nothing moved."""
+    agent = make_agent(route=route)
     rid, rdescs = helper.register("vram", 8 * 64, 0)
     try:
         peer = agent.add_peer(helper.meta)
@@ -688,11 +812,10 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypat
         exp = np.zeros((8, 64), np.uint8)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]
         assert helper.digest(rid) == digest(np, exp.reshape(-1))
-        assert any(f[1] == "cuda" for f in agent._fast.values())  # reposts of the pair took the shortcut
-        monkeypatch.setattr(kc, "STAMPS", [])  # which way a repost goes: the route stamps "route"
+        assert any(r.backend.name == "cuda" for r in local.wroutes.values())  # the pair's route was kept
+        general = _count_general_posts(monkeypatch, agent)  # which way a repost goes
         agent.write(local, [0], remote, [1]).wait(10)
-        assert ("route" in [label for label, _t in kc.STAMPS or []]) == route
-        monkeypatch.setattr(kc, "STAMPS", None)
+        assert len(general) == (0 if route else 1)
         for li, ri in [([0, 1], [0]), ([0], [8]), ([0.5], [1]), ([-1], [0]),
                        (np.arange(2), np.array([0, 8])), (np.array([0, -1]), np.arange(2)),  # native staging
                        (np.arange(8, dtype=np.int32), np.array([0, 1, 2, 3, 4, 5, 6, 9], np.int32))]:
@@ -705,14 +828,12 @@ def test_index_forms_and_bad_indices(agent: kvx.Agent, helper: Helper, monkeypat
 
 
 @pytest.mark.gpu
-def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_route_from_several_threads(make_agent: Any, helper: Helper) -> None:
     """Four threads post through one pair's route at once, many transfers each before waiting, on a
     staging ring of two slots: every transfer ends and every byte lands where its indices say."""
     import threading
 
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
+    agent = make_agent(staging_slots=2)
     bs, n, k = 4096, 512, 4
     with _gpu_pair(agent, helper, bs, n, 13) as (rid, reg, local, remote):
         perm = np.random.default_rng(5).permutation(n)
@@ -739,13 +860,11 @@ def test_route_from_several_threads(agent: kvx.Agent, helper: Helper, monkeypatc
 
 
 @pytest.mark.gpu
-def test_route_reuses_slot_events(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_route_reuses_slot_events(make_agent: Any, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
     """The route records each staging slot's own event: a slot taken again retires the transfer that
     last used it (its event is recorded anew), so an unwaited transfer never reads as pending again;
     every transfer ends, in any order of waiting, and every byte lands."""
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
+    agent = make_agent(staging_slots=2)
     bs, n, k = 4096, 256, 8
     with _gpu_pair(agent, helper, bs, n, 17) as (rid, reg, local, remote):
         perm = np.random.default_rng(7).permutation(n)
@@ -770,11 +889,12 @@ def test_route_reuses_slot_events(agent: kvx.Agent, helper: Helper, monkeypatch:
 
 
 @pytest.mark.gpu
-def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", [True, False])
+def test_plan_reposts_through_the_route(make_agent: Any, helper: Helper, monkeypatch: pytest.MonkeyPatch,
+                                        route: bool) -> None:
     """``make_transfer`` on cuda: indices checked when the plan is made; each post goes through the
-    pair's route; a setting the route depends on, changed between posts, takes effect."""
-    from kvx.backends import cuda as kc
-
+    pair's native route (``CudaOptions(route=False)``: through the general path), every time."""
+    agent = make_agent(route=route)
     bs, n = 4096, 64
     with _gpu_pair(agent, helper, bs, n, 9) as (rid, reg, local, remote):
         with pytest.raises(kvx.UsageError):
@@ -782,25 +902,22 @@ def test_plan_reposts_through_the_route(agent: kvx.Agent, helper: Helper, monkey
         perm = np.random.default_rng(3).permutation(n)
         plan = agent.make_transfer("write", local, np.arange(n), remote, perm)
         want = _scattered(perm, bs, 9)
-        for route in (True, False, True):
-            monkeypatch.setattr(kc, "ROUTE", route)
+        general = _count_general_posts(monkeypatch, agent)
+        for k in range(1, 4):
             helper.call(cmd="zero", id=rid)
-            monkeypatch.setattr(kc, "STAMPS", [])
             plan.post().wait(10)
-            assert ("route" in [label for label, _t in kc.STAMPS or []]) == route
-            monkeypatch.setattr(kc, "STAMPS", None)
+            assert len(general) == (0 if route else k)
             assert helper.digest(rid) == want
         reg.release()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spin", [0.0, 1e-6, 0.002])
-def test_wait_spins_then_polls(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch, spin: float) -> None:
-    """``Transfer.wait``: a native spin on the event bounded by ``SPIN_WAIT`` (none, one that ends long
-    before the copy, the default), then the Python loop; each ends with every byte in place."""
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "SPIN_WAIT", spin)
+def test_wait_spins_then_polls(make_agent: Any, helper: Helper, spin: float) -> None:
+    """``Transfer.wait``: a native spin on the event bounded by ``CudaOptions.spin_us`` (none, one that
+    ends long before the copy, the default), then the Python loop; each ends with every byte in place."""
+    agent = make_agent(spin_us=spin * 1e6)
+    assert agent.backend("cuda").spin_wait == pytest.approx(spin)  # type: ignore[attr-defined]
     size, bs = 16 << 20, 4096
     rid, rdescs = helper.register("vram", size, 0)
     try:
@@ -823,18 +940,12 @@ def test_wait_spins_then_polls(agent: kvx.Agent, helper: Helper, monkeypatch: py
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["int32", "int64", "upload", "upload-int64"])
-def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch,
-                                   variant: str) -> None:
+def test_staging_ring_back_to_back(make_agent: Any, helper: Helper, variant: str) -> None:
     """Index staging: posts without waiting wrap a ring of 2 slots (the oldest is waited for), slots
     grow on demand; int32 indices (default), int64 (forced), read in place from the pinned slot by the
     kernel (zero copy, the default) or uploaded before it."""
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "STAGING_SLOTS", 2)
-    if variant.endswith("int64"):
-        monkeypatch.setattr(kc, "_I32_MAX", 0)
-    monkeypatch.setattr(kc, "INDEX_ZEROCOPY", not variant.startswith("upload"))
-    _set_path(agent, "kernel")
+    agent = make_agent(copy="kernel", staging_slots=2, index_i32=not variant.endswith("int64"),
+                       index_zerocopy=not variant.startswith("upload"))
     bs, n = 64, 1 << 14
     rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
     try:
@@ -865,17 +976,12 @@ def test_staging_ring_back_to_back(agent: kvx.Agent, helper: Helper, monkeypatch
 @pytest.mark.parametrize("min_shift", [12, 14])
 @pytest.mark.parametrize("kernel", ["warpx", "warp"])
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_kernel_item_orders(agent: kvx.Agent, helper: Helper, monkeypatch: pytest.MonkeyPatch, kernel: str,
-                            op: str, min_shift: int) -> None:
-    """Blocks of several work items (3 full 16 KiB chunks + a 100-byte tail; with ``CHUNK_SHIFT_MIN``
+def test_kernel_item_orders(make_agent: Any, helper: Helper, kernel: str, op: str, min_shift: int) -> None:
+    """Blocks of several work items (3 full 16 KiB chunks + a 100-byte tail; with ``chunk_shift_min``
     12 this small transfer is cut into 4 KiB items instead), permuted, both ways, posted twice (the
     general path, then the pair's route): chunk-major (``warpx``, the default) and block-major
     (``warp``) items land every byte."""
-    from kvx.backends import cuda as kc
-
-    monkeypatch.setattr(kc, "KERNEL", kernel)
-    monkeypatch.setattr(kc, "CHUNK_SHIFT_MIN", min_shift)
-    _set_path(agent, "kernel")
+    agent = make_agent(copy="kernel", kernel=kernel, chunk_shift_min=min_shift)
     bs, n = 3 * 16384 + 100, 48
     rid, rdescs = helper.register("vram", n * bs, min(1, _ndev() - 1))
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -123,3 +124,16 @@ def test_settings_doc_lists_every_option() -> None:
         assert f"`{cls.Options.__name__}`" in doc, f"{cls.Options.__name__} missing from docs/settings.md"
         for fname, env in config.options_fields(cls.Options):
             assert f"`{fname}` | `{env}`" in doc, f"{cls.Options.__name__}.{fname} ({env}) missing"
+
+
+def test_settings_doc_lists_every_field() -> None:
+    """Every field of every options class, the advanced ones without a variable (``CudaOptions``)
+    included, has a row of its class in docs/settings.md."""
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "settings.md").read_text()
+    for name in registry.names():
+        cls = registry.get(name).Options
+        if cls is None:
+            continue
+        rows = "\n".join(line for line in doc.splitlines() if line.startswith(f"| `{cls.__name__}` |"))
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in rows, f"{cls.__name__}.{f.name} missing from docs/settings.md"

@@ -96,15 +96,23 @@ def test_get_is_one_transfer_per_tier(tmp_path: Path) -> None:
         real_read = st.agent.read
 
         def counting_read(*a: Any, **kw: Any) -> Any:
-            calls.append(a[2].descs.kind)
+            if threading.current_thread() is threading.main_thread():  # not the write-back workers
+                calls.append((a[0].kind, a[2].descs.kind))
             return real_read(*a, **kw)
 
         st.agent.read = counting_read  # type: ignore[method-assign]
         out, dst = _lists(st, 64)
         assert st.get(list(range(64)), dst) == 64
         assert np.array_equal(out, buf)
-        # one read disk -> host for all 64, one read host -> destination for all 64
-        assert calls == [kvx.MemoryKind.FILE, kvx.MemoryKind.HOST]
+        # one read disk -> destination for all 64 (the promotion to the host tier is a write-back job)
+        assert calls == [(kvx.MemoryKind.HOST, kvx.MemoryKind.FILE)]
+        st.flush()
+        assert st.lookup(list(range(64))).tiers == (0,) * 64  # promoted once the jobs landed
+        calls.clear()
+        out[:] = 0
+        assert st.get(list(range(64)), dst) == 64
+        assert np.array_equal(out, buf)
+        assert calls == [(kvx.MemoryKind.HOST, kvx.MemoryKind.HOST)]  # one read host -> destination
 
 
 def test_concurrent_puts_and_gets_never_return_wrong_bytes(tmp_path: Path) -> None:
@@ -163,3 +171,68 @@ def test_prometheus_has_counters_queue_and_histograms(tmp_path: Path) -> None:
     assert "kvx_store_writeback_queue 0" in text
     assert 'kvx_store_writeback_latency_seconds_bucket{le="+Inf"} 3' in text
     assert "kvx_store_get_latency_seconds_count 1" in text and "kvx_store_put_latency_seconds_count 1" in text
+
+
+def test_checksum_is_zlib_crc32() -> None:
+    """Whatever implementation is in use, the values are zlib's (journals stay readable)."""
+    import zlib
+
+    from kvx.tiers.checksum import crc32
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 63, 4096, 1 << 20):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        assert crc32(b) == zlib.crc32(b)
+        assert crc32(memoryview(b.tobytes())) == zlib.crc32(b.tobytes())
+
+
+def test_direct_get_stops_at_a_corrupt_disk_block(tmp_path: Path) -> None:
+    """Disk blocks go straight into the destination and are checked there: a corrupt one in the
+    middle ends the get at its position, is scrubbed from the destination, and is dropped from
+    the disk and from the host tier (its background promotion does not bring it back)."""
+    with TieredStore([HostTier(blocks=8), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru") as st:
+        buf, src = _lists(st, 8)
+        for j in range(8):
+            buf[j * BB:(j + 1) * BB] = content(j)
+        st.put(list(range(8)), src)
+        st.put(list(range(100, 108)), src)  # 0..7 go down to disk
+        st.flush()
+        assert st.lookup(list(range(8))).tiers == (1,) * 8
+        slot = st.tiers[1].index[5][0]
+        with open(tmp_path / "slab.bin", "r+b") as f:
+            f.seek(slot * BB + 3)
+            b = f.read(1)
+            f.seek(slot * BB + 3)
+            f.write(bytes([b[0] ^ 0x55]))
+        out, dst = _lists(st, 8)
+        out[:] = 9
+        with pytest.raises(kvx.BlockNotFound, match="checksum") as ei:
+            st.get(list(range(8)), dst)
+        assert ei.value.args[1] == 5
+        assert np.array_equal(out[:5 * BB], buf[:5 * BB])
+        assert (out[5 * BB:6 * BB] == 0).all()  # scrubbed, not the corrupt bytes
+        st.flush()
+        assert 5 not in st and 5 not in st.tiers[0].index and 5 not in st.tiers[1].index
+        assert st.stats().tiers[1]["corrupt"] == 1
+        out[:] = 0
+        assert st.get([6, 7], dst) == 2  # the blocks after it are intact
+        assert np.array_equal(out[:2 * BB], buf[6 * BB:8 * BB])
+
+
+def test_get_into_a_released_destination_fails_cleanly(tmp_path: Path) -> None:
+    with TieredStore([HostTier(blocks=4), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru") as st:
+        buf, src = _lists(st, 8)
+        for j in range(8):
+            buf[j * BB:(j + 1) * BB] = content(j)
+        st.put(list(range(8)), src)
+        st.flush()
+        gone = np.zeros(8 * BB, np.uint8)
+        reg = st.agent.register(gone)
+        dst = st.agent.prepare(kvx.DescList.blocks(reg, BB))
+        reg.release()
+        with pytest.raises(kvx.KVXError):
+            st.get(list(range(8)), dst)
+        st.flush()
+        out, live = _lists(st, 8)
+        assert st.get(list(range(8)), live) == 8  # nothing was lost or left half-promoted
+        assert np.array_equal(out, buf)

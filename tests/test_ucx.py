@@ -89,6 +89,19 @@ def _agent(name: str, **kw: Any) -> kvx.Agent:
     return kvx.Agent(name, kvx.AgentConfig(backends=("ucx",), **kw))
 
 
+def test_ucx_defaults_yield_to_environment_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvx's one UCX default (RNDV_THRESH=inf, as NIXL sets it) applies only where neither the
+    environment nor UcxOptions.ucx names the setting."""
+    from kvx.backends.ucx import UcxOptions
+
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    assert UcxOptions().worker_settings() == [("RNDV_THRESH", "inf")]
+    assert UcxOptions(ucx=(("TLS", "tcp"),)).worker_settings() == [("RNDV_THRESH", "inf"), ("TLS", "tcp")]
+    assert UcxOptions(ucx=(("rndv_thresh", "8k"),)).worker_settings() == [("rndv_thresh", "8k")]
+    monkeypatch.setenv("UCX_RNDV_THRESH", "auto")
+    assert UcxOptions().worker_settings() == []
+
+
 def test_two_agents_in_one_process(tcp_env: None) -> None:
     with _agent("a") as a, _agent("b") as b:
         n, bs = 128, 4096

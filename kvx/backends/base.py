@@ -5,9 +5,14 @@ descriptor lists; a backend moves bytes between *prepared* lists it has accepted
 
 Life of a transfer::
 
-    agent.read/write -> backend.post(op, local, lidx, remote, ridx, notify) -> Request
-    Transfer.status  -> Request.test()   (True when finished; raises TransferError on failure)
-    Transfer.cancel  -> Request.cancel()
+    first post of a list pair -> backend.route(op, local, remote) -> Route (cached on the local list)
+    agent.read/write          -> route.post(lidx, ridx, notify) -> Request
+    agent.make_transfer       -> route.plan(lidx, ridx, notify) -> a poster built on route.post
+    Transfer.status           -> Request.test()   (True when finished; raises TransferError on failure)
+    Transfer.cancel           -> Request.cancel()
+
+``Route.post`` is the only way a transfer starts; what a backend resolves once per list pair
+(address arrays, native handles, the peer's connection) lives in its Route.
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, S
 import numpy as np
 
 from .._slots import MAX_SLOTS
-from ..errors import KVXError, ProtocolError
+from ..errors import KVXError, ProtocolError, UsageError
 from ..memory import DescList, MemoryKind, Region
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
 
-__all__ = ["Backend", "BackendContext", "DoneRequest", "ErrorMap", "JobRequest", "Op", "PeerInfo", "PreparedList",
-           "Request", "ThreadRequest", "region_rows", "validate"]
+__all__ = ["BAD_INDEX", "Backend", "BackendContext", "CallRoute", "DoneRequest", "ErrorMap", "JobRequest", "Op",
+           "PeerInfo", "PreparedList", "Request", "Route", "ThreadRequest", "index_array", "index_vector", "indices",
+           "region_rows", "validate"]
 
 _U64 = np.uint64
+_I64 = np.dtype(np.int64)
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +343,107 @@ class JobRequest(Request):
         return True
 
 
+def indices(idx: Any) -> Any:
+    """Normalise an index argument for the native layer: a list, tuple or int passes through,
+    anything else becomes a contiguous int64 array. Raises UsageError for non-integer input."""
+    t = type(idx)
+    if t is list or t is int or t is tuple:
+        return idx
+    if t is np.ndarray and idx.dtype is _I64 and idx.ndim == 1 and idx.flags.c_contiguous:
+        return idx
+    if isinstance(idx, (list, tuple)):
+        return idx
+    if isinstance(idx, np.integer):
+        return int(idx)
+    a = np.asarray(idx)
+    if a.dtype.kind not in "iu":
+        raise UsageError(f"indices must be integers, not {a.dtype}")
+    if a.dtype != np.int64:
+        if a.size and a.dtype.kind == "u" and int(a.max()) >= (1 << 63):
+            raise UsageError("index out of range")
+        a = a.astype(np.int64)
+    return np.ascontiguousarray(a.reshape(-1))
+
+
+def index_vector(idx: Any) -> np.ndarray:
+    """``idx`` (an int, a sequence or an integer array) as a contiguous 1-D int64 array; UsageError
+    for non-integer input. Bounds are the caller's (or the native layer's) to check."""
+    if type(idx) is int:
+        return np.array([idx], dtype=np.int64)
+    a = np.atleast_1d(np.asarray(idx))
+    if a.size and a.dtype.kind not in "iu":
+        raise UsageError(f"indices must be integers, not {a.dtype}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
+        raise UsageError("index out of range")
+    return np.ascontiguousarray(a.astype(np.int64, copy=False).reshape(-1))
+
+
+def index_array(idx: Any, n: int, what: str = "index") -> np.ndarray:
+    """``idx`` as a checked int64 array of positions in a list of ``n`` descriptors (UsageError if not)."""
+    try:
+        a = index_vector(idx)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"bad {what}: {exc}") from None
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+        raise UsageError(f"{what} out of range for a list of {n} descriptors")
+    return a
+
+
+class Route(ABC):
+    """A backend's resolved state for one ``(op, local list, remote list)``.
+
+    :meth:`Backend.route` makes it once per list pair (the agent keeps it on the local list);
+    :meth:`post` is the only way a transfer starts. ``lidx``/``ridx`` arrive as the user passed
+    them; a route raises :class:`~kvx.errors.UsageError` for a bad index, a length mismatch or
+    unequal descriptor sizes, and returns a :class:`Request` (a :class:`DoneRequest` when the
+    work finished while posting). The agent has checked the registrations' liveness, the open
+    agent and the peer's incarnation before each call.
+    """
+
+    __slots__ = ("backend", "local", "op", "remote")
+
+    def __init__(self, backend: "Backend", op: Op, local: "PreparedList", remote: "PreparedList") -> None:
+        self.backend = backend
+        self.op = op
+        self.local = local
+        self.remote = remote
+
+    @abstractmethod
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> "Request":
+        """Start moving ``local[lidx]`` <-> ``remote[ridx]``; must not block for long."""
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], "Request"]:
+        """A zero-argument function that posts this transfer (each call posts once).
+
+        The default checks the indices now and posts through :meth:`post`; a route may do the
+        descriptor work once instead.
+        """
+        li = index_array(lidx, len(self.local), "local index")
+        ri = index_array(ridx, len(self.remote), "remote index")
+        if li.shape != ri.shape:
+            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        post = self.post
+        return lambda: post(li, ri, notify)
+
+
+BAD_INDEX = (IndexError, ValueError, TypeError)  # what index checks (numpy's and the native layer's) raise
+
+
+class CallRoute(Route):
+    """The route of a backend with no per-pair state: each post calls the backend's
+    ``_post(op, local, lidx, remote, ridx, notify) -> Request`` with normalised indices, and
+    the index errors of its checks become UsageError here, at the boundary."""
+
+    __slots__ = ()
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        try:
+            return self.backend._post(self.op, self.local, indices(lidx), self.remote,  # type: ignore[attr-defined, no-any-return]
+                                      indices(ridx), notify)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+
+
 class Backend(ABC):
     """A way of moving bytes. Subclasses set the class attributes and implement the methods.
 
@@ -419,47 +527,11 @@ class Backend(ABC):
 
     # ---- transfers -------------------------------------------------------------------------
     @abstractmethod
-    def post(
-        self,
-        op: Op,
-        local: "PreparedList",
-        lidx: np.ndarray,
-        remote: "PreparedList",
-        ridx: np.ndarray,
-        notify: bytes | None,
-    ) -> "Request | int":
-        """Start moving ``local[lidx]`` <-> ``remote[ridx]`` (lengths already checked equal).
+    def route(self, op: Op, local: "PreparedList", remote: "PreparedList") -> Route:
+        """This backend's :class:`Route` for a list pair it serves (called once per pair).
 
-        Must not block for long: large work goes to threads or the device. Returns a Request,
-        or the number of bytes moved when the transfer already finished (small transfers).
+        Raise a kvx error if the pair cannot be served (e.g. the peer is not connected).
         """
-
-    def make_plan(
-        self,
-        op: Op,
-        local: "PreparedList",
-        lidx: Any,
-        remote: "PreparedList",
-        ridx: Any,
-        notify: bytes | None,
-    ) -> Callable[[], "Request | int"]:
-        """Return a function that posts this same transfer again and again.
-
-        The result of each call is a Request, or an int (bytes moved) for a transfer that
-        already finished. The default just calls :meth:`post`; backends override it to do
-        the descriptor work once.
-        """
-        return lambda: self.post(op, local, lidx, remote, ridx, notify)
-
-    def fast_path(self, op: Op, local: "PreparedList", remote: "PreparedList"
-                  ) -> Callable[[Any, Any], "Request | int"] | None:
-        """Optionally, a function ``(local_idx, remote_idx) -> Request | int`` that posts this
-        (op, list pair) with the routing resolved once (no notification, no forced backend).
-
-        It may raise TypeError/ValueError/IndexError for index forms it does not take; the agent
-        then takes the general path. Default: none.
-        """
-        return None
 
     def notify(self, peer_name: str, message: bytes) -> None:
         """Send a notification to a peer (backends with ``notifications = True``)."""

@@ -36,7 +36,7 @@ import numpy as np
 from .. import config as _config
 from ..errors import BackendUnavailable, RegistrationError, TransferError, UsageError
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, Op, PreparedList, Request
+from .base import Backend, BackendContext, CallRoute, Op, PreparedList, Request, Route, index_vector
 from .posix import _sync_code, open_preallocated, translate_oserror
 
 __all__ = ["GdsBackend"]
@@ -244,7 +244,10 @@ class GdsBackend(Backend):
             raise BackendUnavailable(f"gds does not serve {plist.kind.name}")
         return p
 
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return CallRoute(self, op, local, remote)
+
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
              notify: bytes | None) -> Request:
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)
@@ -256,8 +259,7 @@ class GdsBackend(Backend):
             dst, di, src, si = lp, lidx, rp, ridx
         to_file = dst.kind is MemoryKind.FILE
         fp, fi, mp, mi = (dst, di, src, si) if to_file else (src, si, dst, di)
-        fi = np.atleast_1d(np.asarray(fi, dtype=np.int64)).reshape(-1)
-        mi = np.atleast_1d(np.asarray(mi, dtype=np.int64)).reshape(-1)
+        fi, mi = index_vector(fi), index_vector(mi)
         if fi.shape != mi.shape:
             raise ValueError("index lists differ in length")
         ln = fp.nbytes[fi]  # IndexError on a bad index

@@ -25,7 +25,7 @@ import socket
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,15 +46,20 @@ from ..errors import (
 from ..memory import MemoryKind, Region
 from ._samenode import SameNodeLink
 from .base import (
+    BAD_INDEX,
     Backend,
     BackendContext,
+    DoneRequest,
     ErrorMap,
     JobRequest,
     Op,
     PeerInfo,
     PreparedList,
     Request,
+    Route,
     ThreadRequest,
+    index_vector,
+    indices,
     validate,
 )
 
@@ -499,12 +504,12 @@ class HostBackend(SameNodeLink, Backend):
         msg = wire.pack("notif", msg=notify)
         return lambda: chan.send(msg)
 
-    def _finish(self, res: Any, remote: PreparedList, send_notif: Any) -> Request | int:
+    def _finish(self, res: Any, name: str | None, send_notif: Any) -> Request:
         if type(res) is int:
             if send_notif is not None:
                 send_notif()
-            return res  # type: ignore[no-any-return]
-        req = JobRequest(res, remote.peer, translate_oserror)
+            return DoneRequest(res)
+        req = JobRequest(res, name, translate_oserror)
         if send_notif is not None:
             # deliver the notification once the data has landed, even if nobody polls
             def waiter() -> None:
@@ -518,83 +523,12 @@ class HostBackend(SameNodeLink, Backend):
             threading.Thread(target=waiter, daemon=True).start()
         return req
 
-    @staticmethod
-    def _args(op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
-        if op is Op.WRITE:
-            return (rp.addr, rp.nbytes, ridx, lp.addr, lp.nbytes, lidx)
-        return (lp.addr, lp.nbytes, lidx, rp.addr, rp.nbytes, ridx)
-
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request | int:
-        lp, rp, peer, code, pid = self._route(op, local, remote)
-        if rp.mode == "uds":
-            assert peer is not None
-            return self._post_uds(op, lp, lidx, rp, ridx, peer, notify)
-        try:
-            res = _native.submit(code, pid, *self._args(op, lp, lidx, rp, ridx), None, rp.guards, self.threads,
-                                 self.inline, 0)
-        except OSError as exc:
-            raise translate_oserror(exc, remote.peer) from exc
-        return self._finish(res, remote, self._notifier(peer, notify))
-
-    def fast_path(self, op: Op, local: PreparedList, remote: PreparedList) -> Any:
-        lp, rp, peer, code, pid = self._route(op, local, remote)
-        if rp.mode == "uds":
-            return None
-        submit, guards, threads, inline = _native.submit, rp.guards, self.threads, self.inline
-        name = remote.peer
-        chan = peer.chan if peer is not None else None
-        if op is Op.WRITE:
-            da, dl, sa, sl = rp.addr, rp.nbytes, lp.addr, lp.nbytes
-        else:
-            da, dl, sa, sl = lp.addr, lp.nbytes, rp.addr, rp.nbytes
-        write = op is Op.WRITE
-
-        def post(lidx: Any, ridx: Any) -> Request | int:
-            if chan is not None and not chan.alive:
-                raise PeerDisconnected(f"peer {name!r} is not connected")
-            di, si = (ridx, lidx) if write else (lidx, ridx)
-            try:
-                res = submit(code, pid, da, dl, di, sa, sl, si, None, guards, threads, inline, 0)
-            except OSError as exc:
-                raise translate_oserror(exc, name) from exc
-            return res if type(res) is int else JobRequest(res, name, translate_oserror)
-
-        return post
-
-    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-                  notify: bytes | None) -> Any:
-        lp, rp, peer, code, pid = self._route(op, local, remote)
-        if rp.mode == "uds":
-            return super().make_plan(op, local, lidx, remote, ridx, notify)
-        plan = _native.plan(code, pid, *self._args(op, lp, lidx, rp, ridx), None, rp.guards, self.threads,
-                            self.inline, 0)
-        send_notif = self._notifier(peer, notify)
-        start, finish, name = plan.start, self._finish, remote.peer
-        if send_notif is None and code == 0:
-            def post_fast() -> Request | int:
-                try:
-                    res = start()
-                except OSError as exc:
-                    raise translate_oserror(exc, name) from exc
-                return res if type(res) is int else JobRequest(res, name, translate_oserror)
-
-            return post_fast
-
-        def post() -> Request | int:
-            if peer is not None and not peer.chan.alive:
-                raise PeerDisconnected(f"peer {name!r} is not connected")
-            try:
-                res = start()
-            except OSError as exc:
-                raise translate_oserror(exc, name) from exc
-            return finish(res, remote, send_notif)
-
-        return post
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _HostRoute(self, op, local, remote)
 
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
-        li, ri = _i64(lidx), _i64(ridx)
+        li, ri = index_vector(lidx), index_vector(ridx)
         if li.shape != ri.shape:
             raise ValueError("index lists differ in length")
         if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
@@ -648,8 +582,85 @@ class HostBackend(SameNodeLink, Backend):
         os.close(self._ctrl_fd)
 
 
-def _i64(x: Any) -> np.ndarray:
-    a = np.atleast_1d(np.asarray(x))
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    return a.astype(np.int64).reshape(-1)
+class _HostRoute(Route):
+    """A list pair resolved once: address arrays, guards, the peer's channel, the copy mode."""
+
+    __slots__ = ("_a", "_chan", "_code", "_guards", "_inline", "_lp", "_name", "_peer", "_pid", "_rp", "_threads",
+                 "_uds", "_write")
+
+    def __init__(self, backend: HostBackend, op: Op, local: PreparedList, remote: PreparedList) -> None:
+        super().__init__(backend, op, local, remote)
+        lp, rp, peer, code, pid = backend._route(op, local, remote)
+        self._lp, self._rp, self._peer, self._code, self._pid = lp, rp, peer, code, pid
+        self._uds = rp.mode == "uds"
+        self._chan = peer.chan if peer is not None else None
+        self._name = remote.peer
+        self._guards = rp.guards
+        self._write = op is Op.WRITE
+        self._threads, self._inline = backend.threads, backend.inline
+        # (dst addr, dst nbytes, src addr, src nbytes)
+        self._a = (rp.addr, rp.nbytes, lp.addr, lp.nbytes) if self._write else (lp.addr, lp.nbytes, rp.addr, rp.nbytes)
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        chan = self._chan
+        if chan is not None and not chan.alive:
+            raise PeerDisconnected(f"peer {self._name!r} is not connected")
+        # lists and ints go to C as they are; indices() passes int64 vectors and converts the rest
+        if type(lidx) is not list:
+            lidx = indices(lidx)
+        if type(ridx) is not list:
+            ridx = indices(ridx)
+        try:
+            if self._uds:
+                assert self._peer is not None
+                return self.backend._post_uds(self.op, self._lp, lidx, self._rp, ridx,  # type: ignore[attr-defined, no-any-return]
+                                              self._peer, notify)
+            da, dl, sa, sl = self._a
+            if self._write:
+                res = _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
+                                     self._threads, self._inline, 0)
+            else:
+                res = _native.submit(self._code, self._pid, da, dl, lidx, sa, sl, ridx, None, self._guards,
+                                     self._threads, self._inline, 0)
+        except OSError as exc:
+            raise translate_oserror(exc, self._name) from exc
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if notify is None:
+            return DoneRequest(res) if type(res) is int else JobRequest(res, self._name, translate_oserror)
+        b: HostBackend = self.backend  # type: ignore[assignment]
+        return b._finish(res, self._name, b._notifier(self._peer, notify))
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        if self._uds:
+            return super().plan(lidx, ridx, notify)
+        b: HostBackend = self.backend  # type: ignore[assignment]
+        da, dl, sa, sl = self._a
+        di, si = (indices(ridx), indices(lidx)) if self._write else (indices(lidx), indices(ridx))
+        try:
+            plan = _native.plan(self._code, self._pid, da, dl, di, sa, sl, si, None, self._guards, b.threads,
+                                b.inline, 0)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        send_notif = b._notifier(self._peer, notify)
+        start, finish, name, chan = plan.start, b._finish, self._name, self._chan
+        if send_notif is None and chan is None:
+            def post_local() -> Request:
+                try:
+                    res = start()
+                except OSError as exc:
+                    raise translate_oserror(exc, name) from exc
+                return DoneRequest(res) if type(res) is int else JobRequest(res, name, translate_oserror)
+
+            return post_local
+
+        def post() -> Request:
+            if chan is not None and not chan.alive:
+                raise PeerDisconnected(f"peer {name!r} is not connected")
+            try:
+                res = start()
+            except OSError as exc:
+                raise translate_oserror(exc, name) from exc
+            return finish(res, name, send_notif)
+
+        return post

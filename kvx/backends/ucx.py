@@ -11,7 +11,10 @@ Design (see ``docs/networking.md``):
   every live registration. A peer unpacks the keys it needs at ``prepare`` (after the agent
   validated the descriptors against the registrations this agent published) and posts a whole
   transfer's index list in one native call: a ``ucp_put_nbx``/``ucp_get_nbx`` per descriptor
-  pair, then one ``ucp_ep_flush_nbx`` whose completion is the transfer's completion.
+  pair (``UCP_OP_ATTR_FLAG_MULTI_SEND``), then one ``ucp_ep_flush_nbx`` whose completion is
+  the transfer's completion. :data:`UCX_DEFAULTS` (``RNDV_THRESH=inf``, as NIXL sets it) makes
+  UCX put over ``tcp`` with the transport's own put instead of software emulation. A
+  :class:`_UcxRoute` holds what one list pair needs (the agent keeps it per pair).
 - **Control channel.** UCX active messages carry a small msgpack protocol: ``hello`` /
   ``challenge`` / ``auth`` / ``welcome`` (the HMAC handshake of :mod:`kvx.auth`, so the target
   knows who its peers are and has an endpoint back to each), then *sealed* messages: each
@@ -58,7 +61,19 @@ from ..errors import (
     UsageError,
 )
 from ..memory import MemoryKind, Region
-from .base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
+from .base import (
+    BAD_INDEX,
+    Backend,
+    BackendContext,
+    DoneRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    Route,
+    index_vector,
+    region_rows,
+)
 
 __all__ = ["UcxBackend", "UcxOptions", "INSTALL_HINT", "load"]
 
@@ -109,6 +124,13 @@ def load() -> Any:
     return _mod
 
 
+#: UCX settings the backend changes from UCX's own defaults (``UCX_<NAME>`` in the environment or
+#: :attr:`UcxOptions.ucx` override them). ``RNDV_THRESH=inf`` (NIXL's UCX backend sets the
+#: same): with UCX's default threshold, puts where UCX emulates RMA over active messages (tcp)
+#: ran several times slower (docs/benchmarks.md, "ucx: what limited writes").
+UCX_DEFAULTS: tuple[tuple[str, str], ...] = (("RNDV_THRESH", "inf"),)
+
+
 @dataclass(frozen=True, slots=True)
 class UcxOptions:
     """Settings of the ucx backend (seeded from the agent's configuration).
@@ -138,7 +160,11 @@ class UcxOptions:
                    auth_token=cfg.auth_token or None)
 
     def worker_settings(self) -> list[tuple[str, str]]:
-        return list(self.ucx)
+        """UCX settings for the worker: :data:`UCX_DEFAULTS` where neither the environment
+        (``UCX_<NAME>``) nor :attr:`ucx` names them, then :attr:`ucx`."""
+        named = {k.upper() for k, _ in self.ucx}
+        base = [(k, v) for k, v in UCX_DEFAULTS if k not in named and f"UCX_{k}" not in os.environ]
+        return base + list(self.ucx)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -258,15 +284,50 @@ class _Prep:
     gens: np.ndarray  # their generations
 
 
-def _index(x: Any) -> np.ndarray:
-    if type(x) is int:
-        return np.array([x], dtype=np.int64)
-    a = np.asarray(x)
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    if a.dtype.kind == "u" and a.size and int(a.max()) >= (1 << 63):
-        raise IndexError("index out of range")
-    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+class _UcxRoute(Route):
+    """A list pair resolved once: both prepared sides (address, size and handle arrays, the
+    slots and generations under them), the peer and the native post."""
+
+    __slots__ = ("_lp", "_peer", "_rd", "_rp")
+
+    def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
+        super().__init__(backend, op, local, remote)
+        self._lp: _Prep = local.bdata[backend.name]
+        self._rp: _Prep = remote.bdata[backend.name]
+        self._peer = backend._live_peer(remote.peer)
+        self._rd = 1 if op is Op.READ else 0
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        b: UcxBackend = self.backend  # type: ignore[assignment]
+        p, lp, rp = self._peer, self._lp, self._rp
+        if p.dead is not None or b._peers.get(p.name) is not p:
+            raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
+                                   + (f": {p.dead}" if p.dead is not None else ""))
+        try:
+            li, ri = index_vector(lidx), index_vector(ridx)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if li.shape != ri.shape:
+            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        if li.size == 0 and notify is None:
+            return DoneRequest(0)
+        with b._lock:
+            if not np.array_equal(p.rgen[rp.used], rp.gens):
+                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
+            if not np.array_equal(b._lgen[lp.used], lp.gens):
+                raise UsageError("a registration under this prepared list was released; prepare again")
+            note = None
+            if notify is not None:
+                assert p.session is not None
+                note = p.session.seal(b.me, "i", wire.pack("notif", msg=notify))
+            try:
+                x = b.w.post(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr, rp.nbytes, rp.handle,
+                             note)
+            except OSError as exc:
+                raise _translate(exc, f"peer {p.name!r}") from exc
+            except BAD_INDEX as exc:  # the native bounds and length checks
+                raise UsageError(f"bad transfer request: {exc}") from None
+        return _UcxRequest(x, f"peer {p.name!r}")
 
 
 # ---- the backend ----------------------------------------------------------------------------
@@ -574,39 +635,18 @@ class UcxBackend(Backend):
         return int(h)
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
-        lp: _Prep = local.bdata[self.name]
-        rp: _Prep = remote.bdata[self.name]
-        li, ri = _index(lidx), _index(ridx)
-        if li.shape != ri.shape:
-            raise ValueError("index lists differ in length")
-        p = self._peers.get(remote.peer)  # type: ignore[arg-type]
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _UcxRoute(self, op, local, remote)
+
+    def _live_peer(self, peer_name: str | None) -> _Peer:
+        p = self._peers.get(peer_name) if peer_name is not None else None
         if p is None or p.dead is not None:
-            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over ucx"
+            raise PeerDisconnected(f"peer {peer_name!r} is not connected over ucx"
                                    + (f": {p.dead}" if p is not None else ""))
-        if li.size == 0 and notify is None:
-            return DoneRequest(0)
-        with self._lock:
-            if not np.array_equal(p.rgen[rp.used], rp.gens):
-                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
-            if not np.array_equal(self._lgen[lp.used], lp.gens):
-                raise UsageError("a registration under this prepared list was released; prepare again")
-            note = None
-            if notify is not None:
-                assert p.session is not None
-                note = p.session.seal(self.me, "i", wire.pack("notif", msg=notify))
-            try:
-                x = self.w.post(1 if op is Op.READ else 0, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr,
-                                rp.nbytes, rp.handle, note)
-            except OSError as exc:
-                raise _translate(exc, f"peer {p.name!r}") from exc
-        return _UcxRequest(x, f"peer {p.name!r}")
+        return p
 
     def notify(self, peer_name: str, message: bytes) -> None:
-        p = self._peers.get(peer_name)
-        if p is None or p.dead is not None:
-            raise PeerDisconnected(f"peer {peer_name!r} is not connected over ucx")
+        p = self._live_peer(peer_name)
         if len(message) > (8 << 20):
             raise UsageError("a notification holds at most 8 MiB")
         with self._lock:

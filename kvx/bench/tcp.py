@@ -2,6 +2,11 @@
 blocks, plus the raw ceiling measured in the same run (one TCP stream, ``sendall`` /
 ``recv_into`` of the same total bytes, impl ``raw-tcp``) and the latency of one 4 KiB write.
 
+``--seg LOCAL,REMOTE`` picks each side's memory: ``dram`` (the default, ``--mem``), ``pinned``
+(``kvx.alloc_host(pinned=True)``) or ``vram`` (a cupy array; the target uses GPU 1 when there are
+two): CUDA memory travels through the tcp backend's pinned staging (both agents run only the tcp
+backend, so CUDA IPC is never used: the stand-in for two nodes).
+
 The target is this module run as ``python -m kvx.bench.tcp --target`` (an agent with only
 the tcp backend, listening on ``--listen``, default ``127.0.0.1:0``). It speaks the JSON
 lines of :mod:`kvx.bench.target` plus ``{"cmd": "raw", "op": "write"|"read", "iters": n}``,
@@ -30,12 +35,75 @@ from .target import alloc, digest, guarded, pattern
 __all__ = ["run", "TcpTarget", "raw_tcp"]
 
 
+_SEGS = ("dram", "pinned", "vram")
+
+
+def _segs(opts: BenchOptions) -> tuple[str, str]:
+    segs = tuple(s or "dram" for s in opts.seg)
+    for s in segs:
+        if s not in _SEGS:
+            raise kvx.UsageError(f"kvx bench --backend tcp: --seg takes {', '.join(_SEGS)}, not {s!r}")
+    return segs[0], segs[-1]
+
+
+class _DevView:
+    """A cupy array seen as the host buffer the sweep fills and checks: assignments upload,
+    slices come back as numpy copies (so ``digest`` and comparisons work unchanged)."""
+
+    def __init__(self, arr: Any, dev: int) -> None:
+        self.arr = arr
+        self.dev = dev
+        self.nbytes = int(arr.nbytes)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.dev):
+            self.arr[key] = value if np.isscalar(value) else cupy.asarray(value)
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        import cupy
+
+        with cupy.cuda.Device(self.dev):
+            return cupy.asnumpy(self.arr[key])  # type: ignore[no-any-return]
+
+    @property
+    def data(self) -> memoryview:
+        return self[:].data
+
+
+def _alloc_seg(seg: str, mem: str, nbytes: int, dev: int) -> tuple[Any, Any]:
+    """(object to register, buffer the sweep fills and checks) of one memory segment."""
+    if seg == "dram":
+        buf = alloc(mem, nbytes)
+        return buf, buf
+    if seg == "pinned":
+        buf = kvx.alloc_host(nbytes, pinned=True)
+        return buf, buf
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        arr = cupy.zeros(nbytes, dtype=cupy.uint8)
+    return arr, _DevView(arr, dev)
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy or no GPU: the segments that need one fail at allocation
+        return 0
+
+
 class TcpTarget(Target):
     """A tcp bench target process (this module with ``--target``)."""
 
-    def __init__(self, opts: BenchOptions, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None) -> None:
+    def __init__(self, opts: BenchOptions, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None,
+                 seg: str = "dram", dev: int = 0) -> None:
         cmd = [sys.executable, "-m", "kvx.bench.tcp", "--target", "--mem", opts.mem, "--total", str(opts.total),
-               "--listen", listen]
+               "--listen", listen, "--seg", seg, "--dev", str(dev)]
         self._spawn(cmd, env)
 
 
@@ -82,11 +150,13 @@ def raw_tcp(target: Target, opts: BenchOptions, prog: Progress) -> list[dict[str
 def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
     """Run the tcp benchmark (kvx rows, raw-tcp ceiling rows, 4 KiB latency row)."""
     listen = "127.0.0.1:0"
-    target = TcpTarget(opts, listen)
+    lseg, rseg = _segs(opts)
+    rdev = 1 if rseg == "vram" and _gpus() > 1 else 0
+    target = TcpTarget(opts, listen, seg=rseg, dev=rdev)
     try:
         with kvx.Agent("bench-initiator", kvx.AgentConfig(backends=("tcp",))) as agent:
-            buf = alloc(opts.mem, opts.total)
-            reg = agent.register(buf)
+            obj, buf = _alloc_seg(lseg, opts.mem, opts.total, 0)
+            reg = agent.register(obj)
             if opts.peer:
                 raise kvx.UsageError("--peer (a remote tcp target) is not supported yet; run over loopback")
             peer = agent.add_peer(target.meta)
@@ -96,6 +166,7 @@ def run(opts: BenchOptions, prog: Progress) -> list[dict[str, Any]]:
             rows += lat if isinstance(lat, list) else [lat]
             for r in rows:
                 r["path"] = "tcp-loopback"
+                r["seg"] = f"{lseg}->{rseg}"
         rows += raw_tcp(target, opts, prog)
     finally:
         target.close()
@@ -139,11 +210,13 @@ def _target_main(argv: list[str] | None) -> int:
     ap.add_argument("--total", type=int, required=True)
     ap.add_argument("--name", default="bench-target")
     ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--seg", default="dram", choices=_SEGS)
+    ap.add_argument("--dev", type=int, default=0)
     a = ap.parse_args(argv)
     h, _, p = a.listen.rpartition(":")
     agent = kvx.Agent(a.name, kvx.AgentConfig(backends=("tcp",), listen=(h, int(p))))
-    buf = alloc(a.mem, a.total)
-    reg = agent.register(buf)
+    obj, buf = _alloc_seg(a.seg, a.mem, a.total, a.dev)
+    reg = agent.register(obj)
     out = sys.stdout
     lock = threading.Lock()
 

@@ -21,11 +21,11 @@ miss -- never returned. The disk tier journals a block only after its bytes land
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +36,11 @@ import kvx
 
 from ..errors import BlockNotFound, TierError, TierFull, UsageError
 from ..memory import DescList
+from .checksum import FAST, crc32
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
-from .tier import DiskTier, HostTier, ObjectTier, Tier, TierStats
+from .tier import DiskTier, HostTier, JournaledTier, ObjectTier, Tier, TierStats
 
 __all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats", "BadKey"]
 
@@ -64,6 +65,11 @@ def _keys(hashes: Any) -> Sequence[Hashable]:
         if type(h) not in _KEY_TYPES and not isinstance(h, _KEY_TYPES):
             raise BadKey(f"a block hash must be bytes, int or str, not {type(h).__name__}")
     return hashes
+
+
+def _view(addr: int, n: int) -> memoryview:
+    """A writable byte view of ``n`` bytes of this process's memory at ``addr`` (no copy)."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
 def _prepared(pl: Any, what: str) -> None:
@@ -179,11 +185,14 @@ class TieredStore:
         self._landing: dict[tuple[int, int], tuple[int, int]] = {}
         self._jobs: list[_Job] = []
         self._active = 0
+        self._writing: dict[int, set[int]] = {}  # packed tier -> packs being written now
+        self._forcing = 0  # flush() calls waiting: open packs are written at once
         self._stop = False
         self._workers: list[threading.Thread] = []
         self._crc_pool: Any = None
         self.stats_ = StoreStats()
         self.h_writeback = Histogram("writeback_latency", "demotion queued -> bytes landed and journaled")
+        self.h_promote = Histogram("promotion_latency", "background promotion (disk -> host) queued -> landed")
         self.h_batch = Histogram("writeback_batch", "one write-back batch transfer")
         self.h_put = Histogram("put_latency", "put() call")
         self.h_get = Histogram("get_latency", "get() call")
@@ -191,6 +200,8 @@ class TieredStore:
         spare = self.depth + 2 * self.chunk + len(self.tiers) + 1
         try:
             for i, t in enumerate(self.tiers):
+                if isinstance(t, ObjectTier):  # two packs can be in flight while the next one fills
+                    t.pack_blocks = min(t.pack_blocks, max(1, self.depth // 2))
                 t.attach(self.agent, block_bytes, policy, spare)
                 for k in t.index:
                     self._where.setdefault(k, i)
@@ -266,7 +277,7 @@ class TieredStore:
     def _has_room(self, m: int, queue: bool = True) -> bool:
         if queue and self._queued() >= self.depth:
             return False
-        return all(len(t.deferred) + m + len(self.tiers) <= t.spare for t in self.tiers)
+        return all(t.room(m, len(self.tiers)) for t in self.tiers)
 
     def _wait_room(self, m: int, deadline: float, flush: Any = None, queue: bool = True) -> None:
         """Backpressure: wait (lock released) until the queue has room for ``m`` more blocks.
@@ -277,7 +288,10 @@ class TieredStore:
             return
         if flush is not None:
             flush()  # nothing half-admitted may be seen by others while we wait
-        while not self._has_room(m, queue):
+        while True:
+            self._compact(m + len(self.tiers))  # a packed tier short of free packs: start one
+            if self._has_room(m, queue):
+                break
             left = deadline - time.monotonic()
             if left <= 0 or self._stop:
                 raise TierError(f"write-back queue still full ({self._queued()} blocks queued or in flight, "
@@ -285,12 +299,19 @@ class TieredStore:
             self._room.wait(min(left, 1.0))
 
     def _enqueue(self, key: Hashable, crc: int, parent: Hashable | None, src: tuple[int, int],
-                 dst: tuple[int, int]) -> None:
+                 dst: tuple[int, int], later: list[_Job] | None = None) -> None:
+        """Queue a copy ``src`` -> ``dst``; readers of ``dst`` use ``src`` until it landed.
+        With ``later``, the job is only made (slots pinned, readers redirected) and appended to
+        ``later``: the caller queues it when it is done with the CPU."""
         src = self._src_of(src)
         self._pin(src)
         self._pin(dst)
         self._landing[dst] = src
-        self._jobs.append(_Job(key, crc, parent, src, dst, time.monotonic()))
+        job = _Job(key, crc, parent, src, dst, time.monotonic())
+        if later is not None:
+            later.append(job)
+            return
+        self._jobs.append(job)
         self._work.notify()
 
     def _make_room(self, ti: int, events: list[Event],
@@ -305,7 +326,7 @@ class TieredStore:
         t = self.tiers[ti]
         pol = t.policy
         assert pol is not None
-        if t.retired and not t.free and not t.record_removals():
+        if t.retired and not t.can_alloc() and not t.record_removals():
             # evicting more would only retire more slots: refuse until the journal can be written
             raise TierFull(f"{t.medium} tier: {t.retired} slots are out of use until its journal can record their "
                            "removal (disk full?)")
@@ -337,10 +358,38 @@ class TieredStore:
                     events.append(BlockStored([v], parent, lt.medium, self.block_bytes))
             self._forget(ti, v, slot, events)
             t.stats.evicted += 1
-        if not t.free:  # the backpressure check keeps spare slots; this is a bug if reached
+        if not t.can_alloc():  # the backpressure check keeps spare slots; this is a bug if reached
             raise TierError(f"{t.medium} tier has no free slot ({len(t.deferred)} held by transfers in flight, "
                             f"{t.retired} out of use)")
-        return t.free.pop()
+        slot = t.alloc()
+        if isinstance(t, ObjectTier) and t.needs_compaction():
+            self._compact(0)
+        return slot
+
+    def _compact(self, want: int) -> None:
+        """Start compacting packed tiers short of free packs: the live blocks of the emptiest
+        pack move to the open pack through the write-back queue (readers use the old slot until
+        they landed); the old pack is free once the last of them did."""
+        for ti, t in enumerate(self.tiers):
+            if not isinstance(t, ObjectTier) or not t.needs_compaction(want):
+                continue
+            busy = {j.dst[1] // t.pack_blocks for j in self._jobs if j.dst[0] == ti} | self._writing.get(ti, set())
+            found = t.compaction_victim(busy)
+            if found is None or len(found[1]) > t.avail():
+                continue
+            pack, keys = found
+            t.compacting.add(pack)
+            assert t.policy is not None
+            for k in keys:
+                old, crc = t.index[k]
+                new = t.alloc()
+                t.index[k] = (new, crc)
+                t.moving[new] = old
+                parent = t.parents.get(k) if t.path is not None else t.policy.parent_of(k)
+                self._enqueue(k, crc, parent, (ti, old), (ti, new))
+                t.release(old)  # pinned by the move: free once it landed
+            t.stats.compacted += len(keys)
+            log.debug("object tier: compacting pack %d (%d live blocks)", pack, len(keys))
 
     def _forget(self, ti: int, key: Hashable, slot: int, events: list[Event]) -> None:
         t = self.tiers[ti]
@@ -363,26 +412,38 @@ class TieredStore:
 
     # --------------------------------------------------------------------- write-back workers
     def _take(self) -> list[_Job]:
-        """Pop up to ``writeback_batch`` jobs with the first job's (source, destination) tiers;
-        jobs whose block already left its destination are cancelled here."""
+        """Pop the next batch: up to ``writeback_batch`` jobs with the first job's (source,
+        destination) tiers, or, for a packed destination, every job of one pack once that pack
+        is complete (or nothing else is being written to its tier). Jobs whose block already
+        left its destination are cancelled here."""
         out: list[_Job] = []
         rest: list[_Job] = []
-        pair = None
+        pair: tuple[int, int] | None = None
+        pack: tuple[int, int] | None = None
+        now = time.monotonic()
         for j in self._jobs:
-            if len(out) >= self.wb_batch:
-                rest.append(j)
-                continue
-            if self.tiers[j.dst[0]].index.get(j.key) != (j.dst[1], j.crc):
+            dt = self.tiers[j.dst[0]]
+            if dt.index.get(j.key) != (j.dst[1], j.crc):
                 self._settle(j)  # nobody will read it there: skip the copy
                 continue
-            p = (j.src[0], j.dst[0])
-            if pair is None:
-                pair = p
-            if p == pair:
-                out.append(j)
-            else:
-                rest.append(j)
+            if isinstance(dt, ObjectTier):
+                p = (j.dst[0], j.dst[1] // dt.pack_blocks)
+                if pack is None and pair is None and (dt.ready(p[1]) or self._stop or self._forcing
+                                                      or now - j.t0 >= self.linger):
+                    pack = p
+                (out if p == pack else rest).append(j)
+                continue
+            q = (j.src[0], j.dst[0])
+            if pair is None and pack is None:
+                pair = q
+            (out if q == pair and len(out) < self.wb_batch else rest).append(j)
         self._jobs = rest
+        if pack is not None:
+            t = self.tiers[pack[0]]
+            assert isinstance(t, ObjectTier)
+            if t.open_pack == pack[1]:
+                t.seal()
+            self._writing.setdefault(pack[0], set()).add(pack[1])
         return out
 
     def _settle(self, j: _Job) -> None:
@@ -392,41 +453,49 @@ class TieredStore:
         self._unpin(j.dst)
 
     def _worker(self) -> None:
-        staging: tuple[np.ndarray, kvx.PreparedList, kvx.Registration] | None = None
+        # blocks per batch -> (buffer, its blocks, its registration, the buffer as one block)
+        staging: dict[int, tuple[np.ndarray, kvx.PreparedList, kvx.Registration, kvx.PreparedList]] = {}
         try:
             while True:
                 with self._lock:
-                    while not self._jobs and not self._stop:
-                        self._work.wait()
-                    if not self._jobs:
-                        return
-                    batch = self._take()
-                    self._active += len(batch)
+                    while True:
+                        batch = self._take() if self._jobs else []
+                        if batch or (self._stop and not self._jobs):
+                            break
+                        if not self._jobs:
+                            self._room.notify_all()
+                        self._work.wait(self.linger)  # jobs of an open pack wait for it to fill
                     if not batch:
-                        self._room.notify_all()
-                        continue
-                if staging is None and not isinstance(self.tiers[batch[0].src[0]], HostTier):
-                    buf = np.zeros(self.wb_batch * self.block_bytes, np.uint8)
+                        return
+                    self._active += len(batch)
+                dt = self.tiers[batch[0].dst[0]]
+                packed = isinstance(dt, ObjectTier)
+                n = dt.pack_blocks if isinstance(dt, ObjectTier) else self.wb_batch
+                if n not in staging and (packed or not isinstance(self.tiers[batch[0].src[0]], HostTier)):
+                    buf = np.zeros(n * self.block_bytes, np.uint8)
                     reg = self.agent.register(buf)
-                    staging = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg)
+                    staging[n] = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg,
+                                  self.agent.prepare(DescList.blocks(reg, buf.nbytes)))
                 t0 = time.monotonic()
                 try:
-                    ok = self._move_batch(batch, staging)
+                    ok = self._move_pack(batch, staging[n]) if packed else self._move_batch(batch, staging.get(n))
                 except Exception as exc:  # the blocks are dropped from their destination: a miss later
-                    log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch),
-                                self.tiers[batch[0].dst[0]].medium, exc)
+                    log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch), dt.medium, exc)
                     ok = [False] * len(batch)
                 self.h_batch.observe(time.monotonic() - t0)
                 events: list[Event] = []
                 with self._lock:
+                    if isinstance(dt, ObjectTier):
+                        self._writing[batch[0].dst[0]].discard(batch[0].dst[1] // dt.pack_blocks)
                     self._finish(batch, ok, events)
                     self._active -= len(batch)
                     self._room.notify_all()
+                    self._work.notify_all()
                 self.events.emit(events)
         finally:
-            if staging is not None:
+            for _buf, _pl, reg, _ipl in staging.values():
                 try:
-                    staging[2].release()
+                    reg.release()
                 except Exception:
                     log.debug("staging release", exc_info=True)
 
@@ -440,17 +509,59 @@ class TieredStore:
         if isinstance(src_t, HostTier):
             self.agent.write(src_t.plist, ss, dst_t.plist, ds).wait(timeout)
             return [True] * len(batch)
-        buf, spl, _reg = staging
+        buf, spl, _reg, _ipl = staging
         n = len(batch)
         self.agent.read(spl, list(range(n)), src_t.plist, ss).wait(timeout)
         bb = self.block_bytes
-        ok = [zlib.crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
+        ok = [crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
         good = [i for i in range(n) if ok[i]]
         if good:
             self.agent.write(spl, good, dst_t.plist, [ds[i] for i in good]).wait(timeout)
         return ok
 
+    def _move_pack(self, batch: list[_Job], staging: tuple[np.ndarray, kvx.PreparedList, Any, kvx.PreparedList]
+                   ) -> list[bool]:
+        """Write one pack: gather its blocks at their offsets in a staging image (one read per
+        source tier, all in flight together), check every block's CRC there, then PUT the image
+        as one object. Offsets of blocks no longer stored are zeroed."""
+        dti = batch[0].dst[0]
+        dt = self.tiers[dti]
+        assert isinstance(dt, ObjectTier) and dt.pack_plist is not None
+        pb, bb = dt.pack_blocks, self.block_bytes
+        pack = batch[0].dst[1] // pb
+        buf, spl, _reg, ipl = staging
+        offs = [j.dst[1] - pack * pb for j in batch]
+        timeout = self.agent_timeout
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for j, o in zip(batch, offs):
+            g = groups.setdefault(j.src[0], ([], []))
+            g[0].append(o)
+            g[1].append(j.src[1])
+        reqs = []
+        for sti, (os_, ss) in groups.items():
+            st = self.tiers[sti]
+            if isinstance(st, HostTier):
+                pool = st.pool.data
+                for o, s in zip(os_, ss):
+                    buf.data[o * bb:(o + 1) * bb] = pool[s * bb:(s + 1) * bb]
+            else:
+                assert st.plist is not None
+                reqs.append(self.agent.read(spl, os_, st.plist, ss))
+        for r in reqs:
+            r.wait(timeout)
+        ok = [crc32(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
+        mask = np.ones(pb, bool)
+        mask[[o for o, good in zip(offs, ok) if good]] = False
+        holes = np.flatnonzero(mask)
+        if holes.size:
+            buf.reshape(pb, bb)[holes] = 0
+        if any(ok):
+            self.agent.write(ipl, [0], dt.pack_plist, [pack]).wait(timeout)
+        return ok
+
     agent_timeout: float = 120.0
+    #: seconds the jobs of an open pack wait for it to fill before it is written anyway
+    linger: float = 0.05
 
     def _finish(self, batch: list[_Job], ok: list[bool], events: list[Event]) -> None:
         records: dict[int, list[tuple[Hashable, Hashable | None, int, int]]] = {}
@@ -466,7 +577,7 @@ class TieredStore:
             elif here:
                 dt.stats.writeback_errors += 1
                 self._forget(dti, j.key, dslot, events)
-            self.h_writeback.observe(now - j.t0)
+            (self.h_promote if dti == 0 else self.h_writeback).observe(now - j.t0)
         for dti, recs in records.items():
             try:
                 self.tiers[dti].committed(recs)
@@ -486,11 +597,16 @@ class TieredStore:
         """
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._queued():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
-                self._room.wait(min(left, 1.0))
+            self._forcing += 1  # open packs are written now, full or not
+            self._work.notify_all()
+            try:
+                while self._queued():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
+                    self._room.wait(min(left, 1.0))
+            finally:
+                self._forcing -= 1
 
     # ---------------------------------------------------------------------------------------
     def put(self, hashes: Sequence[Hashable], src: kvx.PreparedList, src_idx: Any = None,
@@ -545,7 +661,7 @@ class TieredStore:
                     raise
                 batch.clear()
                 for h, p, slot in zip(keys, parents, slots):
-                    crc = zlib.crc32(mv[slot * bb:(slot + 1) * bb])
+                    crc = crc32(mv[slot * bb:(slot + 1) * bb])
                     top.index[h] = (slot, crc)
                     where[h] = 0
                     self._pending.discard(h)
@@ -638,17 +754,31 @@ class TieredStore:
 
     def _fetch_chunk(self, keys: Sequence[Hashable], dst: kvx.PreparedList | None, didx: Any, done: int,
                      deadline: float) -> int:
+        """Copy one chunk of blocks to ``dst`` (or only promote them: ``dst`` None).
+
+        Host blocks go host -> ``dst``. Blocks of a persistent tier (disk) go straight from their
+        slot into a host ``dst`` and are checked there; their promotion to the host tier is a
+        write-back job (the disk copy stays, so nothing waits for it). Other lower-tier blocks
+        (objects; or any, when ``dst`` is not host memory) are read into host slots, checked,
+        then copied to ``dst`` with the host blocks."""
         top = self.tiers[0]
         assert isinstance(top, HostTier)
         assert top.plist is not None and top.policy is not None
+        keep = self._hold(dst)  # the destination's memory, kept alive while we check it in place
+        direct_ok = keep is not None
         events: list[Event] = []
         pins: list[tuple[int, int]] = []
-        reads: list[int] = []  # host slot per block, in order
-        # promotions: (position, key, source loc, host slot, crc, tier, tier slot)
+        reads: list[int] = []  # host slot per block, in order (-1: read straight from a lower tier)
+        # promotions through host slots: (position, key, source loc, host slot, crc, tier, tier slot)
         promos: list[tuple[int, Hashable, tuple[int, int], int, int, int, int]] = []
+        # straight reads: (position, key, source loc, crc, tier, tier slot)
+        directs: list[tuple[int, Hashable, tuple[int, int], int, int, int]] = []
         fail: tuple[int, str] | None = None
+        later: list[_Job] = []
         with self._lock:
             self._wait_room(len(keys), deadline, queue=False)
+            if dst is not None and not direct_ok:
+                self._wait_landed(keys, deadline)
             for i, h in enumerate(keys):
                 ti = self._where.get(h)
                 if ti is None:
@@ -660,34 +790,50 @@ class TieredStore:
                 assert t.policy is not None
                 t.policy.hit(h)
                 t.stats.hits += 1
-                if ti == 0:
-                    loc = self._src_of((0, slot))
-                    self._pin(loc)
-                    pins.append(loc)
-                    reads.append(loc[1] if loc[0] == 0 else slot)
-                    if loc[0] != 0:  # cannot happen: only gets land in the host tier
-                        raise TierError("host block still landing")
-                    continue
                 src = self._src_of((ti, slot))
                 self._pin(src)
                 pins.append(src)
-                parent = t.parents.get(h) if isinstance(t, DiskTier) else None
+                if ti == 0:
+                    if src[0] == 0 or dst is None:
+                        reads.append(src[1] if src[0] == 0 else -1)
+                    else:  # being promoted in the background: read it from where it is
+                        directs.append((i, h, src, crc, 0, slot))
+                        reads.append(-1)
+                    continue
+                parent = t.parents.get(h) if isinstance(t, JournaledTier) else None
                 if parent is None:
                     parent = t.policy.parent_of(h)
                 hslot = self._make_room(0, events)
                 top.index[h] = (hslot, crc)
                 top.policy.inserted(h, parent if parent in top.index else None)
                 self._where[h] = 0
+                if direct_ok and t.persistent and src[0] != 0:
+                    self._enqueue(h, crc, parent, (ti, slot), (0, hslot), later)  # the promotion: after this get
+                    directs.append((i, h, src, crc, ti, slot))
+                    reads.append(-1)
+                    t.stats.promoted += 1
+                    continue
                 self._landing[(0, hslot)] = src
                 self._pin((0, hslot))
                 pins.append((0, hslot))
                 promos.append((i, h, src, hslot, crc, ti, slot))
                 reads.append(hslot)
         bad: list[int] = []
+        dbad: list[int] = []
         err: BaseException | None = None
         bb = self.block_bytes
         try:
             left = max(0.001, deadline - time.monotonic())
+            pending = []
+            dgroups: dict[int, tuple[list[int], list[int]]] = {}
+            for i, _h, src, _crc, _ti, _slot in directs:
+                g = dgroups.setdefault(src[0], ([], []))
+                g[0].append(int(didx[i]))
+                g[1].append(src[1])
+            for sti, (dd, ss) in dgroups.items():  # straight into dst, in flight while promotions run
+                st = self.tiers[sti]
+                assert dst is not None and st.plist is not None
+                pending.append(self.agent.read(dst, dd, st.plist, ss))
             groups: dict[int, list[tuple[int, int]]] = {}
             for _i, _h, src, hslot, _crc, _ti, _slot in promos:
                 groups.setdefault(src[0], []).append((src[1], hslot))
@@ -700,16 +846,27 @@ class TieredStore:
                 else:
                     assert st.plist is not None
                     self.agent.read(top.plist, [d for _s, d in pairs], st.plist, [s for s, _d in pairs]).wait(left)
-            sums = self._crcs(top, [p[3] for p in promos])
+            sums = self._crcs([top.host_view(p[3]) for p in promos])
             bad = [k for k, p in enumerate(promos) if sums[k] != p[4]]
+            for r in pending:
+                r.wait(left)
+            if directs:
+                assert dst is not None
+                views = [_view(int(dst.descs.addr[didx[d[0]]]), bb) for d in directs]
+                dsums = self._crcs(views)
+                dbad = [k for k, d in enumerate(directs) if dsums[k] != d[3]]
+                for k in dbad:  # corrupt bytes never stay in the destination
+                    views[k][:] = bytes(bb)
             limit = fail[0] if fail is not None else len(keys)
             if bad:
                 limit = min(limit, promos[bad[0]][0])
+            if dbad:
+                limit = min(limit, directs[dbad[0]][0])
             if self.verify_host:
                 for i in range(limit):
                     h = keys[i]
-                    if self._where.get(h) == 0 and zlib.crc32(top.host_view(reads[i])) != top.index.get(
-                            h, (0, None))[1]:
+                    if reads[i] >= 0 and self._where.get(h) == 0 and crc32(top.host_view(reads[i])) != \
+                            top.index.get(h, (0, None))[1]:
                         limit = i
                         fail = (i, f"block {h!r} failed its checksum and was dropped")
                         with self._lock:
@@ -717,8 +874,10 @@ class TieredStore:
                                 top.stats.corrupt += 1
                                 self._forget(0, h, top.index[h][0], events)
                         break
-            if dst is not None and limit:
-                self.agent.read(dst, didx[:limit], top.plist, reads[:limit]).wait(left)
+            hp = [i for i in range(limit) if reads[i] >= 0]
+            if dst is not None and hp:
+                self.agent.read(dst, didx[hp], top.plist, [reads[i] for i in hp]).wait(left)
+            if dst is not None:
                 top.stats.bytes_out += limit * bb
         except BaseException as exc:
             err = exc
@@ -744,34 +903,77 @@ class TieredStore:
                     self._forget(ti, h, slot, events)
                 if self.events.active:
                     events.append(BlockStored([h], None, top.medium, bb))
+            for k in dbad:
+                _i, h, src, crc, ti, slot = directs[k]
+                log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[src[0]].medium)
+                for dti in {ti, src[0], 0}:  # every copy the store would serve it from
+                    dt = self.tiers[dti]
+                    if h in dt.index and dt.index[h][1] == crc:
+                        dt.stats.corrupt += int(dti == src[0])
+                        self._forget(dti, h, dt.index[h][0], events)
+            if self.events.active:
+                dbadset = set(dbad)
+                for k, dr in enumerate(directs):
+                    if dr[4] != 0 and k not in dbadset:
+                        events.append(BlockStored([dr[1]], None, top.medium, bb))
             for loc in pins:
                 self._unpin(loc)
+            if later:
+                self._jobs.extend(later)
+                self._work.notify()
             self._room.notify_all()
         self.events.emit(events)
         if err is not None:
             raise err
-        if bad and (fail is None or promos[bad[0]][0] <= fail[0]):
-            h = promos[bad[0]][1]
-            raise BlockNotFound(f"block {h!r} failed its checksum and was dropped", done + limit)
+        first_bad = min([promos[k][0] for k in bad[:1]] + [directs[k][0] for k in dbad[:1]], default=None)
+        if first_bad is not None and (fail is None or first_bad <= fail[0]):
+            raise BlockNotFound(f"block {keys[first_bad]!r} failed its checksum and was dropped", done + limit)
         if fail is not None:
             raise BlockNotFound(fail[1], done + limit)
         return done + limit
 
-    def _crcs(self, top: HostTier, slots: list[int]) -> list[int]:
-        """CRC32 of host slots; large batches on two threads (zlib releases the GIL)."""
-        if len(slots) * self.block_bytes < (4 << 20):
-            return [zlib.crc32(top.host_view(s)) for s in slots]
+    def _hold(self, dst: kvx.PreparedList | None) -> list[Any] | None:
+        """References to the objects that own a local host ``dst``'s memory (so a registration
+        released meanwhile cannot unmap what a checksum reads in place), or None when ``dst``
+        cannot be read in place: not local host memory, or a registration already gone."""
+        if dst is None or dst.peer is not None or dst.kind != kvx.MemoryKind.HOST:
+            return None
+        regions = self.agent._region_map()
+        owners = []
+        for s in np.asarray(dst.used).tolist():
+            entry = regions.get(int(s))
+            if entry is None or entry[1] != dst.gens.get(int(s)) or getattr(entry[0], "owner", None) is None:
+                return None
+            owners.append(entry[0].owner)
+        return owners
+
+    def _wait_landed(self, keys: Sequence[Hashable], deadline: float) -> None:
+        """Wait (lock released) until no host block of ``keys`` is still being promoted in the
+        background (a destination that is not host memory is reached from host slots only)."""
+        top = self.tiers[0]
+        while True:
+            if not any((0, top.index[h][0]) in self._landing for h in keys if self._where.get(h) == 0):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TierError("blocks still on their way to the host tier at the end of the timeout")
+            self._room.wait(min(left, 1.0))
+
+    def _crcs(self, views: list[memoryview]) -> list[int]:
+        """CRC32 of blocks; with plain zlib, large batches on two threads (it releases the GIL)."""
+        if FAST or len(views) * self.block_bytes < (4 << 20):
+            return [crc32(v) for v in views]
         if self._crc_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvx-crc")
-        half = (len(slots) + 1) // 2
+        half = (len(views) + 1) // 2
 
-        def part(ss: list[int]) -> list[int]:
-            return [zlib.crc32(top.host_view(s)) for s in ss]
+        def part(vs: list[memoryview]) -> list[int]:
+            return [crc32(v) for v in vs]
 
-        fut = self._crc_pool.submit(part, slots[half:])
-        return part(slots[:half]) + fut.result()
+        fut = self._crc_pool.submit(part, views[half:])
+        return part(views[:half]) + fut.result()
 
     def prefetch(self, hashes: Sequence[Hashable]) -> threading.Thread:
         """Promote the stored prefix of ``hashes`` to the top tier in the background."""
@@ -877,6 +1079,7 @@ class TieredStore:
                             ("evicted", "evictions"), ("demoted", "demotions"), ("promoted", "promotions"),
                             ("corrupt", "blocks dropped on checksum failure"),
                             ("writeback_errors", "demotions that failed to land (block dropped)"),
+                            ("compacted", "blocks moved by compaction of the object tier's packs"),
                             ("bytes_in", "bytes stored"), ("bytes_out", "bytes read")]:
             kind = "gauge" if name in ("used", "capacity", "held") else "counter"
             metric = f"{prefix}_{name}" + ("_total" if kind == "counter" else "")
@@ -895,7 +1098,7 @@ class TieredStore:
         lines.append(f"{prefix}_lookup_blocks_total {st.lookup_blocks}")
         lines.append(f"# TYPE {prefix}_lookup_hits_total counter")
         lines.append(f"{prefix}_lookup_hits_total {st.lookup_hits}")
-        for h in (self.h_put, self.h_get, self.h_writeback, self.h_batch):
+        for h in (self.h_put, self.h_get, self.h_writeback, self.h_promote, self.h_batch):
             lines.extend(h.prometheus(prefix))
         return "\n".join(lines) + "\n"
 

@@ -26,7 +26,7 @@ from ..memory import DescList
 from .journal import Journal
 from .policies import EvictionPolicy, make_policy
 
-__all__ = ["Tier", "HostTier", "DiskTier", "ObjectTier", "TierStats"]
+__all__ = ["Tier", "HostTier", "JournaledTier", "DiskTier", "ObjectTier", "TierStats", "PACK_BYTES_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0
     writeback_errors: int = 0
+    compacted: int = 0
 
 
 class Tier:
@@ -111,7 +112,7 @@ class Tier:
         del self.busy[slot]
         if slot in self.deferred:
             self.deferred.discard(slot)
-            self.free.append(slot)
+            self.freed(slot)
             return True
         return False
 
@@ -120,7 +121,22 @@ class Tier:
         if slot in self.busy:
             self.deferred.add(slot)
         else:
-            self.free.append(slot)
+            self.freed(slot)
+
+    def freed(self, slot: int) -> None:
+        """``slot`` can be handed out again."""
+        self.free.append(slot)
+
+    def can_alloc(self) -> bool:
+        return bool(self.free)
+
+    def room(self, m: int, reserve: int) -> bool:
+        """Room for ``m`` more blocks on their way (``reserve``: slots kept back besides)."""
+        return len(self.deferred) + m + reserve <= self.spare
+
+    def alloc(self) -> int:
+        """A free slot for a new block (the caller made sure one exists: ``can_alloc``)."""
+        return self.free.pop()
 
     # hooks ------------------------------------------------------------------------------
     def region(self, n: int, block_bytes: int) -> Any:
@@ -168,29 +184,19 @@ class HostTier(Tier):
         return self.pool.data[slot * bb: (slot + 1) * bb]
 
 
-class DiskTier(Tier):
-    """Blocks in a slab file with a journaled index; survives ``kill -9`` of its process.
+class JournaledTier(Tier):
+    """A tier whose index is an append-only journal in a local directory (see :mod:`.journal`):
+    after ``kill -9`` it recovers every block whose bytes landed and whose record was written.
 
-    Parameters
-    ----------
-    path
-        Directory for ``slab.bin`` and ``index.log`` (created if absent).
-    nbytes, blocks
-        Size of the tier.
-    fsync
-        fdatasync the journal after every batch of records (with ``KVX_POSIX_SYNC=data`` for
-        the slab writes: durable across power loss, slower).
+    ``path`` None: no journal (the tier starts empty every time).
     """
 
-    medium = "DISK"
-    persistent = True
-
-    def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
+    def __init__(self, path: str | os.PathLike[str] | None, nbytes: int | None = None, blocks: int | None = None,
                  fsync: bool = False) -> None:
         super().__init__(nbytes, blocks)
-        if not isinstance(path, (str, os.PathLike)):
-            raise UsageError(f"DiskTier path must be a str or os.PathLike, not {type(path).__name__}")
-        self.path = os.fspath(path)
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"{type(self).__name__} path must be a str or os.PathLike, not {type(path).__name__}")
+        self.path = None if path is None else os.fspath(path)
         self.fsync = fsync
         self.journal: Journal | None = None
         self.parents: dict[Hashable, Hashable | None] = {}
@@ -202,28 +208,32 @@ class DiskTier(Tier):
         try:
             super().attach(agent, block_bytes, policy, spare)
         except OSError as exc:
-            raise TierError(f"disk tier {self.path!r}: {exc.strerror or exc}") from exc
+            raise TierError(f"{self.medium.lower()} tier {self.path!r}: {exc.strerror or exc}") from exc
 
-    def region(self, n: int, block_bytes: int) -> Any:
+    def check_meta(self, want: str, files: tuple[str, ...]) -> None:
+        """Keep the journal (and ``files``) only if ``tier.meta`` describes the same layout:
+        ``want``'s first word (the block size, and whatever else must match) decides."""
+        assert self.path is not None
         os.makedirs(self.path, exist_ok=True)
         meta = os.path.join(self.path, "tier.meta")
-        want = f"{block_bytes} {n}\n"
         if os.path.exists(meta):
             with open(meta) as f:
                 have = f.read()
-            # another block size: the old index means nothing. Another slot count (capacity or
-            # the store's write-back depth changed) keeps it: recovery skips slots beyond the end.
+            # another layout: the old index means nothing. Another slot count (capacity or the
+            # store's write-back depth changed) keeps it: recovery skips slots beyond the end.
             if have.split()[:1] != want.split()[:1]:
-                for name in ("index.log", "slab.bin"):
+                for name in ("index.log", *files):
                     try:
                         os.unlink(os.path.join(self.path, name))
                     except FileNotFoundError:
                         pass
         with open(meta, "w") as f:
             f.write(want)
-        return kvx.FileRegion(os.path.join(self.path, "slab.bin"), n * block_bytes)
 
     def recover(self) -> None:
+        if self.path is None:
+            self.recovered(set())
+            return
         jpath = os.path.join(self.path, "index.log")
         live: dict[Hashable, tuple[int, int, int, Hashable | None]] = {}
         byslot: dict[int, Hashable] = {}
@@ -248,7 +258,6 @@ class DiskTier(Tier):
         Journal.compact(jpath, live)
         self.journal = Journal(jpath, fsync=self.fsync)
         assert self.policy is not None
-        used = set()
         # parents first so the chain structure is rebuilt
         order = sorted(live, key=lambda k: _depth(k, live))
         for key in order:
@@ -256,32 +265,41 @@ class DiskTier(Tier):
             self.index[key] = (slot, crc)
             self.parents[key] = parent
             self.policy.inserted(key, parent if parent in self.index else None)
-            used.add(slot)
-        self.free = [s for s in range(self.nslots - 1, -1, -1) if s not in used]
+        self.recovered({s for s, _c, _l, _p in live.values()})
         if live:
-            log.info("disk tier %s recovered %d blocks", self.path, len(live))
+            log.info("%s tier %s recovered %d blocks", self.medium.lower(), self.path, len(live))
+
+    def recovered(self, used: set[int]) -> None:
+        """Slots ``used`` hold recovered blocks; the others are free."""
+        self.free = [s for s in range(self.nslots - 1, -1, -1) if s not in used]
 
     def noted(self, key: Hashable, parent: Hashable | None) -> None:
-        self.parents[key] = parent
+        if self.path is not None:
+            self.parents[key] = parent
 
     def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
-        assert self.journal is not None
+        if self.journal is None:
+            return
         self._record_removals()
         self.journal.put_many((k, p, s, c, self.block_bytes) for k, p, s, c in records)
 
     def dropped(self, key: Hashable, slot: int) -> bool:
+        if self.journal is None:
+            return True
         self.parents.pop(key, None)
         self._unrecorded.append((key, slot))
         self.retired += 1
         try:
             self._record_removals(own=slot)
         except OSError as exc:  # disk full, I/O error: keep the bytes the journal still points at
-            log.warning("disk tier %s: cannot journal the removal of a block (%s); %d slots stay out of use "
-                        "until the journal can be written", self.path, exc, self.retired)
+            log.warning("%s tier %s: cannot journal the removal of a block (%s); %d slots stay out of use "
+                        "until the journal can be written", self.medium.lower(), self.path, exc, self.retired)
             return False
         return True
 
     def record_removals(self) -> bool:
+        if self.journal is None:
+            return True
         try:
             self._record_removals()
         except OSError:
@@ -307,6 +325,35 @@ class DiskTier(Tier):
         super().close()
 
 
+class DiskTier(JournaledTier):
+    """Blocks in a slab file with a journaled index; survives ``kill -9`` of its process.
+
+    Parameters
+    ----------
+    path
+        Directory for ``slab.bin`` and ``index.log`` (created if absent).
+    nbytes, blocks
+        Size of the tier.
+    fsync
+        fdatasync the journal after every batch of records (with ``KVX_POSIX_SYNC=data`` for
+        the slab writes: durable across power loss, slower).
+    """
+
+    medium = "DISK"
+    persistent = True
+    path: str
+
+    def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
+                 fsync: bool = False) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"DiskTier path must be a str or os.PathLike, not {type(path).__name__}")
+        super().__init__(path, nbytes, blocks, fsync)
+
+    def region(self, n: int, block_bytes: int) -> Any:
+        self.check_meta(f"{block_bytes} {n}\n", ("slab.bin",))
+        return kvx.FileRegion(os.path.join(self.path, "slab.bin"), n * block_bytes)
+
+
 def _depth(k: Hashable, live: dict[Hashable, tuple[int, int, int, Hashable | None]]) -> int:
     d = 0
     seen = set()
@@ -319,18 +366,171 @@ def _depth(k: Hashable, live: dict[Hashable, tuple[int, int, int, Hashable | Non
         d += 1
 
 
-class ObjectTier(Tier):
-    """One object per slot (``{prefix}/{slot}``) in an S3 bucket, through the ``s3`` backend."""
+#: a pack object holds at most this many bytes (a write-back batch larger than that is split)
+PACK_BYTES_MAX = 64 << 20
+
+
+class ObjectTier(JournaledTier):
+    """Blocks in S3 objects through the ``s3`` backend, packed: each object (a *pack*) holds
+    ``pack_blocks`` blocks, written whole by one PUT and read block by block with ranged GETs.
+
+    A pack is immutable while any of its blocks is stored: new blocks go to the *open* pack,
+    which the write-back queue writes once it is full, or earlier when nothing else is being
+    written to this tier (so a lone demotion is not held back). A block that leaves the tier
+    leaves a dead entry in its pack; a pack whose entries are all dead is reused, and when
+    fewer than two packs are free, the store *compacts*: it moves the live blocks of the
+    emptiest pack into the open one (through the same queue), freeing that pack. The tier
+    keeps ``capacity + spare`` slots plus a quarter (at least three packs) as room for the dead
+    entries; its objects are ``{prefix}/pack-{n}``, at most that many.
+
+    Parameters
+    ----------
+    bucket
+        The bucket (created if absent).
+    nbytes, blocks
+        Size of the tier.
+    prefix
+        Key prefix of the tier's objects.
+    pack_blocks
+        Blocks per object (1: one object per block, as before packing); at most
+        ``PACK_BYTES_MAX`` bytes per object, and at most half the store's ``writeback_depth``
+        (the store lowers it to that, so that one pack fills while another is written).
+    journal
+        A local directory for the tier's index journal (``tier.meta``, ``index.log``): with it,
+        the tier recovers its blocks after a restart or ``kill -9`` exactly as the disk tier does.
+        Without it the tier starts empty each time (its old objects are overwritten).
+    fsync
+        fdatasync the journal after every batch of records.
+    """
 
     medium = "OBJECT"
 
     def __init__(self, bucket: str, nbytes: int | None = None, blocks: int | None = None,
-                 prefix: str = "kvx-tier") -> None:
-        super().__init__(nbytes, blocks)
+                 prefix: str = "kvx-tier", pack_blocks: int = 64,
+                 journal: str | os.PathLike[str] | None = None, fsync: bool = False) -> None:
+        super().__init__(journal, nbytes, blocks, fsync)
         if not isinstance(bucket, str) or not bucket:
             raise UsageError("ObjectTier needs a bucket name")
+        if not isinstance(prefix, str):
+            raise UsageError("ObjectTier prefix must be a str")
+        if not isinstance(pack_blocks, int) or isinstance(pack_blocks, bool) or pack_blocks < 1:
+            raise UsageError(f"pack_blocks must be a positive int, not {pack_blocks!r}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self.pack_blocks = pack_blocks
+        self.npacks = 0
+        self.pack_used: list[int] = []  # per pack: slots handed out and not freed yet
+        self.free_packs: list[int] = []
+        self.open_pack: int | None = None
+        self.open_next = 0
+        self.compacting: set[int] = set()
+        #: slots of blocks being moved by compaction -> their old slot
+        self.moving: dict[int, int] = {}
+        self.pack_plist: kvx.PreparedList | None = None
+
+    def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
+        self.pack_blocks = max(1, min(self.pack_blocks, PACK_BYTES_MAX // block_bytes))
+        cap = self._size(block_bytes)
+        base = -(-(cap + spare) // self.pack_blocks)
+        self.npacks = base + max(3, -(-base // 4))
+        # the slots past capacity + spare are the room for dead entries
+        super().attach(agent, block_bytes, policy, self.npacks * self.pack_blocks - cap)
+        assert self.reg is not None
+        self.pack_plist = agent.prepare(DescList.blocks(self.reg, self.pack_blocks * block_bytes))
 
     def region(self, n: int, block_bytes: int) -> Any:
-        return [kvx.ObjectRegion(self.bucket, f"{self.prefix}/{i}", block_bytes) for i in range(n)]
+        pb = self.pack_blocks
+        if self.path is not None:
+            self.check_meta(f"{block_bytes}:{pb}:{self.bucket}:{self.prefix} {n}\n", ())
+        return [kvx.ObjectRegion(self.bucket, f"{self.prefix}/pack-{i}", pb * block_bytes) for i in range(n // pb)]
+
+    # packs ------------------------------------------------------------------------------
+    def recovered(self, used: set[int]) -> None:
+        pb = self.pack_blocks
+        self.pack_used = [0] * self.npacks
+        for s in used:
+            self.pack_used[s // pb] += 1
+        self.free_packs = [p for p in range(self.npacks - 1, -1, -1) if not self.pack_used[p]]
+        self.free = []
+        self.open_pack = None
+        self.open_next = 0
+
+    def avail(self) -> int:
+        """Slots that can be handed out without compaction."""
+        open_left = self.pack_blocks - self.open_next if self.open_pack is not None else 0
+        return open_left + len(self.free_packs) * self.pack_blocks
+
+    def can_alloc(self) -> bool:
+        return self.avail() > 0
+
+    def room(self, m: int, reserve: int) -> bool:
+        return self.avail() >= m + reserve
+
+    def committed(self, records: Iterable[tuple[Hashable, Hashable | None, int, int]]) -> None:
+        records = list(records)
+        for _k, _p, s, _c in records:
+            self.moving.pop(s, None)
+        super().committed(records)
+
+    def dropped(self, key: Hashable, slot: int) -> bool:
+        old = self.moving.pop(slot, None)
+        if old is not None and self.journal is not None:  # a move that did not land: its old record goes too
+            try:
+                self.journal.delete(key, old)
+            except OSError:  # the old record stays; its pack is reused later, so the checksum drops it
+                log.warning("object tier %s: cannot journal the removal of a moved block", self.path)
+        return super().dropped(key, slot)
+
+    def alloc(self) -> int:
+        pb = self.pack_blocks
+        if self.open_pack is None or self.open_next >= pb:
+            self.seal()
+            if not self.free_packs:
+                raise TierError("object tier: no free pack (compaction is behind)")
+            self.open_pack = self.free_packs.pop()
+            self.open_next = 0
+        slot = self.open_pack * pb + self.open_next
+        self.open_next += 1
+        self.pack_used[self.open_pack] += 1
+        return slot
+
+    def seal(self) -> None:
+        """No more blocks go to the open pack (it is being written)."""
+        p = self.open_pack
+        if p is None:
+            return
+        self.open_pack = None
+        self.open_next = 0
+        if not self.pack_used[p]:
+            self.free_packs.append(p)
+
+    def ready(self, pack: int) -> bool:
+        """All blocks bound for ``pack`` have been handed their slots."""
+        return pack != self.open_pack or self.open_next >= self.pack_blocks
+
+    def freed(self, slot: int) -> None:
+        p = slot // self.pack_blocks
+        self.pack_used[p] -= 1
+        if not self.pack_used[p] and p != self.open_pack:
+            self.free_packs.append(p)
+            self.compacting.discard(p)
+
+    def needs_compaction(self, want: int = 0) -> bool:
+        return not self.compacting and (len(self.free_packs) < 2 or self.avail() < want)
+
+    def compaction_victim(self, busy: set[int]) -> tuple[int, list[Hashable]] | None:
+        """The sealed pack with the fewest live blocks (not ``busy``: being written) and its keys."""
+        pb = self.pack_blocks
+        live: dict[int, list[Hashable]] = {}
+        for k, (s, _c) in self.index.items():
+            live.setdefault(s // pb, []).append(k)
+        best: tuple[int, list[Hashable]] | None = None
+        for p in range(self.npacks):
+            if p == self.open_pack or not self.pack_used[p] or p in busy or p in self.compacting:
+                continue
+            keys = live.get(p, [])
+            if len(keys) >= pb:
+                continue
+            if best is None or len(keys) < len(best[1]):
+                best = (p, keys)
+        return best

@@ -18,10 +18,23 @@ from ... import config as _config
 from ..._slots import MAX_SLOTS
 from ...errors import BackendUnavailable, KVXError, RegistrationError, TransferError, UsageError
 from ...memory import MemoryKind, Region
-from ..base import Backend, BackendContext, JobRequest, Op, PreparedList, Request
+from ..base import (
+    BAD_INDEX,
+    Backend,
+    BackendContext,
+    CallRoute,
+    DoneRequest,
+    JobRequest,
+    Op,
+    PreparedList,
+    Request,
+    Route,
+    index_vector,
+    indices,
+)
 from .direct import DirectPath
 from .files import _U64, ALIGN, _sync_code, open_preallocated, translate_oserror
-from .jobs import _FailedRequest, _File, _i64, _Mem, _Prep
+from .jobs import _FailedRequest, _File, _Mem, _Prep
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +265,11 @@ class PosixBackend(DirectPath, Backend):
         return p.digests
 
     # ---- transfers ---------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,  # type: ignore[override]
-             notify: bytes | None) -> Request | int:
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _PosixRoute(self, op, local, remote)
+
+    def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
+              notify: bytes | None) -> Request:
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)
         if lp is None or rp is None or {lp.kind, rp.kind} != {MemoryKind.HOST, MemoryKind.FILE}:
@@ -299,25 +315,25 @@ class PosixBackend(DirectPath, Backend):
         err.__cause__ = exc
         return _FailedRequest(nbytes, err)
 
-    def _wrap(self, job: Any, fp: _Prep, fi: Any, after: Any) -> Request | int:
-        """A native result as the agent wants it: an int (done inline) or a Request."""
+    def _wrap(self, job: Any, fp: _Prep, fi: Any, after: Any) -> Request:
+        """A native result as a Request (a DoneRequest when it ran inline)."""
         if job is None or isinstance(job, int):  # ran inline
             if after is not None:
                 after()
-            return int(job) if job is not None else int(fp.nbytes[fi].sum())
+            return DoneRequest(int(job) if job is not None else int(fp.nbytes[fi].sum()))
         req = JobRequest(job, fp.paths, self._translate, after)
         if after is not None:
             self._notify_when_done(req)
         return req
 
-    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-                  notify: bytes | None) -> Callable[[], Request | int]:
+    def _plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any
+              ) -> Callable[[], Request] | None:
         """Sort and build the native job once; each call posts it again (buffered files only)."""
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)
-        if (lp is None or rp is None or notify is not None or lp.dfds is not None or rp.dfds is not None
-                or lp.digests is not None or rp.digests is not None or not hasattr(_native, "plan")):
-            return super().make_plan(op, local, lidx, remote, ridx, notify)
+        if (lp is None or rp is None or lp.dfds is not None or rp.dfds is not None or lp.digests is not None
+                or rp.digests is not None or not hasattr(_native, "plan")):
+            return None
         to_file, fp, fi, mp, mi = self._sides(op, lp, lidx, rp, ridx)
         code, args, off = self._job_args(to_file, fp, fi, mp, mi)
         guards = np.concatenate((lp.guards, rp.guards))
@@ -325,7 +341,7 @@ class PosixBackend(DirectPath, Backend):
                             off)
         nbytes = int(plan.nbytes)
 
-        def post() -> Request | int:
+        def post() -> Request:
             try:
                 return self._wrap(plan.start(), fp, fi, None)
             except OSError as exc:
@@ -342,7 +358,7 @@ class PosixBackend(DirectPath, Backend):
             dst, di, src, si = lp, lidx, rp, ridx
         to_file = dst.kind is MemoryKind.FILE
         fp, fi, mp, mi = (dst, di, src, si) if to_file else (src, si, dst, di)
-        fi, mi = _i64(fi), _i64(mi)
+        fi, mi = index_vector(fi), index_vector(mi)
         if fi.shape != mi.shape:
             raise ValueError(f"index lists differ in length ({len(mi)} vs {len(fi)})")
         if len(fi) > 1:
@@ -421,3 +437,19 @@ class PosixBackend(DirectPath, Backend):
                         pass
         for m in bounce:
             m.close()
+
+
+class _PosixRoute(CallRoute):
+    """host memory <-> file; the descriptor work of a plan is done once (buffered files)."""
+
+    __slots__ = ()
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        if notify is not None:
+            return super().plan(lidx, ridx, notify)
+        b: PosixBackend = self.backend  # type: ignore[assignment]
+        try:
+            p = b._plan(self.op, self.local, indices(lidx), self.remote, indices(ridx))
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        return p if p is not None else super().plan(lidx, ridx, notify)

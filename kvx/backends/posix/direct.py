@@ -37,11 +37,11 @@ class DirectPath:
     _state: np.ndarray
     _pins: np.ndarray
     _bounce: list[mmap.mmap]
-    _wrap: Callable[..., Request | int]
+    _wrap: Callable[..., Request]
 
     # ---- O_DIRECT ----------------------------------------------------------------------------
     def _post_direct(self, to_file: bool, fp: _Prep, fi: np.ndarray, mp: _Prep, mi: np.ndarray,
-                     guards: np.ndarray, after: Any) -> Request | int:
+                     guards: np.ndarray, after: Any) -> Request:
         assert fp.faligned is not None and mp.maligned is not None and fp.dfds is not None
         if len(fi) and (int(fi.max()) >= len(fp.addr) or int(mi.max()) >= len(mp.addr)
                         or int(fi.min()) < -len(fp.addr) or int(mi.min()) < -len(mp.addr)):

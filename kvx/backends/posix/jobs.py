@@ -99,15 +99,6 @@ class _DirectRequest(ThreadRequest):
         return not self._ev.is_set()
 
 
-def _i64(x: Any) -> np.ndarray:
-    if type(x) is int:
-        return np.array([x], dtype=np.int64)
-    a = np.atleast_1d(np.asarray(x))
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, not {a.dtype}")
-    return np.ascontiguousarray(a.astype(np.int64, copy=False).reshape(-1))
-
-
 def _split(faddr: np.ndarray, maddr: np.ndarray, ln: np.ndarray, fds: np.ndarray, piece: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Cut descriptors longer than ``piece`` into pieces (vectorized; ``piece`` is aligned)."""

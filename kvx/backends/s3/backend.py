@@ -23,7 +23,7 @@ from ...errors import (
     UsageError,
 )
 from ...memory import MemoryKind, Region
-from ..base import Backend, BackendContext, DoneRequest, Op, Request
+from ..base import Backend, BackendContext, CallRoute, DoneRequest, Op, Request, Route
 
 if TYPE_CHECKING:
     from ..base import PreparedList
@@ -277,7 +277,10 @@ class S3Backend(LeanPath, Backend):
         return _ObjPrep(whole=whole)
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: "PreparedList", lidx: Any, remote: "PreparedList", ridx: Any,
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return CallRoute(self, op, local, remote)
+
+    def _post(self, op: Op, local: "PreparedList", lidx: Any, remote: "PreparedList", ridx: Any,
              notify: bytes | None) -> Request:
         if self._closed:
             raise UsageError("s3 backend is closed")

@@ -1,4 +1,4 @@
-"""``tcp``: host memory between agents on any nodes, over TCP.
+"""``tcp``: host and CUDA memory between agents on any nodes, over TCP.
 
 Design (see ``docs/networking.md``):
 
@@ -34,6 +34,11 @@ Design (see ``docs/networking.md``):
   :class:`~kvx.errors.PeerDisconnected`.
 - **Notifications** travel on the same streams, sent after every chunk of their transfer was
   acknowledged by the target, i.e. after the data landed.
+- **CUDA memory** (:mod:`.staging`) crosses the socket through pinned slots of each connection:
+  the sending side gathers a frame's blocks into a slot with the batched copy kernel (the next
+  frame's gather running while one is on the wire), the receiving side lands the frame in a slot
+  and scatters it while the connection goes on; a write is acknowledged after its scatter. The
+  target validates and pins exactly as for host memory, per memory kind.
 """
 
 from __future__ import annotations

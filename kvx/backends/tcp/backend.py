@@ -1,9 +1,7 @@
-"""The tcp backend: its options, registration and pins, the listener and the target's serving
-threads, peers, and posting transfers."""
+"""The tcp backend: its options, peers and posting transfers (the target's side: :mod:`.target`)."""
 
 from __future__ import annotations
 
-import bisect
 import logging
 import socket
 import struct
@@ -15,43 +13,47 @@ import numpy as np
 
 from ... import config as _cfg
 from ... import wire
-from ..._slots import MAX_SLOTS
 from ...errors import (
-    KVXError,
+    BackendUnavailable,
     PeerDisconnected,
     ProtocolError,
-    RegistrationError,
+    UsageError,
 )
-from ...memory import MemoryKind, Region
+from ...memory import MemoryKind
 from ...net import (
-    MAX_HANDSHAKES,
-    RefusalLog,
-    accept_loop,
     client_handshake,
     open_listener,
-    send_frame,
-    server_handshake,
 )
-from ..base import Backend, BackendContext, DoneRequest, Op, PeerInfo, PreparedList, Request, region_rows
+from ..base import (
+    BAD_INDEX,
+    Backend,
+    BackendContext,
+    DoneRequest,
+    Op,
+    PeerInfo,
+    PreparedList,
+    Request,
+    Route,
+    region_rows,
+)
 from .common import (
-    _BIG_ENDIAN,
     _K_MSG,
     _U64,
-    FAST_MAX,
     MAX_DESCS,
     SMALL_DESCS,
     _coalesce,
-    _frame,
     _hostname_ok,
     _i64,
-    _native_u64,
     _net,
     _split_large,
+    _split_rep,
     _why,
     advertised,
     tune_socket,
 )
 from .initiator import _Chunk, _FastRequest, _FastStream, _PeerConn, _Stream, _TcpRequest
+from .staging import MAX_STAGED_DESCS, Copier, HostCopier, cuda_copier
+from .target import _Target
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,24 @@ log = logging.getLogger(__name__)
 class _Prep:
     addr: np.ndarray
     nbytes: np.ndarray
+    kind: MemoryKind = MemoryKind.HOST
+    dev: np.ndarray | None = None  # CUDA lists: the device of each descriptor
+    copier: Copier | None = None  # local lists staged through pinned slots
 
+
+def _strict_bounds(cum: np.ndarray, chunk: int, most: int) -> list[int]:
+    """Frame boundaries over descriptors of cumulative sizes ``cum`` (each at most ``chunk``):
+    every frame holds at most ``chunk`` bytes and ``most`` descriptors (one search per frame)."""
+    n = cum.shape[0]
+    bounds = [0]
+    base = 0
+    while bounds[-1] < n:
+        a = bounds[-1]
+        b = int(np.searchsorted(cum, _U64(base + chunk), side="right"))
+        b = min(max(b, a + 1), a + most, n)
+        bounds.append(b)
+        base = int(cum[b - 1])
+    return bounds
 
 
 # ---- the backend -----------------------------------------------------------------------------
@@ -84,6 +103,15 @@ class TcpOptions:
         (``KVX_TCP_SERVE_SPIN_US``).
     rcvlowat
         ``SO_RCVLOWAT`` of large receives, bytes; 0 = off (``KVX_TCP_RCVLOWAT``).
+    stage_bytes
+        Bytes per pinned staging slot: the largest frame of a transfer touching CUDA memory
+        (``KVX_TCP_STAGE_BYTES``).
+    stage_slots
+        Staging slots per connection: the frames of one connection gathered, on the wire or
+        scattering at once (``KVX_TCP_STAGE_SLOTS``).
+    stage_host
+        Move host memory through the staging path too (a test of the GPU pipeline on machines
+        without a GPU; slower) (``KVX_TCP_STAGE_HOST``).
     """
 
     streams: int = _cfg.option("KVX_TCP_STREAMS")
@@ -92,13 +120,16 @@ class TcpOptions:
     spin_us: float = _cfg.option("KVX_TCP_SPIN_US")
     serve_spin_us: float = _cfg.option("KVX_TCP_SERVE_SPIN_US")
     rcvlowat: int = _cfg.option("KVX_TCP_RCVLOWAT")
+    stage_bytes: int = _cfg.option("KVX_TCP_STAGE_BYTES")
+    stage_slots: int = _cfg.option("KVX_TCP_STAGE_SLOTS")
+    stage_host: bool = _cfg.option("KVX_TCP_STAGE_HOST")
 
 
-class TcpBackend(Backend):
-    """Host memory to and from agents on any node over TCP; see the module docstring."""
+class TcpBackend(_Target, Backend):
+    """Host and CUDA memory to and from agents on any node over TCP; see the module docstring."""
 
     name = "tcp"
-    kinds = frozenset({MemoryKind.HOST})
+    kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
     remote = True
     local = False
     notifications = True
@@ -123,23 +154,14 @@ class TcpBackend(Backend):
         self.serve_spin = float(opts.serve_spin_us) * 1e-6
         #: SO_RCVLOWAT for large receives: wake once this many bytes are queued, not per segment
         self.rcv_lowat = int(opts.rcvlowat)
+        self.stage_bytes = max(64 << 10, int(opts.stage_bytes))
+        self.stage_slots = max(2, int(opts.stage_slots))
+        self.stage_host = bool(opts.stage_host)
+        self._host_copier = HostCopier() if self.stage_host else None
         self._lock = threading.RLock()
         self._closed = False
-        # registrations as the target sees them, and pins held by serving threads
-        self._cv = threading.Condition()
-        self._lo = np.zeros(MAX_SLOTS, dtype=_U64)
-        self._hi = np.zeros(MAX_SLOTS, dtype=_U64)
-        self._live = np.zeros(MAX_SLOTS, dtype=bool)
-        self._pins = np.zeros(MAX_SLOTS, dtype=np.int64)
-        self._view: list[tuple[int, int, int]] = []
-        self._starts: list[int] = []
         self._peers: dict[str, _PeerConn] = {}
-        self._served: dict[int, tuple[socket.socket, threading.Thread, set[int]]] = {}
-        self._hs = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        #: refused connections and requests: logged a few at a time, counted per kind
-        self.refused = RefusalLog(log)
-        #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
-        self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
+        self._init_target()
         host, port = self.cfg.listen if self.cfg.listen is not None else ("127.0.0.1", 0)
         self._lsock = open_listener(host, port)
         self.address: tuple[str, int] = tuple(self._lsock.getsockname()[:2])  # type: ignore[assignment]
@@ -154,222 +176,13 @@ class TcpBackend(Backend):
             return "the native module kvx._net is not built (pip install -e . rebuilds it)"
         return None
 
-    # ---- memory ----------------------------------------------------------------------------
-    def register(self, region: Any, slot: int, gen: int) -> Any:
-        if not isinstance(region, Region) or region.kind != MemoryKind.HOST:
-            raise RegistrationError("tcp backend registers HOST memory only")
-        with self._cv:
-            self._lo[slot] = region.addr
-            self._hi[slot] = region.addr + region.nbytes
-            self._live[slot] = True
-            self._rebuild_view()
-        return slot
-
-    def deregister(self, region: Any, handle: Any) -> None:
-        slot = int(handle)
-        with self._cv:
-            if self._lo[slot] != region.addr:
-                return
-            self._live[slot] = False
-            self._rebuild_view()
-            if self._cv.wait_for(lambda: self._pins[slot] == 0, self.timeout):
-                self._lo[slot] = self._hi[slot] = 0
-                return
-            # a serving thread is stuck in I/O on this region: cut its connection to wake it
-            stuck = [s for s, _t, pinned in self._served.values() if slot in pinned]
-        for s in stuck:
-            log.error("a peer did not finish a transfer on a released region within %.1f s; disconnecting it",
-                      self.timeout)
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._pins[slot] == 0, 10.0):  # pragma: no cover
-                log.error("tcp: region slot %d still pinned after cutting its connections", slot)
-            self._lo[slot] = self._hi[slot] = 0
-
-    def _pin(self, addr: np.ndarray, nb: np.ndarray, pinned: set[int]) -> str | None:
-        """Validate target descriptors and pin their regions; return a refusal reason or None."""
-        if addr.shape[0] == 0:
-            return "empty descriptor list"
-        slots = self.ctx.validate_local(MemoryKind.HOST, addr, nb, np.zeros_like(addr))
-        bad = slots < 0
-        if bad.any():
-            i = int(np.argmax(bad))
-            return f"descriptor {i} (0x{int(addr[i]):x}+{int(nb[i])}) is outside registered memory"
-        used = np.unique(slots)
-        with self._cv:  # re-check against our own view, atomically with pinning
-            ok = (self._live[used].all() and bool(np.all(addr >= self._lo[slots]))
-                  and bool(np.all(addr + nb <= self._hi[slots])))
-            if not ok:
-                return "the region was released"
-            self._pins[used] += 1
-        pinned.update(used.tolist())
-        return None
-
-    def _pin_small(self, ab: bytes, nbb: bytes, pinned: set[int]) -> tuple[str | None, int]:
-        """``_pin`` for a few descriptors, without numpy: each descriptor must lie inside one
-        live registration of ours (the view ``register``/``deregister`` keep, which a release
-        updates before it returns); pins under the same lock. Returns (refusal or None, bytes)."""
-        k = len(ab) // 8
-        if k == 0:
-            return "empty descriptor list", 0
-        addrs = struct.unpack(f"<{k}Q", ab)
-        nbs = struct.unpack(f"<{k}Q", nbb)
-        total = sum(nbs)
-        slots = []
-        with self._cv:
-            starts, view = self._starts, self._view
-            for i, (a, n) in enumerate(zip(addrs, nbs)):
-                j = bisect.bisect_right(starts, a) - 1
-                if j < 0 or a + n > view[j][1]:
-                    return (f"descriptor {i} (0x{a:x}+{n}) is outside registered memory"
-                            " (or the region was released)"), total
-                slots.append(view[j][2])
-            used = set(slots)  # one pin per distinct region, as ``_unpin`` drops one per region
-            for sl in used:
-                self._pins[sl] += 1
-        pinned.update(used)
-        return None, total
-
-    def _rebuild_view(self) -> None:
-        """Sorted (start, end, slot) of live regions (caller holds ``_cv``)."""
-        live = sorted((int(self._lo[sl]), int(self._hi[sl]), int(sl)) for sl in np.flatnonzero(self._live))
-        self._view = live
-        self._starts = [r[0] for r in live]
-
-    def _unpin(self, pinned: set[int]) -> None:
-        if not pinned:
-            return
-        with self._cv:
-            self._pins[np.fromiter(pinned, dtype=np.int64)] -= 1
-            self._cv.notify_all()
-        pinned.clear()
-
-    # ---- listener / target side ------------------------------------------------------------
+    # ---- metadata --------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
-        return {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams}
-
-    def _accept_loop(self) -> None:
-        accept_loop(self._lsock, lambda: self._closed, self._hs, self._start_serving, "tcp", self.refused)
-
-    def _start_serving(self, s: socket.socket, addr: Any) -> None:
-        t = threading.Thread(target=self._serve, args=(s, addr), name="kvx-tcp-serve", daemon=True)
-        with self._lock:
-            self._served[id(s)] = (s, t, set())
-        t.start()
-
-    def _serve(self, s: socket.socket, addr: Any) -> None:
-        key = id(s)
-        pinned = self._served[key][2]
-        who = f"{addr[0]}:{addr[1]}"
-        try:
-            try:
-                hello = server_handshake(s, self.cfg.auth_token, self.ctx.agent_id, self.ctx.agent_name,
-                                         float(self.cfg.handshake_timeout))
-            except (KVXError, OSError) as exc:
-                self.refused("connections", "tcp: refused a connection from %s: %s", who, exc)
-                return
-            finally:
-                self._hs.release()
-            if hello["svc"] != "data":
-                h = self.side_handler
-                if h is None:
-                    self.refused("connections", "tcp: refused %r request from %s: no side channel here",
-                                 hello["svc"], who)
-                    return
-                h(s, hello)
-                return
-            name = hello["name"]
-            tune_socket(s, self.timeout)
-            send_frame(s, wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id))
-            s.setblocking(False)
-            self._serve_loop(s, name, pinned)
-        except (KVXError, OSError) as exc:
-            log.info("tcp: connection from %s ended: %s", who, exc)
-        finally:
-            self._unpin(pinned)
-            with self._lock:
-                self._served.pop(key, None)
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def _serve_loop(self, s: socket.socket, peer: str, pinned: set[int]) -> None:
-        fd = s.fileno()
-        to = self.timeout
-        spin = 0.0
-        while not self._closed:
-            try:
-                body = _net.recv_frame(fd, self.max_msg, to, 0.5, spin)
-            except ValueError as exc:
-                raise ProtocolError(str(exc)) from None
-            if body == -1:
-                spin = 0.0
-                continue
-            if body == 0:
-                return
-            msg = wire.unpack(body, max_bytes=self.max_msg)
-            t = msg["t"]
-            if t in ("w", "r"):
-                wire.check(msg, t, {"rid": int, "addr": bytes, "nbytes": bytes})
-                rid = msg["rid"]
-                ab, nbb = msg["addr"], msg["nbytes"]
-                if len(ab) != len(nbb) or len(ab) % 8:
-                    raise ProtocolError("malformed descriptor arrays")
-                a2: Any
-                n2: Any
-                if len(ab) <= 8 * SMALL_DESCS:
-                    # scalar path: same checks against our live registrations, no numpy
-                    why, total = self._pin_small(ab, nbb, pinned)
-                    a2, n2 = ab, nbb
-                    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
-                        a2, n2 = _native_u64(ab), _native_u64(nbb)
-                else:
-                    addr = np.frombuffer(ab, dtype=_U64)
-                    nb = np.frombuffer(nbb, dtype=_U64)
-                    total = int(nb.sum(dtype=np.float64))
-                    why = self._pin(addr, nb, pinned)
-                    if why is None:
-                        a2, n2 = _coalesce(addr, nb)
-                spin = self.serve_spin if total <= FAST_MAX else 0.0
-                if t == "w":
-                    if why is None:
-                        try:
-                            _net.recvv(fd, a2, n2, to, 0.0, self.rcv_lowat)
-                        finally:
-                            self._unpin(pinned)
-                        _net.sendv(fd, _frame(wire.pack("ok", re=rid)), None, None, to)
-                    else:
-                        self.refused("requests", "tcp: refused a write from %s: %s", peer, why)
-                        if total > self.max_msg:
-                            raise ProtocolError(f"refused write of {total} bytes: {why}")
-                        _net.discard(fd, total, to)
-                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
-                else:
-                    if why is None:
-                        try:
-                            _net.sendv(fd, _frame(wire.pack("rd", re=rid, n=total)), a2, n2, to)
-                        finally:
-                            self._unpin(pinned)
-                    else:
-                        self.refused("requests", "tcp: refused a read from %s: %s", peer, why)
-                        _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=why)), None, None, to)
-            elif t == "notif":
-                wire.check(msg, "notif", {"msg": bytes})
-                self.ctx.deliver(peer, msg["msg"])
-            elif t == "regions":
-                wire.check(msg, "regions", {"rid": int})
-                rows = [[int(MemoryKind.HOST), r.addr, r.nbytes, r.dev, slot, gen]
-                        for slot, (r, gen) in self.ctx.regions().items()
-                        if isinstance(r, Region) and r.kind == MemoryKind.HOST]
-                _net.sendv(fd, _frame(wire.pack("rows", re=msg["rid"], rows=rows)), None, None, to)
-            else:
-                rid = msg.get("rid")
-                if isinstance(rid, int):
-                    _net.sendv(fd, _frame(wire.pack("err", re=rid, msg=f"unknown request {t!r}")), None, None, to)
+        md: dict[str, Any] = {"addrs": [[h, p] for h, p in self._addrs], "streams": self.streams,
+                              "stage": self.stage_bytes}
+        if self.stage_host:
+            md["stage_host"] = True
+        return md
 
     # ---- peers -----------------------------------------------------------------------------
     def connect(self, peer: PeerInfo) -> bool:
@@ -382,7 +195,13 @@ class TcpBackend(Backend):
                            and isinstance(a[1], int) and not isinstance(a[1], bool) and 0 < a[1] < 65536
                            for a in addrs)):
             raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
+        stage = sec.get("stage", 0)
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 1 << 40:
+            raise ProtocolError(f"malformed tcp section in {peer.name!r} metadata")
         conn = _PeerConn(self, peer.name)
+        #: the largest staged frame the peer takes (0: it stages nothing, so serves no CUDA memory)
+        conn.stage = stage
+        conn.stage_host = sec.get("stage_host") is True
         socks: list[socket.socket] = []
         try:
             for i in range(self.streams + (1 if self.fast_max else 0)):
@@ -448,22 +267,32 @@ class TcpBackend(Backend):
 
     def prepare(self, plist: PreparedList) -> _Prep:
         d = plist.descs
+        copier: Copier | None = None
         if plist.peer is not None:
             conn = self._peers.get(plist.peer)
             if conn is None or conn.dead:
                 raise PeerDisconnected(f"not connected to {plist.peer!r} over tcp")
-        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64))
+        elif d.kind == MemoryKind.CUDA:
+            copier = cuda_copier()
+        else:
+            copier = self._host_copier
+        dev = np.ascontiguousarray(d.dev, dtype=_U64) if d.kind == MemoryKind.CUDA else None
+        return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64),
+                     d.kind, dev, copier)
 
     # ---- transfers -------------------------------------------------------------------------
-    def post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-             notify: bytes | None) -> Request:
-        lp: _Prep = local.bdata[self.name]
-        rp: _Prep = remote.bdata[self.name]
-        conn = self._peers.get(remote.peer)  # type: ignore[arg-type]
+    def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        return _TcpRoute(self, op, local, remote)
+
+    def _post(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: str,
+              notify: bytes | None) -> Request:
+        """Post one transfer (indices as the user gave them; bad ones raise IndexError,
+        ValueError or TypeError, which the route turns into UsageError)."""
+        conn = self._peers.get(peer)
         if conn is None or conn.dead:
-            raise PeerDisconnected(f"peer {remote.peer!r} is not connected over tcp"
+            raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
                                    + (f": {conn.error}" if conn is not None else ""))
-        if self.fast_max:
+        if self.fast_max and lp.copier is None and rp.kind == MemoryKind.HOST:
             small = self._small(op, lp, lidx, rp, ridx)
             if small is not None:
                 req = self._fast_post(conn, op, *small, notify)
@@ -480,19 +309,44 @@ class TcpBackend(Backend):
         if not np.array_equal(ln, rp.nbytes[ri]):
             raise ValueError("paired descriptors differ in length")
         laddr, raddr = lp.addr[li], rp.addr[ri]
-        laddr, raddr, ln = _split_large(laddr, raddr, ln, self.chunk)
+        rstaged = rp.kind == MemoryKind.CUDA or conn.stage_host
+        chunk, most = self.chunk, MAX_DESCS
+        if rstaged:
+            if conn.stage <= 0:
+                raise BackendUnavailable(f"peer {conn.name!r} does not serve GPU memory over tcp")
+            chunk, most = min(chunk, conn.stage), MAX_STAGED_DESCS
+        if lp.copier is not None:
+            chunk, most = min(chunk, self.stage_bytes), MAX_STAGED_DESCS
+        ldev = rdev = None
+        if lp.dev is not None or rp.dev is not None:  # devices follow the descriptors through the split
+            cut = _split_rep(ln, chunk)
+            ldev = lp.dev[li] if lp.dev is not None else None
+            rdev = rp.dev[ri] if rp.dev is not None else None
+            if cut is not None:
+                ldev = ldev[cut[0]] if ldev is not None else None
+                rdev = rdev[cut[0]] if rdev is not None else None
+        laddr, raddr, ln = _split_large(laddr, raddr, ln, chunk)
         total = int(ln.sum())
         cum = np.cumsum(ln)
-        g = np.maximum((cum - _U64(1)) // _U64(self.chunk), (np.arange(ln.shape[0]) // MAX_DESCS).astype(_U64))
-        edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
-        bounds = [0, *edges.tolist(), ln.shape[0]]
+        if rstaged or lp.copier is not None:
+            bounds = _strict_bounds(cum, chunk, most)  # a staged frame must fit a slot
+        else:
+            g = np.maximum((cum - _U64(1)) // _U64(chunk), (np.arange(ln.shape[0]) // most).astype(_U64))
+            edges = np.flatnonzero(g[1:] != g[:-1]) + 1 if ln.shape[0] > 1 else np.zeros(0, dtype=np.int64)
+            bounds = [0, *edges.tolist(), ln.shape[0]]
         req = _TcpRequest(total, len(bounds) - 1, conn, notify)
         chunks = []
+        rkind = int(MemoryKind.CUDA) if rp.kind == MemoryKind.CUDA else 0
         for a, b in zip(bounds, bounds[1:]):
-            la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            if lp.copier is None:
+                la, lnb = _coalesce(laddr[a:b], ln[a:b])
+            else:
+                la, lnb = laddr[a:b], ln[a:b]
             chunks.append(_Chunk(op, req, la, lnb, raddr[a:b].tobytes(), ln[a:b].tobytes(),
-                                 int(cum[b - 1] - (cum[a - 1] if a else 0))))
-        if len(chunks) == 1 and total <= self.inline:
+                                 int(cum[b - 1] - (cum[a - 1] if a else 0)), 0, rkind,
+                                 rdev[a:b].tobytes() if rdev is not None else None, lp.copier,
+                                 ldev[a:b] if ldev is not None else None))
+        if len(chunks) == 1 and total <= self.inline and lp.copier is None:
             # small: send from the posting thread when a stream is free (saves a thread hop)
             for st in conn.streams:
                 if st.send_lock.acquire(blocking=False):
@@ -564,25 +418,6 @@ class TcpBackend(Backend):
             fs.send(req, head, None, None)
         return req
 
-    def make_plan(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
-                  notify: bytes | None) -> Callable[[], Request | int]:
-        """Small transfers: descriptors computed once, each post goes straight to the fast stream."""
-        small = self._small(op, local.bdata[self.name], lidx, remote.bdata[self.name], ridx) \
-            if self.fast_max else None
-        if small is None:
-            return super().make_plan(op, local, lidx, remote, ridx, notify)
-        peer = remote.peer
-
-        def post() -> Request | int:
-            conn = self._peers.get(peer)  # type: ignore[arg-type]
-            if conn is None or conn.dead:
-                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
-                                       + (f": {conn.error}" if conn is not None else ""))
-            req = self._fast_post(conn, op, *small, notify)
-            return req if req is not None else self.post(op, local, lidx, remote, ridx, notify)
-
-        return post
-
     def notify(self, peer_name: str, message: bytes) -> None:
         conn = self._peers.get(peer_name)
         if conn is None or conn.dead:
@@ -616,5 +451,47 @@ class TcpBackend(Backend):
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
         self.refused.flush()
+        if self._host_copier is not None:
+            self._host_copier.close()
 
 
+class _TcpRoute(Route):
+    """A list pair resolved once: both sides' prepared arrays and the peer's name; small
+    transfers' descriptors are computed once per plan and posted straight to the fast stream."""
+
+    __slots__ = ("_lp", "_peer", "_rp", "_small_ok")
+
+    def __init__(self, backend: TcpBackend, op: Op, local: PreparedList, remote: PreparedList) -> None:
+        super().__init__(backend, op, local, remote)
+        self._lp: _Prep = local.bdata[backend.name]
+        self._rp: _Prep = remote.bdata[backend.name]
+        self._peer: str = remote.peer  # type: ignore[assignment]
+        # the fast stream carries host memory on both sides only (no staging)
+        self._small_ok = bool(backend.fast_max) and self._lp.copier is None and self._rp.kind == MemoryKind.HOST
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        try:
+            return self.backend._post(self.op, self._lp, lidx, self._rp, ridx,  # type: ignore[attr-defined, no-any-return]
+                                      self._peer, notify)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        b: TcpBackend = self.backend  # type: ignore[assignment]
+        try:
+            small = b._small(self.op, self._lp, lidx, self._rp, ridx) if self._small_ok else None
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if small is None:
+            return super().plan(lidx, ridx, notify)
+        peer, op, peers, fast_post, slow = self._peer, self.op, b._peers, b._fast_post, self.post
+
+        def post() -> Request:
+            conn = peers.get(peer)
+            if conn is None or conn.dead:
+                raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
+                                       + (f": {conn.error}" if conn is not None else ""))
+            req = fast_post(conn, op, *small, notify)
+            return req if req is not None else slow(lidx, ridx, notify)
+
+        return post

@@ -93,16 +93,24 @@ def _coalesce(addr: np.ndarray, nb: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def _split_large(laddr: np.ndarray, raddr: np.ndarray, nb: np.ndarray, piece: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut descriptors longer than ``piece`` into pieces (same positions on both sides)."""
+    cut = _split_rep(nb, piece)
+    if cut is None:
+        return laddr, raddr, nb
+    rep, off = cut
+    ln = np.minimum(_U64(piece), nb[rep] - off)
+    return laddr[rep] + off, raddr[rep] + off, ln
+
+
+def _split_rep(nb: np.ndarray, piece: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """For :func:`_split_large`: the descriptor of each piece and its offset in it (None: no cut)."""
     big = nb > piece
     if not big.any():
-        return laddr, raddr, nb
+        return None
     cnt = ((nb + _U64(piece - 1)) // _U64(piece)).astype(np.int64)
     rep = np.repeat(np.arange(nb.shape[0]), cnt)
     first = np.cumsum(cnt) - cnt
     k = (np.arange(rep.shape[0]) - np.repeat(first, cnt)).astype(_U64)
-    off = k * _U64(piece)
-    ln = np.minimum(_U64(piece), nb[rep] - off)
-    return laddr[rep] + off, raddr[rep] + off, ln
+    return rep, k * _U64(piece)
 
 
 

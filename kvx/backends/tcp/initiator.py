@@ -25,6 +25,7 @@ from ...errors import (
 )
 from ..base import Op, Request, ThreadRequest
 from .common import _K_MSG, ERRORS, _net, _why
+from .staging import Copier, Slot, SlotRing, Ticket
 
 if TYPE_CHECKING:
     from .backend import TcpBackend
@@ -79,6 +80,15 @@ class _Chunk:
     rnb: bytes
     nbytes: int
     rid: int = 0
+    #: the target's memory kind and (CUDA) devices, raw uint64; sent when not HOST
+    rkind: int = 0
+    rdev: bytes | None = None
+    #: local blocks go through a staging slot (CUDA memory, or host memory when forced)
+    copier: Copier | None = None
+    ldev: np.ndarray | None = None
+    slot: Slot | None = None
+    ring: SlotRing | None = None
+    ticket: Ticket | None = None
 
 
 class _Stream:
@@ -95,6 +105,12 @@ class _Stream:
         self.last = time.monotonic()
         self._exits = 0
         self._xlock = threading.Lock()
+        #: staging slots of this connection, per copier (made at its first staged chunk)
+        self.rings: dict[int, SlotRing] = {}
+        #: staged reads received, their scatters running: (ticket, chunk)
+        self.inflight: collections.deque[tuple[Ticket, _Chunk]] = collections.deque()
+        #: a staged write taken from the queue ahead of the one being sent (its gather running)
+        self.ahead: _Chunk | None = None
         self.threads = [
             threading.Thread(target=self._sender, name=f"kvx-tcp-send-{conn.name}-{idx}", daemon=True),
             threading.Thread(target=self._reader, name=f"kvx-tcp-recv-{conn.name}-{idx}", daemon=True),
@@ -113,6 +129,15 @@ class _Stream:
                 self.sock.close()
             except OSError:
                 pass
+            for ring in self.rings.values():
+                ring.close()
+
+    def ring(self, copier: Copier) -> SlotRing:
+        r = self.rings.get(id(copier))
+        if r is None:
+            be = self.conn.backend
+            r = self.rings.setdefault(id(copier), SlotRing(copier, be.stage_bytes, be.stage_slots))
+        return r
 
     def add_pending(self, rid: int, item: Any) -> None:
         with self.plock:
@@ -125,23 +150,85 @@ class _Stream:
         conn = self.conn
         ch.rid = conn.next_rid()
         t = "w" if ch.op is Op.WRITE else "r"
-        body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb)
+        if ch.rkind:
+            body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb, k=ch.rkind, dev=ch.rdev)
+        else:
+            body = wire.pack(t, rid=ch.rid, addr=ch.raddr, nbytes=ch.rnb)
         head = wire.frame_header(_K_MSG, len(body)) + body
         self.add_pending(ch.rid, ch)
-        if ch.op is Op.WRITE:
+        if ch.op is Op.WRITE and ch.slot is not None:
+            _net.sendv(self.fd, head, np.array([ch.slot.addr], dtype=np.uint64),
+                       np.array([ch.nbytes], dtype=np.uint64), conn.timeout)
+        elif ch.op is Op.WRITE:
             _net.sendv(self.fd, head, ch.laddr, ch.lnb, conn.timeout)
         else:
             _net.sendv(self.fd, head, None, None, conn.timeout)
         self.last = time.monotonic()
 
+    def _stage(self, ch: _Chunk) -> None:
+        """Take ``ch``'s staging slot (from this stream's ring); for a write, start gathering its
+        blocks into it."""
+        assert ch.copier is not None
+        ring = self.ring(ch.copier)
+        ch.slot = ring.take(self.conn.timeout)
+        ch.ring = ring
+        if ch.op is Op.WRITE:
+            try:
+                ch.ticket = ch.copier.gather(ch.slot, ch.laddr, ch.lnb, ch.ldev)
+            except BaseException:
+                self._unstage(ch)
+                raise
+
+    @staticmethod
+    def _unstage(ch: _Chunk) -> None:
+        if ch.slot is not None and ch.ring is not None:
+            ch.ring.give(ch.slot)
+        ch.slot = None
+
+    def _send_staged(self, ch: _Chunk) -> None:
+        """Stage ``ch`` (unless staged ahead), start staging the next queued write (kept as
+        ``self.ahead``: its gather runs while ``ch`` is on the wire), wait for ``ch``'s gather and
+        send it. A local failure fails ``ch``'s request; raises OSError from the socket."""
+        try:
+            if ch.slot is None:
+                self._stage(ch)
+            if ch.op is Op.WRITE:
+                if self.ahead is None:
+                    nxt = self.conn.take_staged_write()
+                    if nxt is not None:
+                        try:
+                            self._stage(nxt)
+                            self.ahead = nxt
+                        except KVXError as exc:
+                            nxt.req.chunk_done(exc)
+                if ch.ticket is not None:
+                    ch.ticket.wait(self.conn.timeout)
+        except KVXError as exc:
+            self._unstage(ch)
+            ch.req.chunk_done(exc)
+            return
+        with self.send_lock:
+            try:
+                self.send_chunk(ch)
+            finally:
+                if ch.op is Op.WRITE:
+                    self._unstage(ch)  # sent: the bytes are in the socket's buffer
+
     def _sender(self) -> None:
         conn = self.conn
+        item: Any = None
         try:
             while True:
-                item = conn.take()
-                if item is None:
+                item, self.ahead = (self.ahead, None) if self.ahead is not None else (conn.take(), None)
+                if item is None or conn.dead:
                     return
                 try:
+                    if isinstance(item, _Chunk) and item.copier is not None:
+                        if item.req.failed:
+                            self._unstage(item)
+                            continue
+                        self._send_staged(item)
+                        continue
                     with self.send_lock:
                         if isinstance(item, _Chunk):
                             if item.req.failed:
@@ -159,6 +246,11 @@ class _Stream:
                     conn.fail(PeerDisconnected(f"peer {conn.name!r}: send failed: {_why(exc)}"))
                     return
         finally:
+            for it in (item, self.ahead):  # taken from the queue, so the connection's failure cannot reach them
+                if isinstance(it, _Chunk) and it.rid == 0:
+                    self._unstage(it)
+                    it.req.chunk_done(conn.error or PeerDisconnected(f"peer {conn.name!r} is disconnected"))
+            self.ahead = None
             self._exit()
 
     def _reader(self) -> None:
@@ -166,10 +258,15 @@ class _Stream:
         idle = min(0.5, conn.timeout / 4)
         try:
             while not conn.dead:
+                if self.inflight:  # staged reads scattering: finish those done, never sleep on the socket
+                    self._reap(False)
                 try:
-                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, idle, 0.0)
+                    body = _net.recv_frame(self.fd, conn.max_msg, conn.timeout, 0.0 if self.inflight else idle, 0.0)
                 except ValueError as exc:
                     raise ProtocolError(str(exc)) from None
+                if body == -1 and self.inflight:
+                    self._reap(True)
+                    continue
                 if body == -1:
                     with self.plock:
                         stalled = bool(self.pending) and time.monotonic() - self.last > conn.timeout
@@ -188,7 +285,26 @@ class _Stream:
                     log.warning("dropping the connection to %s: %s", conn.name, exc)
                 conn.fail(err)
         finally:
+            while self.inflight:  # the scatters already started still land (their requests complete)
+                self._reap(True)
             self._exit()
+
+    def _reap(self, block: bool) -> None:
+        """Complete the staged reads whose scatter finished (``block``: wait for the oldest)."""
+        while self.inflight:
+            tk, ch = self.inflight[0]
+            err: BaseException | None = None
+            if not tk.done():
+                if not block:
+                    return
+                try:
+                    tk.wait(self.conn.timeout)
+                except KVXError as exc:
+                    err = exc
+            block = False
+            self.inflight.popleft()
+            self._unstage(ch)
+            ch.req.chunk_done(err)
 
     def _handle(self, msg: dict[str, Any]) -> None:
         t = msg["t"]
@@ -205,21 +321,35 @@ class _Stream:
             wire.check(msg, "rd", {"n": int})
             take = isinstance(item, _Chunk) and msg["n"] == item.nbytes and not item.req.failed
             try:
-                if take:
+                if take and item.slot is not None:
+                    _net.recvv(self.fd, np.array([item.slot.addr], dtype=np.uint64),
+                               np.array([item.nbytes], dtype=np.uint64), self.conn.timeout, 0.0,
+                               self.conn.backend.rcv_lowat)
+                elif take:
                     _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat)
                 else:
                     _net.discard(self.fd, msg["n"], self.conn.timeout)
             except (KVXError, OSError) as exc:
                 # the chunk left ``pending`` with this reply: the connection's failure cannot reach it
                 if isinstance(item, _Chunk):
+                    self._unstage(item)
                     item.req.chunk_done(ERRORS(exc, self.conn.name))
                 raise
+            if isinstance(item, _Chunk) and take and item.slot is not None and item.copier is not None:
+                try:
+                    self.inflight.append((item.copier.scatter(item.slot, item.laddr, item.lnb, item.ldev), item))
+                except KVXError as exc:
+                    self._unstage(item)
+                    item.req.chunk_done(exc)
+                return
             if isinstance(item, _Chunk):
+                self._unstage(item)
                 item.req.chunk_done(None if take else ProtocolError("read reply of the wrong size"))
             return
         if item is None:
             return  # a cancelled request's reply
         if isinstance(item, _Chunk):
+            self._unstage(item)  # a refused staged read gives its slot back
             if t == "ok":
                 item.req.chunk_done()
             elif t == "err":
@@ -388,6 +518,10 @@ class _PeerConn:
         self.max_msg = backend.max_msg
         self.streams: list[_Stream] = []
         self.fast: _FastStream | None = None
+        #: the largest staged frame the peer takes (its metadata; 0: it serves no CUDA memory)
+        self.stage = 0
+        #: the peer stages its host memory too (``TcpOptions.stage_host``)
+        self.stage_host = False
         self.dead = False
         self.error: BaseException | None = None
         self._q: collections.deque[Any] = collections.deque()
@@ -423,6 +557,15 @@ class _PeerConn:
             if self.dead:
                 return None
             return self._q.popleft()
+
+    def take_staged_write(self) -> "_Chunk | None":
+        """The next queued item if it is a staged write not yet staged (without waiting)."""
+        with self._cv:
+            if self._q and not self.dead:
+                it = self._q[0]
+                if isinstance(it, _Chunk) and it.copier is not None and it.op is Op.WRITE and it.slot is None:
+                    return self._q.popleft()  # type: ignore[no-any-return]
+        return None
 
     def control(self, t: str, timeout: float, **fields: Any) -> dict[str, Any]:
         """A request/reply on the streams (e.g. the region table)."""
