@@ -14,6 +14,7 @@ void job_release(job_t *j) {
     if (atomic_fetch_sub(&j->refs, 1) == 1) {
         free(j->t);
         free(j->g);
+        free(j->dig);
         pthread_mutex_destroy(&j->mu);
         pthread_cond_destroy(&j->cv);
         free(j);
@@ -204,8 +205,20 @@ static int rw_all(int fd, struct iovec *v, int nv, uint64_t off, uint64_t want, 
     return 0;
 }
 
-/* pwritev descriptors [i, k) of an OP_MMWRITE job: adjacent in one file, from t[i].off on. */
-static int mm_pwrite_run(job_t *j, size_t i, size_t k) {
+/* Digests of triplets [i, k) of a job that asked for them, from their memory side (read after a preadv
+ * landed, or the source of a pwritev). */
+static void dig_memory(job_t *j, size_t i, size_t k) {
+    if (!j->dig) return;
+    const int rd = j->op == OP_PREAD || j->op == OP_MMREAD;
+    for (; i < k; i++) {
+        const triplet_t *x = &j->t[i];
+        j->dig[i] = copy_hash(NULL, (const void *)(uintptr_t)(rd ? x->dst : x->src), x->len, 0);
+    }
+}
+
+/* pwritev (OP_MMWRITE) / preadv (OP_MMREAD) descriptors [i, k) of a job: adjacent in one file, from
+ * t[i].off on. */
+static int mm_rw_run(job_t *j, size_t i, size_t k, int is_write) {
     triplet_t *t = j->t;
     struct iovec iov[IOV_MAX];
     int fd = (int)t[i].fd;
@@ -214,13 +227,14 @@ static int mm_pwrite_run(job_t *j, size_t i, size_t k) {
         uint64_t off = t[i].off, want = 0;
         size_t n = 0;
         while (i + n < k && n < IOV_MAX) {
-            iov[n].iov_base = (void *)(uintptr_t)t[i + n].src;
+            iov[n].iov_base = (void *)(uintptr_t)(is_write ? t[i + n].src : t[i + n].dst);
             iov[n].iov_len = t[i + n].len;
             want += t[i + n].len;
             n++;
         }
-        int e = rw_all(fd, iov, (int)n, off, want, 1);
+        int e = rw_all(fd, iov, (int)n, off, want, is_write);
         if (e) return e;
+        dig_memory(j, i, i + n);
         i += n;
     }
     return 0;
@@ -260,7 +274,7 @@ static __attribute__((noinline)) int mmwrite_range(job_t *j, size_t lo, size_t h
          * page boundary, so mapped address - start = file offset - t[i].off, modulo 2^64) */
         if (miss < b && mm_has_data((int)t[i].fd, t[i].off + (uint64_t)(miss - (uintptr_t)start),
                                     t[i].off + (end - start))) {
-            e = mm_pwrite_run(j, i, k);
+            e = mm_rw_run(j, i, k, 1);
             if (e) goto out;
             i = k;
             continue;
@@ -278,7 +292,76 @@ static __attribute__((noinline)) int mmwrite_range(job_t *j, size_t lo, size_t h
             }
         }
         for (; i < k; i++) {
-            if (stream) copy_stream((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+            if (j->dig) j->dig[i] = copy_hash((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len, stream);
+            else if (stream) copy_stream((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+            else memcpy((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
+        }
+    }
+out:
+    atomic_signal_fence(memory_order_seq_cst);
+    mm_jb = NULL;
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();
+#endif
+    return e;
+}
+
+/* OP_MMREAD: copies out of a shared file mapping, under the same SIGBUS guard as OP_MMWRITE.
+ *
+ * Per run of adjacent sources (same file, at most MM_RUN_MAX bytes): a run not wholly in the page
+ * cache (mincore) goes through preadv (a fault per missing page would read the file page by page);
+ * a cached run is mapped in with madvise(MADV_POPULATE_READ) (next to free for pages mapped already;
+ * EFAULT past the end of a truncated file) and copied with the streaming copy. Reading a cached file
+ * this way skips preadv's per-page lookups and its cached stores into the destination (measured 3x
+ * faster than preadv on the shared test VM). A truncate racing the copy is caught by the guard. */
+static __attribute__((noinline)) int mmread_range(job_t *j, size_t lo, size_t hi) {
+    triplet_t *t = j->t;
+    const int stream = j->nbytes >= STREAM_MIN;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0)) {
+        sigset_t s;
+        sigemptyset(&s);
+        sigaddset(&s, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &s, NULL);
+#if defined(__x86_64__)
+        _mm_sfence();
+#endif
+        return EFAULT;
+    }
+    int e = 0;
+    size_t i = lo;
+    mm_jb = &jb;
+    atomic_signal_fence(memory_order_seq_cst);
+    while (i < hi) {
+        if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) { e = ECANCELED; break; }
+        uint64_t start = t[i].src, end = start + t[i].len;
+        size_t k = i + 1;
+        while (k < hi && t[k].src == end && t[k].fd == t[i].fd && end - start < MM_RUN_MAX) end += t[k++].len;
+        if (end == start) { i = k; continue; }
+        int flags = atomic_load_explicit(&mm_flags, memory_order_relaxed);
+        uintptr_t a = (uintptr_t)start & ~(mm_page - 1);
+        uintptr_t b = ((uintptr_t)end + mm_page - 1) & ~(mm_page - 1);
+        if ((flags & MM_RESIDENT) && mm_first_missing(a, b) < b) {
+            e = mm_rw_run(j, i, k, 0);
+            if (e) goto out;
+            i = k;
+            continue;
+        }
+        if ((flags & MM_POPULATE) && !atomic_load_explicit(&mm_no_populate, memory_order_relaxed)) {
+            while (madvise((void *)a, b - a, MADV_POPULATE_READ) != 0) {
+                int er = errno;
+                if (er == EINTR || er == EAGAIN) continue;
+                if (er == EINVAL || er == ENOSYS) { /* the kernel lacks it (< 5.14): copy under the guard only */
+                    atomic_store_explicit(&mm_no_populate, 1, memory_order_relaxed);
+                    break;
+                }
+                e = er; /* EFAULT: past the end of the file; ENOMEM; EIO; ... */
+                goto out;
+            }
+        }
+        for (; i < k; i++) {
+            if (j->dig) j->dig[i] = copy_hash((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len, stream);
+            else if (stream) copy_stream((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
             else memcpy((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len);
         }
     }
@@ -296,6 +379,8 @@ int run_range(job_t *j, size_t lo, size_t hi) {
     switch (j->op) {
     case OP_MMWRITE:
         return mmwrite_range(j, lo, hi);
+    case OP_MMREAD:
+        return mmread_range(j, lo, hi);
     case OP_MEMCPY:
         if (j->nbytes >= STREAM_MIN) {
             for (size_t i = lo; i < hi; i++) {
@@ -377,6 +462,7 @@ int run_range(job_t *j, size_t lo, size_t hi) {
             }
             int e = rw_all((int)fd, iov, (int)n, off, want, j->op == OP_PWRITE);
             if (e) return e;
+            dig_memory(j, i, i + n);
             i += n;
         }
         return 0;

@@ -8,7 +8,43 @@
 typedef struct {
     PyObject_HEAD
     job_t *job;
+    PyObject *dig_out; /* where the job's digests go once it is seen done (or NULL) */
 } JobObject;
+
+/* Write a finished job's digests into out[t.tag] (a writable 64-bit integer buffer, GIL held). */
+static int dig_scatter(job_t *j, PyObject *out) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(out, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    int sg;
+    if (int_buffer_width(&b, &sg) != 8) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_TypeError, "digests must be a writable 64-bit integer array");
+        return -1;
+    }
+    uint64_t *o = b.buf;
+    const uint64_t n = (uint64_t)(b.len / 8);
+    for (size_t i = 0; i < j->nt; i++) {
+        const uint64_t tag = (uint64_t)j->t[i].tag;
+        if (tag >= n) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "the digests array shrank under the job");
+            return -1;
+        }
+        o[tag] = j->dig[i];
+    }
+    PyBuffer_Release(&b);
+    return 0;
+}
+
+/* A job seen finished without error: hand its digests over, once. */
+static int job_seen_done(JobObject *self) {
+    if (!self->dig_out) return 0;
+    PyObject *out = self->dig_out;
+    self->dig_out = NULL;
+    int r = dig_scatter(self->job, out);
+    Py_DECREF(out);
+    return r;
+}
 
 
 static PyObject *raise_errno(int e) {
@@ -25,6 +61,7 @@ static PyObject *Job_test(JobObject *self, PyObject *unused) {
     if (!d) Py_RETURN_FALSE;
     int e = atomic_load(&j->err);
     if (e) return raise_errno(e);
+    if (job_seen_done(self) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -52,6 +89,7 @@ static PyObject *Job_wait(JobObject *self, PyObject *arg) {
     if (!d) Py_RETURN_FALSE;
     int e = atomic_load(&j->err);
     if (e) return raise_errno(e);
+    if (job_seen_done(self) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -67,6 +105,7 @@ static PyObject *Job_get_nbytes(JobObject *self, void *c) {
 }
 
 static void Job_dealloc(JobObject *self) {
+    Py_CLEAR(self->dig_out);
     if (self->job) {
         atomic_store(&self->job->cancelled, 1);
         job_release(self->job);
@@ -94,7 +133,7 @@ PyTypeObject JobType = {
 };
 
 static void job_free(job_t *j) {
-    free(j->t); free(j->g); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j);
+    free(j->t); free(j->g); free(j->dig); pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j);
 }
 
 /* Run a job in the calling thread (guards already entered): GIL released for large ones,
@@ -111,7 +150,7 @@ static int run_inline(job_t *j) {
 /* Run a built job: inline (returns the byte count) or on the pool (returns a Job).
  * With owned=1 the job is consumed; with owned=0 (a plan's template) only inline runs are
  * allowed to use it directly and async runs work on a copy. */
-static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned) {
+static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned, PyObject *dig_out) {
     uint64_t total = j->nbytes;
     int ge = guards_enter(j->g, j->ng);
     if (ge) {
@@ -120,8 +159,10 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
     }
     if (total <= inline_bytes) {
         int e = run_inline(j);
+        int se = (!e && dig_out) ? dig_scatter(j, dig_out) : 0;
         if (owned) job_free(j);
         if (e) return raise_errno(e);
+        if (se < 0) return NULL;
         return PyLong_FromUnsignedLongLong(total);
     }
     if (!owned) { /* copy the template */
@@ -140,7 +181,8 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
     }
     /* split into chunks balanced by bytes */
     if (nthreads < 1) nthreads = 1;
-    if ((j->op == OP_MEMCPY || j->op == OP_MMWRITE) && j->nt < (size_t)nthreads * 4) {
+    /* (not with digests: they are per descriptor) */
+    if ((j->op == OP_MEMCPY || j->op == OP_MMWRITE || j->op == OP_MMREAD) && !j->dig && j->nt < (size_t)nthreads * 4) {
         /* few large descriptors: cut them into 1 MiB pieces so every thread gets work */
         size_t extra = 0;
         const uint64_t piece = 1 << 20;
@@ -174,6 +216,8 @@ static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_byt
     JobObject *jo = PyObject_New(JobObject, &JobType);
     if (!jo) { guards_exit(j); job_free(j); return NULL; }
     jo->job = j;
+    jo->dig_out = dig_out;
+    Py_XINCREF(dig_out);
     atomic_store(&j->refs, 1 + nch);
     atomic_store(&j->pending, nch);
     uint64_t per = total / (uint64_t)nch + 1, acc = 0;
@@ -212,7 +256,7 @@ typedef struct {
 
 static PyObject *Plan_start(PlanObject *self, PyObject *unused) {
     (void)unused;
-    return job_start(self->tpl, self->nthreads, self->inline_bytes, 0);
+    return job_start(self->tpl, self->nthreads, self->inline_bytes, 0, NULL);
 }
 
 static PyObject *Plan_get_nbytes(PlanObject *self, void *c) {
@@ -327,28 +371,34 @@ static void idx_close(idx_t *ix) {
 
 /*
  * submit(op, pid, dst_addr, dst_len, dst_idx, src_addr, src_len, src_idx, fds, guards,
- *        nthreads, inline_bytes, sync[, dst_off]) -> Job | None
+ *        nthreads, inline_bytes, sync[, file_off]) -> Job | None
  *
  * dst_* and src_*: uint64 arrays of a prepared list (address or file offset, length);
  * *_idx: indices into them (list, int, or int64 array). fds: int64 array parallel to the FILE
  * side's descriptors (or None). guards: uint64 array of (state_ptr, expected, inflight_ptr)
- * triples or None. dst_off (OP_MMWRITE only, optional): uint64 array parallel to dst_addr, the
- * file offsets of the mapped destinations; with it, runs whose pages are not in the page cache
- * go through pwritev. Returns None when the job ran inline and succeeded.
+ * triples or None. file_off: the file offsets of the mapped side, a uint64 array parallel to it:
+ * OP_MMWRITE (optional) dst_addr, runs whose pages are not in the page cache then go through
+ * pwritev; OP_MMREAD (required, with fds) src_addr, for the preadv of runs not in the page cache.
+ * Returns None when the job ran inline and succeeded.
  */
 static PyObject *submit_impl(PyObject *args, int as_plan) {
     int op, nthreads, sync;
     long long pid;
     unsigned long long inline_bytes;
-    PyObject *da, *dl, *di, *sa, *sl, *si, *fds_o, *guards_o, *off_o = Py_None;
-    if (!PyArg_ParseTuple(args, "iLOOOOOOOOiKi|O", &op, &pid, &da, &dl, &di, &sa, &sl, &si, &fds_o, &guards_o,
-                          &nthreads, &inline_bytes, &sync, &off_o))
+    PyObject *da, *dl, *di, *sa, *sl, *si, *fds_o, *guards_o, *off_o = Py_None, *dig_o = Py_None;
+    if (!PyArg_ParseTuple(args, "iLOOOOOOOOiKi|OO", &op, &pid, &da, &dl, &di, &sa, &sl, &si, &fds_o, &guards_o,
+                          &nthreads, &inline_bytes, &sync, &off_o, &dig_o))
         return NULL;
-    if (op < OP_MEMCPY || op > OP_MMWRITE) {
+    const int want_dig = dig_o != Py_None;
+    if (want_dig && (as_plan || op == OP_MEMCPY || op == OP_CMA_WRITE || op == OP_CMA_READ)) {
+        PyErr_SetString(PyExc_ValueError, "digests are taken by file jobs only, and not by plans");
+        return NULL;
+    }
+    if (op < OP_MEMCPY || op > OP_MMREAD) {
         PyErr_SetString(PyExc_ValueError, "bad op");
         return NULL;
     }
-    if (op == OP_MMWRITE) {
+    if (op == OP_MMWRITE || op == OP_MMREAD) {
         int ie = mm_install();
         if (ie) return raise_errno(ie);
     }
@@ -382,15 +432,41 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
                                                               : "src_len must be as long as src_addr");
         goto e8;
     }
+    if (op == OP_MMREAD && (off_o == Py_None || !have_fd)) {
+        PyErr_SetString(PyExc_ValueError, "OP_MMREAD needs the descriptors and file offsets of its sources");
+        goto e8;
+    }
     if (have_fd && bfd.len != ((op == OP_PWRITE || op == OP_MMWRITE) ? bda.len : bsa.len)) {
         PyErr_SetString(PyExc_ValueError, "fds must be as long as the file side's descriptor list");
         goto e8;
     }
     if (off_o != Py_None) {
-        if (op != OP_MMWRITE) { PyErr_SetString(PyExc_ValueError, "dst_off is for OP_MMWRITE only"); goto e8; }
-        if (get_u64(off_o, &boff, "dst_off") < 0) goto e8;
+        if (op != OP_MMWRITE && op != OP_MMREAD) {
+            PyErr_SetString(PyExc_ValueError, "file_off is for OP_MMWRITE and OP_MMREAD only");
+            goto e8;
+        }
+        if (get_u64(off_o, &boff, "file_off") < 0) goto e8;
         have_off = 1;
-        if (boff.len / 8 != nd) { PyErr_SetString(PyExc_ValueError, "dst_off must be as long as dst_addr"); goto e8; }
+        if (boff.len / 8 != (op == OP_MMREAD ? ns : nd)) {
+            PyErr_SetString(PyExc_ValueError, op == OP_MMREAD ? "file_off must be as long as src_addr"
+                                                              : "file_off must be as long as dst_addr");
+            goto e8;
+        }
+    }
+    const int mem_is_dst = op == OP_PREAD || op == OP_MMREAD;
+    if (want_dig) {
+        Py_buffer bdig;
+        if (PyObject_GetBuffer(dig_o, &bdig, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto e8;
+        int sg;
+        const int w = int_buffer_width(&bdig, &sg);
+        const Py_ssize_t have = bdig.len / 8;
+        PyBuffer_Release(&bdig);
+        if (w != 8) { PyErr_SetString(PyExc_TypeError, "digests must be a writable 64-bit integer array"); goto e8; }
+        if (have < (mem_is_dst ? nd : ns)) {
+            PyErr_Format(PyExc_ValueError, "digests has %zd entries; the memory side lists %zd", have,
+                         mem_is_dst ? nd : ns);
+            goto e8;
+        }
     }
     const uint64_t *poff = have_off ? boff.buf : NULL;
     const uint64_t *pda = bda.buf, *pdl = bdl.buf, *psa = bsa.buf, *psl = bsl.buf;
@@ -400,7 +476,7 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     triplet_t strip[SMALL_N];
     guard_t sguard[SMALL_N];
     size_t ngu = have_g ? (size_t)(bg.len / 24) : 0;
-    int on_stack = !as_plan && n <= SMALL_N && ngu <= SMALL_N;
+    int on_stack = !as_plan && !want_dig && n <= SMALL_N && ngu <= SMALL_N;
     if (on_stack) {
         memset(&sjob, 0, sizeof sjob);
         j = &sjob;
@@ -431,7 +507,8 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         x->len = pdl[a];
         x->fd = 0;
         if (pfd) x->fd = (op == OP_PWRITE || op == OP_MMWRITE) ? pfd[a] : pfd[b];
-        x->off = poff ? poff[a] : 0;
+        x->off = poff ? poff[op == OP_MMREAD ? b : a] : 0;
+        x->tag = mem_is_dst ? a : b;
         total += x->len;
     }
     j->nt = (size_t)n;
@@ -440,6 +517,10 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
     j->pid = (pid_t)pid;
     j->sync = sync;
     j->has_off = have_off;
+    if (want_dig) {
+        j->dig = calloc(j->nt ? j->nt : 1, sizeof(uint64_t));
+        if (!j->dig) { PyErr_NoMemory(); goto e9; }
+    }
     if (have_g) {
         size_t ng = ngu;
         j->g = on_stack ? sguard : malloc((ng ? ng : 1) * sizeof(guard_t));
@@ -485,12 +566,12 @@ static PyObject *submit_impl(PyObject *args, int as_plan) {
         po->inline_bytes = inline_bytes;
         ret = (PyObject *)po;
     } else {
-        ret = job_start(j, nthreads, inline_bytes, 1);
+        ret = job_start(j, nthreads, inline_bytes, 1, dig_o == Py_None ? NULL : dig_o);
     }
     j = NULL;
     goto e8;
 e9:
-    if (j && !on_stack) { free(j->t); free(j->g); free(j); }
+    if (j && !on_stack) { free(j->t); free(j->g); free(j->dig); free(j); }
 e8:
     if (have_off) PyBuffer_Release(&boff);
     if (have_g) PyBuffer_Release(&bg);

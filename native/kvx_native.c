@@ -17,6 +17,8 @@ static PyMethodDef methods[] = {
     {"map_fd", py_map_fd, METH_VARARGS, "mmap a file descriptor shared; returns the address."},
     {"unmap", py_unmap, METH_VARARGS, "munmap(addr, size)."},
     {"mmwrite_flags", py_mmwrite_flags, METH_VARARGS, "Get/set OP_MMWRITE's switches (MMWRITE_POPULATE, MMWRITE_RESIDENT)."},
+    {"nh64", py_nh64, METH_O, "kvx-nh64 checksum of a bytes-like object (the one file jobs take with digests)."},
+    {"nh64_portable", py_nh64_portable, METH_O, "kvx-nh64 through the portable code (tests)."},
     {"store64", py_store64, METH_VARARGS, "Atomic 64-bit store."},
     {"load64", py_load64, METH_O, "Atomic 64-bit load."},
     {"load32", py_load32, METH_O, "Atomic 32-bit load."},
@@ -49,6 +51,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OP_PWRITE", OP_PWRITE);
     PyModule_AddIntConstant(m, "OP_PREAD", OP_PREAD);
     PyModule_AddIntConstant(m, "OP_MMWRITE", OP_MMWRITE);
+    PyModule_AddIntConstant(m, "OP_MMREAD", OP_MMREAD);
     PyModule_AddIntConstant(m, "MMWRITE_POPULATE", MM_POPULATE);
     PyModule_AddIntConstant(m, "MMWRITE_RESIDENT", MM_RESIDENT);
     return m;

@@ -39,8 +39,13 @@
 
 /* OP_MMWRITE: memory -> a file through its shared mapping (dst = mapped address, fd = the file's
  * descriptor, kept for sync) */
-enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5 };
+/* OP_MMREAD: a file -> memory through its shared mapping (src = mapped address, fd = the file's
+ * descriptor and off = the file offset of src, for the preadv of runs not in the page cache) */
+enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5, OP_MMREAD = 6 };
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -48,7 +53,8 @@ enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD
 typedef struct {
     uint64_t dst, src, len; /* for file ops: dst/src is the file offset on the file side */
     int64_t fd;             /* file ops only */
-    uint64_t off;           /* OP_MMWRITE with dst_off: the file offset of dst (for the pwritev fallback) */
+    uint64_t off;           /* OP_MMWRITE with dst_off / OP_MMREAD: the file offset of the mapped side */
+    int64_t tag;            /* jobs with digests: the memory side's descriptor index (where its digest goes) */
 } triplet_t;
 
 typedef struct {
@@ -67,6 +73,7 @@ typedef struct job_s {
     size_t ng;
     int sync; /* 0 none, 1 fdatasync, 2 fsync after file writes */
     int has_off; /* OP_MMWRITE: t[].off is set, runs not in the page cache may go through pwritev */
+    uint64_t *dig; /* file jobs asked for checksums: the kvx-nh64 of each triplet's bytes (or NULL) */
     /* completion */
     _Atomic int pending;
     _Atomic int err;
@@ -101,6 +108,11 @@ KVX_INTERNAL void sync_reset(pthread_mutex_t *mu, pthread_cond_t *cv);
 KVX_INTERNAL int spawn_detached(void *(*fn)(void *));
 KVX_INTERNAL PyObject *py_mmwrite_flags(PyObject *self, PyObject *args);
 KVX_INTERNAL void pool_push(chunk_t *first, chunk_t *last);
+
+/* kvx_hash.c: the kvx-nh64 block checksum, taken in the copy */
+KVX_INTERNAL uint64_t copy_hash(void *dst, const void *src, size_t n, int stream);
+KVX_INTERNAL PyObject *py_nh64(PyObject *self, PyObject *arg);
+KVX_INTERNAL PyObject *py_nh64_portable(PyObject *self, PyObject *arg);
 
 /* kvx_jobs.c: the Python Job and Plan objects, submit/plan, index sources, shared-page helpers */
 extern KVX_INTERNAL PyTypeObject JobType;

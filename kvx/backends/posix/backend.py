@@ -179,13 +179,13 @@ class PosixBackend(DirectPath, Backend):
             f.base = 0
 
     def _translate(self, exc: OSError, paths: list[str]) -> TransferError:
-        """:func:`translate_oserror`, plus what EFAULT of a write through a mapping means."""
+        """:func:`translate_oserror`, plus what EFAULT of a copy through a mapping means."""
         if exc.errno != errno.EFAULT:
             return translate_oserror(exc, paths)
         return TransferError(self._mapped_write_fault(paths))
 
     def _mapped_write_fault(self, paths: list[str]) -> str:
-        """Say why a write through a file mapping faulted (EFAULT/SIGBUS), checking the files."""
+        """Say why a copy through a file mapping faulted (EFAULT/SIGBUS), checking the files."""
         undefined = "; the blocks of this transfer have undefined content"
         with self._lock:
             files = [f for f in self._files.values() if f.path in paths]
@@ -195,7 +195,7 @@ class PosixBackend(DirectPath, Backend):
                 size = os.fstat(f.fd).st_size
                 if size < f.nbytes:
                     return (f"the file {f.path} was truncated under its registration ({size} of {f.nbytes} bytes "
-                            f"left): writing through its mapping failed{undefined}")
+                            f"left): a copy through its mapping failed{undefined}")
                 vfs = os.fstatvfs(f.fd)
                 if vfs.f_bavail == 0 or vfs.f_bfree == 0:
                     full.append(f.path)
@@ -205,7 +205,7 @@ class PosixBackend(DirectPath, Backend):
             return (f"disk full writing {', '.join(full[:3])}: a hole punched in the preallocated file could not be "
                     f"filled{undefined}")
         where = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "") if paths else "file"
-        return (f"writing {where} through its mapping failed (EFAULT/SIGBUS): the file was truncated, punched or the "
+        return (f"a copy through the mapping of {where} failed (EFAULT/SIGBUS): the file was truncated, punched or the "
                 f"disk is full under the registration{undefined}")
 
     # ---- preparation -------------------------------------------------------------------------
@@ -241,6 +241,29 @@ class PosixBackend(DirectPath, Backend):
             raise BackendUnavailable(f"posix does not serve {plist.kind.name}")
         return p
 
+    def keep_digests(self, plist: PreparedList) -> np.ndarray:
+        """Checksum every block this backend moves to or from the HOST list ``plist``.
+
+        From now on each buffered transfer between ``plist`` and a file takes the kvx-nh64
+        checksum (``kvx._native.nh64``) of every block in the same pass as the copy -- of the
+        bytes written to the file, or of the bytes that landed in memory -- and, once the
+        transfer is seen finished (``wait``/``done`` returned True), stores it at the block's row
+        of the returned array (one uint64 per descriptor of ``plist``). Transfers running at the
+        same time must not move the same rows. O_DIRECT files refuse such transfers
+        (``BackendUnavailable``).
+
+        Raises
+        ------
+        UsageError
+            If ``plist`` is not a HOST list prepared by this backend's agent.
+        """
+        p: _Prep | None = plist.bdata.get(self.name)
+        if p is None or p.kind is not MemoryKind.HOST:
+            raise UsageError("keep_digests needs a HOST list prepared by this agent")
+        if p.digests is None:
+            p.digests = np.zeros(len(p.addr), dtype=_U64)
+        return p.digests
+
     # ---- transfers ---------------------------------------------------------------------------
     def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
         return _PosixRoute(self, op, local, remote)
@@ -263,21 +286,25 @@ class PosixBackend(DirectPath, Backend):
                 deliver(me, notify)
 
         if fp.dfds is not None:
+            if mp.digests is not None:
+                raise BackendUnavailable("block checksums are taken in buffered file transfers only, not O_DIRECT")
             return self._post_direct(to_file, fp, fi, mp, mi, guards, after)
         code, args, off = self._job_args(to_file, fp, fi, mp, mi)
         try:
             job = _native.submit(code, 0, *args, fp.fds, guards, self.threads, self.inline,
-                                 self.sync if to_file else 0, off)
+                                 self.sync if to_file else 0, off, mp.digests)
         except OSError as exc:
             return self._failed(int(fp.nbytes[fi].sum()), exc, fp.paths)
         return self._wrap(job, fp, fi, after)
 
     def _job_args(self, to_file: bool, fp: _Prep, fi: np.ndarray, mp: _Prep, mi: np.ndarray
                   ) -> tuple[int, tuple[Any, Any, Any, Any, Any, Any], np.ndarray | None]:
-        """The native op, its (dst, dst_len, dst_idx, src, src_len, src_idx) and ``dst_off`` for a
-        buffered transfer: reads ``preadv``; writes through the mapping (runs not in the page
-        cache ``pwritev``, given the file offsets) or ``pwritev``."""
+        """The native op, its (dst, dst_len, dst_idx, src, src_len, src_idx) and the file offsets of
+        the mapped side for a buffered transfer: through the mapping (runs not in the page cache
+        ``pwritev``/``preadv``, given the file offsets), or ``pwritev``/``preadv``."""
         if not to_file:
+            if fp.maddr is not None and self.mmap:
+                return _native.OP_MMREAD, (mp.addr, mp.nbytes, mi, fp.maddr, fp.nbytes, fi), fp.addr
             return _native.OP_PREAD, (mp.addr, mp.nbytes, mi, fp.addr, fp.nbytes, fi), None
         if fp.maddr is not None and self.mmap:
             return _native.OP_MMWRITE, (fp.maddr, fp.nbytes, fi, mp.addr, mp.nbytes, mi), fp.addr
@@ -304,7 +331,8 @@ class PosixBackend(DirectPath, Backend):
         """Sort and build the native job once; each call posts it again (buffered files only)."""
         lp: _Prep | None = local.bdata.get(self.name)
         rp: _Prep | None = remote.bdata.get(self.name)
-        if lp is None or rp is None or lp.dfds is not None or rp.dfds is not None or not hasattr(_native, "plan"):
+        if (lp is None or rp is None or lp.dfds is not None or rp.dfds is not None or lp.digests is not None
+                or rp.digests is not None or not hasattr(_native, "plan")):
             return None
         to_file, fp, fi, mp, mi = self._sides(op, lp, lidx, rp, ridx)
         code, args, off = self._job_args(to_file, fp, fi, mp, mi)

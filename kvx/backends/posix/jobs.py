@@ -52,6 +52,7 @@ class _Prep:
     faligned: np.ndarray | None = None  # FILE: offset and length 4096-aligned
     maligned: np.ndarray | None = None  # HOST: address 4096-aligned
     unit: int = 0  # FILE: every block has this length and starts at a multiple of it (else 0)
+    digests: np.ndarray | None = None  # HOST: kvx-nh64 of each block as last moved (keep_digests)
     paths: list[str] = field(default_factory=list)
 
 

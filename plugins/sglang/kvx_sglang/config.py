@@ -37,6 +37,12 @@ class HiCacheKVXConfig:
     direct_io
         Read and write the slab with ``O_DIRECT`` (bypassing the page cache), as SGLang's
         HiCacheNixl does by default.
+    inline
+        Move each batch of the ``file`` store in the calling thread (SGLang's prefetch/backup
+        thread, GIL released) instead of handing it to kvx's I/O threads: no hand-off, which
+        on a busy host is most of a batch's wait (a copy out of the page cache runs at memory
+        speed on one thread already). The batch is then bounded by the kernel's I/O, not by
+        ``timeout_s``; false restores the threads (and the bound). O_DIRECT always uses them.
     timeout_s
         Bound on one batch transfer.
     policy
@@ -48,6 +54,7 @@ class HiCacheKVXConfig:
     capacity_gb: float = 16.0
     fsync: bool = False
     direct_io: bool = False
+    inline: bool = True
     timeout_s: float = 60.0
     host_gb: float = 4.0
     disk_path: str | None = None
@@ -72,7 +79,7 @@ class HiCacheKVXConfig:
             if f is None:
                 raise UsageError(f"unknown kvx HiCache setting {k!r} (known: {', '.join(sorted(mine))})")
             want = {"store": str, "path": str, "disk_path": str, "s3_bucket": str, "policy": str,
-                    "fsync": bool, "direct_io": bool}.get(k, float)
+                    "fsync": bool, "direct_io": bool, "inline": bool}.get(k, float)
             if want is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise UsageError(f"kvx HiCache setting {k!r} must be a positive number, not {v!r}")

@@ -8,9 +8,10 @@ Load it with::
 
 The host pool's memory is registered with kvx once (``register_mem_pool_host``); every
 ``batch_set_v1``/``batch_get_v1`` is one kvx transfer between the pool's page fragments and the
-store (a slab file, or a ``kvx.tiers.TieredStore``). Each page carries a checksum taken from
-the host pool when stored and checked after it is read back: a page that fails is a miss and
-is dropped, never reported as loaded.
+store (a slab file, or a ``kvx.tiers.TieredStore``). Each page carries a checksum of its bytes
+(kvx-nh64 of each fragment, taken by kvx's posix copy in the same pass as the copy) recorded
+when stored and checked when it is read back: a page that fails is a miss and is dropped,
+never reported as loaded.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 import kvx
-from kvx import DescList, MemoryKind, UsageError
+from kvx import DescList, MemoryKind, UsageError, _native
 from kvx.backends.posix import PosixOptions
 
 from .config import HiCacheKVXConfig
@@ -37,57 +38,45 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HiCacheKVX", "LayoutError"]
 
-try:
-    import xxhash
-
-    def _hasher() -> Any:
-        return xxhash.xxh3_64()
-except ImportError:  # pragma: no cover - xxhash comes with SGLang
-    import zlib
-
-    class _Crc:
-        __slots__ = ("v",)
-
-        def __init__(self) -> None:
-            self.v = 0
-
-        def update(self, b: Any) -> None:
-            self.v = zlib.crc32(b, self.v)
-
-        def intdigest(self) -> int:
-            return self.v
-
-    def _hasher() -> Any:
-        return _Crc()
+def combine(frag: np.ndarray) -> np.ndarray:
+    """Page checksums from the kvx-nh64 checksums of their fragments (``frag``: pages x fragments)."""
+    h = frag[:, 0].copy()
+    for f in range(1, frag.shape[1]):
+        h = (h ^ frag[:, f]) * np.uint64(0x9E3779B97F4A7C15)
+        h ^= h >> np.uint64(29)
+    return h
 
 
 class _HostView:
-    """Byte views of the registered host ranges, to checksum pages where they lie."""
+    """Checksums of host-pool pages: kvx-nh64 of each fragment, as the posix copy takes them.
 
-    def __init__(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> None:
+    ``fused`` (buffered slabs): the posix backend takes them in the same pass as the copy
+    (``keep_digests``) and :meth:`digest` only combines what the last transfer left. Otherwise
+    (O_DIRECT) each fragment is hashed where it lies, after the transfer.
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]], geom: PageGeometry, moved: np.ndarray | None) -> None:
         self.geom = geom
+        self.moved = moved
+        self.fused = moved is not None
         self.starts = np.array([a for a, _ in ranges], dtype=np.int64)
         self.views = [memoryview((ctypes.c_uint8 * n).from_address(a)).cast("B") for a, n in ranges]
         self.addrs = geom.host_addrs()
 
     def digest(self, pages: np.ndarray) -> np.ndarray:
         g = self.geom
-        a = self.addrs[g.frag_index(pages)]
-        r = np.searchsorted(self.starts, a, side="right") - 1
+        rows = g.frag_index(pages)
+        if self.moved is not None:
+            return combine(self.moved[rows].reshape(len(pages), g.nfrag))
+        a = self.addrs[rows]
+        r = (np.searchsorted(self.starts, a, side="right") - 1).tolist()
         off = (a - self.starts[r]).tolist()
-        r = r.tolist()
         sizes = g.sizes.tolist()
         nf = g.nfrag
-        out = np.empty(len(pages), dtype=np.uint64)
         views = self.views
-        for i in range(len(pages)):
-            h = _hasher()
-            for f in range(nf):
-                j = i * nf + f
-                o = off[j]
-                h.update(views[r[j]][o:o + sizes[f]])
-            out[i] = h.intdigest()
-        return out
+        out = np.fromiter((_native.nh64(views[r[j]][off[j]:off[j] + sizes[j % nf]]) for j in range(len(rows))),
+                          dtype=np.uint64, count=len(rows))
+        return combine(out.reshape(len(pages), nf))
 
 
 class _TieredPages:
@@ -203,20 +192,26 @@ class HiCacheKVX(HiCacheStorage):
             raise UsageError("HiCacheKVX serves one host pool; it is registered already")
         geom = PageGeometry.of(mem_pool_host)
         ranges = geom.ranges()
-        view = _HostView(ranges, geom)
         name = "kvx" + "".join(c if c.isalnum() or c in "-_." else "_" for c in self.config_suffix)
         if self.cfg.store == "tiered":
             self.pages = _TieredPages(self.cfg, geom, ranges, name)
         else:
             options = {"posix": PosixOptions(direct=True)} if self.cfg.direct_io else {}
-            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}", kvx.AgentConfig(options=options))
+            self.agent = kvx.Agent(f"hicache-kvx-{os.getpid()}-{id(self):x}",
+                                   kvx.AgentConfig(options=options, **self._inline()))
             try:
                 self._reg = self.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
                 self._host = self.agent.prepare(DescList.from_arrays(
                     kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))
+                moved = None
+                if not self.cfg.direct_io:  # checksums taken by the posix copy itself
+                    posix = next(b for b in self.agent.backends if b.name == "posix")
+                    moved = posix.keep_digests(self._host)  # type: ignore[attr-defined]
+                view = _HostView(ranges, geom, moved)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
-                                       writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync)
+                                       writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
+                                       chunks=1 if view.fused else SlabStore.CHUNKS)
             except BaseException:
                 self.agent.close()
                 self.agent = None
@@ -224,6 +219,10 @@ class HiCacheKVX(HiCacheStorage):
         self.geom = geom
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
                  geom.layout, geom.nfrag, ",".join(map(str, sorted(set(geom.sizes.tolist())))))
+
+    def _inline(self) -> dict[str, Any]:
+        """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""
+        return {"inline_bytes": 1 << 50} if self.cfg.inline and not self.cfg.direct_io else {}
 
     def _ready(self) -> PageGeometry:
         if self._closed:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 #: Longest key the index accepts (SGLang's are 64 hex digits plus a short scope suffix).
 MAX_KEY = 1024
 _PUT, _DEL = 0, 1
-_FORMAT = 1
+_FORMAT = 2  # 2: kvx-nh64 page checksums (1: xxh3)
 
 
 class SlabStore:
@@ -55,17 +55,21 @@ class SlabStore:
     writer
         False: only read, following the journal another process writes.
     digest
-        ``digest(host_pages) -> uint64 array``: checksum of host-pool pages.
+        ``digest(host_pages) -> uint64 array``: checksum of host-pool pages, called right after
+        the transfer that moved them finished (the posix copy may have taken it already).
     timeout
         Seconds a batch transfer may take.
+    chunks
+        A get is read and verified in this many transfers (checksumming in Python then
+        overlaps the reading); 1 where the copy takes the checksums.
     """
 
-    #: A get is read and verified in this many pieces (checksumming overlaps the reading).
+    #: Transfers per get when the checksums are taken in Python.
     CHUNKS = 4
 
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, chunks: int = CHUNKS) -> None:
         if capacity <= 0:
             raise UsageError("slab capacity must be at least one page")
         self.agent = agent
@@ -75,6 +79,7 @@ class SlabStore:
         self.writer = writer
         self.timeout = timeout
         self.fsync = fsync
+        self.chunks = max(1, int(chunks))
         self._lock = threading.Lock()
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._free: list[int] = []
@@ -239,8 +244,8 @@ class SlabStore:
         dst = self.geom.frag_index(np.asarray(slots, dtype=np.int64))
         try:
             x = self.agent.write(host, src, self._plist, dst)
-            sums = self.digest(pages[new_i])  # while the native threads write the same bytes out
             x.wait(self.timeout)
+            sums = self.digest(pages[new_i])
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
@@ -277,7 +282,7 @@ class SlabStore:
         slots = np.fromiter((s for s, _ in found), dtype=np.int64, count=n)
         # all reads go out at once, in chunks; each chunk is checked as soon as it has landed,
         # while the native threads still read the next ones
-        bounds = list(range(0, n, max(1, -(-n // self.CHUNKS)))) + [n]
+        bounds = list(range(0, n, max(1, -(-n // self.chunks)))) + [n]
         xs = [self.agent.read(host, self.geom.frag_index(pages[a:b]), self._plist,
                               self.geom.frag_index(slots[a:b])) for a, b in zip(bounds, bounds[1:])]
         parts = []

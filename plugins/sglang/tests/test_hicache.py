@@ -109,10 +109,11 @@ def test_batch_exists_is_a_prefix(tmp_path, store):
         b.close()
 
 
-def test_corrupt_page_is_a_miss(tmp_path):
+@pytest.mark.parametrize("direct_io", [False, True])  # checksums taken by the posix copy / in Python
+def test_corrupt_page_is_a_miss(tmp_path, direct_io):
     pool = mha_pool("page_first")
     fill(pool, 6)
-    b = make(tmp_path, pool)
+    b = make(tmp_path, pool, direct_io=direct_io)
     try:
         ks = keys(3)
         want = [page_bytes(pool, p) for p in (0, 1, 2)]
@@ -129,6 +130,51 @@ def test_corrupt_page_is_a_miss(tmp_path):
         assert b.batch_exists(ks) == 1  # the corrupt page was dropped
         assert all(b.batch_set_v1(ks, token_indices([0, 1, 2], pool.page_size)))  # and can be stored again
         assert b.batch_exists(ks) == 3
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_batches_on_the_io_threads_or_inline(tmp_path, inline):
+    """Both ways of running a batch (calling thread, kvx's I/O threads) store, reuse and load
+    the same bytes, first writes and rewrites of slots alike."""
+    pool = mha_pool("page_first", pages=64)
+    fill(pool, 8)
+    b = make(tmp_path, pool, inline=inline, capacity_gb=10 * pool.page_size * pool.size_per_token / (1 << 30))
+    try:
+        for r in range(3):  # 10 slots, 6 pages a round: later rounds evict and rewrite slots
+            ks = keys(6, f"r{r}")
+            src = [r, r + 10, r + 20, r + 30, r + 40, r + 50]
+            want = [page_bytes(pool, p) for p in src]
+            assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
+            assert b.batch_get_v1(ks, token_indices([60, 61, 62, 63, 59, 58], pool.page_size)) == [True] * 6
+            assert [page_bytes(pool, p) for p in (60, 61, 62, 63, 59, 58)] == want
+    finally:
+        b.close()
+
+
+def test_checksums_agree_between_buffered_and_direct(tmp_path):
+    """Pages stored through the buffered slab (checksums from the copy) load through O_DIRECT
+    (checksums in Python) and the other way round: one checksum, however it is taken."""
+    pool = mha_pool("page_first")
+    fill(pool, 7)
+    ks, src = keys(6), [4, 9, 13, 27, 40, 2]
+    want = [page_bytes(pool, p) for p in src]
+    b = make(tmp_path, pool)
+    assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
+    b.close()
+    b = make(tmp_path, pool, direct_io=True)
+    try:
+        assert b.batch_exists(ks) == 6
+        assert b.batch_get_v1(ks, token_indices([50, 51, 52, 53, 54, 55], pool.page_size)) == [True] * 6
+        assert [page_bytes(pool, p) for p in range(50, 56)] == want
+        assert all(b.batch_set_v1(keys(2, "d"), token_indices([1, 3], pool.page_size)))
+    finally:
+        b.close()
+    b = make(tmp_path, pool)
+    try:
+        assert b.batch_get_v1(keys(2, "d"), token_indices([60, 61], pool.page_size)) == [True, True]
+        assert [page_bytes(pool, p) for p in (60, 61)] == [page_bytes(pool, 1), page_bytes(pool, 3)]
     finally:
         b.close()
 
