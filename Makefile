@@ -158,7 +158,7 @@ gpu-check:
 .PHONY: asan-build test-asan test-asan-ci
 ASAN_DIR   ?= build/asan
 ASAN_TESTS ?= tests -m "not gpu"
-ASAN_CI_TESTS ?= tests/test_native_inputs.py tests/test_memory.py tests/test_host.py tests/test_posix.py \
+ASAN_CI_TESTS ?= tests/test_native_inputs.py tests/test_memory.py tests/test_host.py tests/test_posix.py tests/test_posix_digests.py \
 	tests/test_wire.py tests/test_agent.py tests/test_tcp.py -m "not gpu and not slow"
 ASAN_LIBS   = $$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)
 ASAN_ENV    = LD_PRELOAD=$(ASAN_LIBS) PYTHONPATH=$(abspath $(ASAN_DIR))/tree PYTHONMALLOC=malloc \

@@ -7,6 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
+from .backends.base import DoneRequest
 from .errors import KVXError, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
@@ -197,7 +198,10 @@ class TransferPlan:
     def post(self) -> Transfer:
         """Start the transfer again; returns a new :class:`Transfer`."""
         self._agent._check_post(*self._lists)
-        return self._agent._transfer(self._post(), self._backend)
+        req = self._post()
+        if type(req) is DoneRequest:
+            return Transfer._completed(req.nbytes, self._backend)
+        return Transfer(req, req.nbytes, self._backend, self._agent.config.transfer_timeout)
 
     def __repr__(self) -> str:
         return f"<TransferPlan {self.nbytes} bytes via {self._backend}>"

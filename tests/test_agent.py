@@ -214,6 +214,12 @@ def test_fast_path_keeps_every_check() -> None:
                 p.write(ll, [0], rl, bad)
         p.write(ll, np.array([1], np.int32), rl, np.array([0], np.uint64)).wait(5)
         assert (dst[:4096] == src[4096:]).all()
+        dst[:] = 0  # every other index form the user may pass, through the cached route
+        for li, ri in (((0,), (1,)), (np.int64(1), np.int32(0)), (np.array([5, 0, 5, 1])[1::2], np.array([1, 9, 0])[::2])):
+            p.write(ll, li, rl, ri).wait(5)
+        assert (dst[:4096] == src[4096:]).all() and (dst[4096:] == src[:4096]).all()
+        with pytest.raises(kvx.UsageError):
+            p.write(ll, np.array([0, 1])[::2], rl, np.array([7]))  # a converted form still gets its range check
         reg.release()  # the target releases: the cached route must not reach it any more
         with pytest.raises(kvx.TransferError):
             p.write(ll, [0], rl, [0]).wait(5)

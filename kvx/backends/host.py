@@ -605,31 +605,41 @@ class _HostRoute(Route):
         chan = self._chan
         if chan is not None and not chan.alive:
             raise PeerDisconnected(f"peer {self._name!r} is not connected")
-        # lists and ints go to C as they are; indices() passes int64 vectors and converts the rest
-        if type(lidx) is not list:
-            lidx = indices(lidx)
-        if type(ridx) is not list:
-            ridx = indices(ridx)
         try:
-            if self._uds:
-                assert self._peer is not None
-                return self.backend._post_uds(self.op, self._lp, lidx, self._rp, ridx,  # type: ignore[attr-defined, no-any-return]
-                                              self._peer, notify)
-            da, dl, sa, sl = self._a
-            if self._write:
-                res = _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
-                                     self._threads, self._inline, 0)
-            else:
-                res = _native.submit(self._code, self._pid, da, dl, lidx, sa, sl, ridx, None, self._guards,
-                                     self._threads, self._inline, 0)
+            try:
+                res = self._submit(lidx, ridx, notify)
+            except BAD_INDEX:
+                # C takes ints, lists, tuples and contiguous 64-bit vectors as they are (checking them
+                # before anything moves); another form (an int32 array, a slice of an array, a numpy
+                # scalar) is converted once and posted; for a form C takes, its error stands
+                if not (_foreign(lidx) or _foreign(ridx)):
+                    raise
+                res = self._submit(indices(lidx), indices(ridx), notify)
         except OSError as exc:
             raise translate_oserror(exc, self._name) from exc
         except BAD_INDEX as exc:
             raise UsageError(f"bad transfer request: {exc}") from None
         if notify is None:
-            return DoneRequest(res) if type(res) is int else JobRequest(res, self._name, translate_oserror)
+            if type(res) is int:
+                return DoneRequest(res)
+            return res if self._uds else JobRequest(res, self._name, translate_oserror)
+        if self._uds:
+            return res  # type: ignore[no-any-return]  # the uds request notifies by itself
         b: HostBackend = self.backend  # type: ignore[assignment]
         return b._finish(res, self._name, b._notifier(self._peer, notify))
+
+    def _submit(self, lidx: Any, ridx: Any, notify: bytes | None) -> Any:
+        """The native submit (an int when done inline, else a job), or the uds path's Request."""
+        if self._uds:
+            assert self._peer is not None
+            return self.backend._post_uds(self.op, self._lp, index_vector(lidx), self._rp,  # type: ignore[attr-defined]
+                                          index_vector(ridx), self._peer, notify)
+        da, dl, sa, sl = self._a
+        if self._write:
+            return _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
+                                  self._threads, self._inline, 0)
+        return _native.submit(self._code, self._pid, da, dl, lidx, sa, sl, ridx, None, self._guards,
+                              self._threads, self._inline, 0)
 
     def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
         if self._uds:
@@ -645,12 +655,14 @@ class _HostRoute(Route):
         send_notif = b._notifier(self._peer, notify)
         start, finish, name, chan = plan.start, b._finish, self._name, self._chan
         if send_notif is None and chan is None:
+            done = DoneRequest(int(plan.nbytes))  # immutable: every inline completion of the plan shares it
+
             def post_local() -> Request:
                 try:
                     res = start()
                 except OSError as exc:
                     raise translate_oserror(exc, name) from exc
-                return DoneRequest(res) if type(res) is int else JobRequest(res, name, translate_oserror)
+                return done if type(res) is int else JobRequest(res, name, translate_oserror)
 
             return post_local
 
@@ -664,3 +676,11 @@ class _HostRoute(Route):
             return finish(res, name, send_notif)
 
         return post
+
+
+def _foreign(idx: Any) -> bool:
+    """Whether the native layer does not take this index form as it is."""
+    t = type(idx)
+    if t is list or t is tuple or t is int:
+        return False
+    return not (t is np.ndarray and idx.dtype.itemsize == 8 and idx.dtype.kind in "iu" and idx.flags.c_contiguous)
