@@ -654,10 +654,12 @@ class _HostRoute(Route):
             raise UsageError(f"bad transfer request: {exc}") from None
         send_notif = b._notifier(self._peer, notify)
         start, finish, name, chan = plan.start, b._finish, self._name, self._chan
-        if send_notif is None and chan is None:
+        if send_notif is None and self._code == 0:  # memcpy (local, or a peer's mapped memory)
             done = DoneRequest(int(plan.nbytes))  # immutable: every inline completion of the plan shares it
 
             def post_local() -> Request:
+                if chan is not None and not chan.alive:
+                    raise PeerDisconnected(f"peer {name!r} is not connected")
                 try:
                     res = start()
                 except OSError as exc:
