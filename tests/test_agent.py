@@ -215,7 +215,8 @@ def test_fast_path_keeps_every_check() -> None:
         p.write(ll, np.array([1], np.int32), rl, np.array([0], np.uint64)).wait(5)
         assert (dst[:4096] == src[4096:]).all()
         dst[:] = 0  # every other index form the user may pass, through the cached route
-        for li, ri in (((0,), (1,)), (np.int64(1), np.int32(0)), (np.array([5, 0, 5, 1])[1::2], np.array([1, 9, 0])[::2])):
+        strided = (np.array([5, 0, 5, 1])[1::2], np.array([1, 9, 0])[::2])
+        for li, ri in (((0,), (1,)), (np.int64(1), np.int32(0)), strided):
             p.write(ll, li, rl, ri).wait(5)
         assert (dst[:4096] == src[4096:]).all() and (dst[4096:] == src[:4096]).all()
         with pytest.raises(kvx.UsageError):
