@@ -808,6 +808,9 @@ def test_index_forms_and_bad_indices(make_agent: Any, helper: Helper, monkeypatc
         for li, ri in [([0, 1], [1, 0]), ((2,), (3,)), (np.array([4], np.int32), np.array([5], np.uint64)), (6, 7),
                        (np.int64(7), np.int64(6))]:
             agent.write(local, li, remote, ri).wait(10)
+        for li, ri in [(np.array([0, 9, 1])[::2], np.array([1, 9, 0])[::2]),  # strided, and 16-bit: converted
+                       (np.array([2], np.int16), np.array([3], np.int16))]:  # (the same pairs again, repeated)
+            agent.write(local, li, remote, ri).wait(10)
         b = pattern(np, 8 * 64, 2).reshape(8, 64)
         exp = np.zeros((8, 64), np.uint8)
         exp[1], exp[0], exp[3], exp[5], exp[7], exp[6] = b[0], b[1], b[2], b[4], b[6], b[7]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from ...errors import PeerDisconnected, RemoteError, UsageError
 from ..base import BAD_INDEX, Op, PreparedList, Request, Route, indices
 from .errors import fail
@@ -119,8 +121,9 @@ class CudaRoute(Route):
     pair's first post and for every post with a notification; once a post without one went
     through, later ones take the pair's :class:`_FastPost`, which takes the index sources as given
     (checked while staged natively) and raises TypeError/ValueError/IndexError before anything
-    moves for one it cannot take; the general path then converts what it can
-    (``base.indices``) and raises ``UsageError`` for the rest. :meth:`plan` checks the indices
+    moves for one it cannot take: a bad value of a form it takes as it is is ``UsageError`` at
+    once; any other form goes through the general path, which converts it (``base.indices``)
+    and raises ``UsageError`` for what is still wrong. :meth:`plan` checks the indices
     once and posts each time through a fast poster of its own (the general path with a
     notification)."""
 
@@ -136,8 +139,13 @@ class CudaRoute(Route):
         if fast is not None and notify is None:
             try:
                 return fast(lidx, ridx)
-            except BAD_INDEX:
-                pass  # nothing moved: the general path converts what it can, raises UsageError for the rest
+            except BAD_INDEX as exc:
+                # nothing moved. A form the native stage takes as it is (int, list, contiguous int64
+                # vector) has a bad value: that is the caller's error. Another form (an int32 or
+                # strided array, a tuple, a numpy scalar) goes once through the general path, which
+                # converts it (base.indices) and raises UsageError for what is still wrong.
+                if not (_foreign(lidx) or _foreign(ridx)):
+                    raise UsageError(f"bad transfer request: {exc}") from None
         try:
             req: Request = be._post(self.op, self.local, indices(lidx), self.remote, indices(ridx), notify)
         except BAD_INDEX as exc:
@@ -171,3 +179,11 @@ class CudaRoute(Route):
             except BAD_INDEX as exc:
                 raise UsageError(f"bad transfer request: {exc}") from exc
         return fast_post
+
+
+def _foreign(idx: Any) -> bool:
+    """Whether ``idx`` is a form other than those the native stage surely takes as it is."""
+    t = type(idx)
+    if t is list or t is int:
+        return False
+    return not (t is np.ndarray and idx.dtype == np.int64 and idx.ndim == 1 and idx.flags.c_contiguous)
