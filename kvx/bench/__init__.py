@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,21 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 class BenchError(RuntimeError):
     """The benchmark could not run to the end for a reason outside kvx's API (a helper process
     died or did not answer, an external tool failed); the message names the cause."""
+
+
+def quit_child(proc: "subprocess.Popen[str]", kill_wait: float) -> None:
+    """Stop a helper process of a benchmark that reads JSON commands on stdin: ``{"cmd": "quit"}``
+    and up to 10 s for it to exit, else kill it and wait up to ``kill_wait`` seconds."""
+    if proc.poll() is not None:
+        return
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write('{"cmd": "quit"}\n')
+        proc.stdin.flush()
+        proc.wait(10)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait(kill_wait)
 
 
 def parse_size(s: str | int) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 
 import kvx
 
-from . import BenchError, BenchOptions, Progress, iter_sizes, permutation, row, timed
+from . import BenchError, BenchOptions, Progress, iter_sizes, permutation, quit_child, row, timed
 from .target import alloc, digest, pattern
 
 
@@ -73,15 +73,7 @@ class Target:
         return self._read(timeout)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"cmd": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(5)
+        quit_child(self.proc, 5)
         self._err.close()
 
 
