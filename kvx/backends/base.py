@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BAD_INDEX", "Backend", "BackendContext", "CallRoute", "DoneRequest", "ErrorMap", "JobRequest", "Op",
            "PeerInfo", "PreparedList", "Request", "Route", "ThreadRequest", "index_array", "index_vector", "indices",
-           "region_rows", "validate"]
+           "native_form", "region_rows", "validate"]
 
 _U64 = np.uint64
 _I64 = np.dtype(np.int64)
@@ -363,6 +363,16 @@ def indices(idx: Any) -> Any:
             raise UsageError("index out of range")
         a = a.astype(np.int64)
     return np.ascontiguousarray(a.reshape(-1))
+
+
+def native_form(idx: Any) -> bool:
+    """Whether the native layers take ``idx`` as it is: an int, a list, or a C-contiguous array of
+    64-bit integers. A native refusal of such a form is a bad value (the caller's error); another
+    form is converted once (:func:`indices`) and posted again."""
+    t = type(idx)
+    if t is list or t is int:
+        return True
+    return t is np.ndarray and idx.dtype.itemsize == 8 and idx.dtype.kind in "iu" and idx.flags.c_contiguous
 
 
 def index_vector(idx: Any) -> np.ndarray:

@@ -60,6 +60,7 @@ from .base import (
     ThreadRequest,
     index_vector,
     indices,
+    native_form,
     validate,
 )
 
@@ -612,7 +613,7 @@ class _HostRoute(Route):
                 # C takes ints, lists, tuples and contiguous 64-bit vectors as they are (checking them
                 # before anything moves); another form (an int32 array, a slice of an array, a numpy
                 # scalar) is converted once and posted; for a form C takes, its error stands
-                if not (_foreign(lidx) or _foreign(ridx)):
+                if native_form(lidx) and native_form(ridx):
                     raise
                 res = self._submit(indices(lidx), indices(ridx), notify)
         except OSError as exc:
@@ -676,11 +677,3 @@ class _HostRoute(Route):
             return finish(res, name, send_notif)
 
         return post
-
-
-def _foreign(idx: Any) -> bool:
-    """Whether the native layer does not take this index form as it is."""
-    t = type(idx)
-    if t is list or t is tuple or t is int:
-        return False
-    return not (t is np.ndarray and idx.dtype.itemsize == 8 and idx.dtype.kind in "iu" and idx.flags.c_contiguous)

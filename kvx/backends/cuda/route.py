@@ -9,10 +9,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
 from ...errors import PeerDisconnected, RemoteError, UsageError
-from ..base import BAD_INDEX, Op, PreparedList, Request, Route, indices
+from ..base import BAD_INDEX, Op, PreparedList, Request, Route, indices, native_form
 from .errors import fail
 from .indices import _count, _index
 from .ipc import _Peer
@@ -144,7 +142,7 @@ class CudaRoute(Route):
                 # vector) has a bad value: that is the caller's error. Another form (an int32 or
                 # strided array, a tuple, a numpy scalar) goes once through the general path, which
                 # converts it (base.indices) and raises UsageError for what is still wrong.
-                if not (_foreign(lidx) or _foreign(ridx)):
+                if native_form(lidx) and native_form(ridx):
                     raise UsageError(f"bad transfer request: {exc}") from None
         try:
             req: Request = be._post(self.op, self.local, indices(lidx), self.remote, indices(ridx), notify)
@@ -179,11 +177,3 @@ class CudaRoute(Route):
             except BAD_INDEX as exc:
                 raise UsageError(f"bad transfer request: {exc}") from exc
         return fast_post
-
-
-def _foreign(idx: Any) -> bool:
-    """Whether ``idx`` is a form other than those the native stage surely takes as it is."""
-    t = type(idx)
-    if t is list or t is int:
-        return False
-    return not (t is np.ndarray and idx.dtype == np.int64 and idx.ndim == 1 and idx.flags.c_contiguous)
