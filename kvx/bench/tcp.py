@@ -43,6 +43,12 @@ def _segs(opts: BenchOptions) -> tuple[str, str]:
     for s in segs:
         if s not in _SEGS:
             raise kvx.UsageError(f"kvx bench --backend tcp: --seg takes {', '.join(_SEGS)}, not {s!r}")
+    if "vram" in segs:  # GPU memory comes from cupy, as the cuda backend's does
+        from ..backends.cuda import CudaBackend
+
+        why = CudaBackend.unavailable_reason()
+        if why is not None:
+            raise kvx.BackendUnavailable(f"kvx bench --backend tcp --seg {','.join(segs)}: {why}")
     return segs[0], segs[-1]
 
 
