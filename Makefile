@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 NATIVE := $(wildcard native/*.c native/*.h)
 
 .PHONY: all venv test test-vllm bench bench-all bench-micro bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare \
-        services lint gpu-check clean
+        services lint gpu-check gpu-carry clean
 
 all: test
 
@@ -144,6 +144,12 @@ bench-side: $(NIXL)
 # On a GPU machine (the device tool runs this): build, GPU tests, GPU benchmark sweep.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Here (with network): UCX for CUDA 13 and NIXL for Python 3.12, slimmed into .carry/gpu-site.tar.xz,
+# for a GPU machine without network (carry .carry; gpu-check unpacks it): the ucx GPU tests and the
+# ucx-vs-NIXL VRAM columns need it.
+gpu-carry:
+	bash scripts/gpu_carry.sh
 
 # The native extensions (kvx._native, kvx._net) built with AddressSanitizer and UBSan into a copy of
 # the working tree under $(ASAN_DIR) (the in-place build of `make test` is left alone), then the CPU

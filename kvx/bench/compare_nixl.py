@@ -21,6 +21,10 @@ _MODES: dict[str, tuple[str, str, dict[str, str]]] = {
 
 def _mode(opts: BenchOptions) -> tuple[str, str, dict[str, str]]:
     mem, backend, env = _MODES[opts.backend]
+    if opts.backend == "ucx" and tuple(opts.seg) != ("dram", "dram"):
+        if tuple(opts.seg) != ("vram", "vram"):
+            raise UsageError(f"--compare nixl with --backend ucx takes --seg dram,dram or vram,vram, not {opts.seg}")
+        mem = "vram"
     if opts.backend == "cuda":
         seg = tuple("vram" if s in ("dram", "") else s for s in opts.seg)
         if seg == ("vram", "pinned"):

@@ -39,16 +39,17 @@ _SEGS = ("dram", "pinned", "vram")
 
 
 def _segs(opts: BenchOptions) -> tuple[str, str]:
+    """(local, remote) memory of ``--seg`` for the tcp and ucx benches."""
     segs = tuple(s or "dram" for s in opts.seg)
     for s in segs:
         if s not in _SEGS:
-            raise kvx.UsageError(f"kvx bench --backend tcp: --seg takes {', '.join(_SEGS)}, not {s!r}")
+            raise kvx.UsageError(f"kvx bench --backend {opts.backend}: --seg takes {', '.join(_SEGS)}, not {s!r}")
     if "vram" in segs:  # GPU memory comes from cupy, as the cuda backend's does
         from ..backends.cuda import CudaBackend
 
         why = CudaBackend.unavailable_reason()
         if why is not None:
-            raise kvx.BackendUnavailable(f"kvx bench --backend tcp --seg {','.join(segs)}: {why}")
+            raise kvx.BackendUnavailable(f"kvx bench --backend {opts.backend} --seg {','.join(segs)}: {why}")
     return segs[0], segs[-1]
 
 
@@ -104,12 +105,13 @@ def _gpus() -> int:
 
 
 class TcpTarget(Target):
-    """A tcp bench target process (this module with ``--target``)."""
+    """A tcp (or ucx) bench target process (this module with ``--target``) whose memory is any
+    ``--seg`` kind."""
 
     def __init__(self, opts: BenchOptions, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None,
-                 seg: str = "dram", dev: int = 0) -> None:
+                 seg: str = "dram", dev: int = 0, backend: str = "tcp") -> None:
         cmd = [sys.executable, "-m", "kvx.bench.tcp", "--target", "--mem", opts.mem, "--total", str(opts.total),
-               "--listen", listen, "--seg", seg, "--dev", str(dev)]
+               "--listen", listen, "--seg", seg, "--dev", str(dev), "--backend", backend]
         self._spawn(cmd, env)
 
 
@@ -218,9 +220,10 @@ def _target_main(argv: list[str] | None) -> int:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--seg", default="dram", choices=_SEGS)
     ap.add_argument("--dev", type=int, default=0)
+    ap.add_argument("--backend", default="tcp", choices=("tcp", "ucx"))
     a = ap.parse_args(argv)
     h, _, p = a.listen.rpartition(":")
-    agent = kvx.Agent(a.name, kvx.AgentConfig(backends=("tcp",), listen=(h, int(p))))
+    agent = kvx.Agent(a.name, kvx.AgentConfig(backends=(a.backend,), listen=(h, int(p))))
     obj, buf = _alloc_seg(a.seg, a.mem, a.total, a.dev)
     reg = agent.register(obj)
     out = sys.stdout
