@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -788,6 +788,11 @@ class TieredStore:
         assert top.plist is not None and top.policy is not None
         keep = self._hold(dst)  # the destination's memory, kept alive while we check it in place
         direct_ok = keep is not None
+        if direct_ok and not self._promotions:
+            assert dst is not None
+            fast = self._fetch_disk(keys, dst, didx, done, deadline)
+            if fast is not None:
+                return fast
         events: list[Event] = []
         pins: list[tuple[int, int]] = []
         reads: list[int] = []  # host slot per block, in order (-1: read straight from a lower tier)
@@ -925,13 +930,8 @@ class TieredStore:
                 if self.events.active:
                     events.append(BlockStored([h], None, top.medium, bb))
             for k in dbad:
-                _i, h, src, crc, ti, slot = directs[k]
-                log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[src[0]].medium)
-                for dti in {ti, src[0], 0}:  # every copy the store would serve it from
-                    dt = self.tiers[dti]
-                    if h in dt.index and dt.index[h][1] == crc:
-                        dt.stats.corrupt += int(dti == src[0])
-                        self._forget(dti, h, dt.index[h][0], events)
+                _i, h, src, crc, ti, _slot = directs[k]
+                self._drop_corrupt(h, crc, {ti, src[0], 0}, src[0], events)
             tiers = self.tiers
             for ti, slot in pins:
                 tiers[ti].unpin(slot)
@@ -949,6 +949,94 @@ class TieredStore:
         if fail is not None:
             raise BlockNotFound(fail[1], done + limit)
         return done + limit
+
+    def _drop_corrupt(self, h: Hashable, crc: int, tiers: Iterable[int], read_from: int, events: list[Event]) -> None:
+        """Block ``h`` read from tier ``read_from`` failed its checksum: drop every copy of it
+        with that checksum in ``tiers`` (lock held)."""
+        log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[read_from].medium)
+        for dti in tiers:  # every copy the store would serve it from
+            dt = self.tiers[dti]
+            if h in dt.index and dt.index[h][1] == crc:
+                dt.stats.corrupt += int(dti == read_from)
+                self._forget(dti, h, dt.index[h][0], events)
+
+    def _fetch_disk(self, keys: Sequence[Hashable], dst: kvx.PreparedList, didx: Any, done: int,
+                    deadline: float) -> int | None:
+        """The usual get from disk, with per-batch rather than per-block work: every block of the
+        chunk on the same disk tier, landed there, and ``dst`` local host memory (the caller
+        checked). One read straight into ``dst`` with the checksums taken in the copy; the
+        promotions are queued for later. None (nothing done) when the chunk is not such a case:
+        the general path then serves it."""
+        where = self._where
+        if not keys:
+            return None
+        ti = where.get(keys[0])
+        if not ti:
+            return None
+        t = self.tiers[ti]
+        if not isinstance(t, DiskTier) or t.plist is None:
+            return None
+        with self._lock:
+            if self._promotions or ti != where.get(keys[0]):
+                return None
+            try:
+                locs = [t.index[h] for h in keys]
+            except KeyError:
+                return None
+            if any(where[h] != ti for h in keys):
+                return None  # some are in the host tier too
+            slots = [loc[0] for loc in locs]
+            landing = self._landing
+            if landing and any((ti, s) in landing for s in slots):
+                return None  # some still on their way down
+            policy = t.policy
+            assert policy is not None
+            hit = policy.hit
+            for h in keys:
+                hit(h)
+            t.stats.hits += len(keys)
+            busy = t.busy  # pinned: not reused while we read them (Tier.pin)
+            for s in slots:
+                busy[s] = busy.get(s, 0) + 1
+        n = len(keys)
+        rows = didx.tolist()
+        err: BaseException | None = None
+        bad: list[int] = []
+        try:
+            req, dig = self._read_direct(dst, rows, t, slots)
+            req.wait(max(0.001, deadline - time.monotonic()))
+            want = np.array([loc[1] for loc in locs], dtype=np.uint64)
+            if dig is not None:
+                bad = np.flatnonzero(dig[didx] != want).tolist()
+            else:
+                bb = self.block_bytes
+                addr = dst.descs.addr
+                bad = [k for k, r in enumerate(rows) if block_sum(_view(int(addr[r]), bb)) != locs[k][1]]
+            for k in bad:  # corrupt bytes never stay in the destination
+                _view(int(dst.descs.addr[rows[k]]), self.block_bytes)[:] = bytes(self.block_bytes)
+        except BaseException as exc:
+            err = exc
+        events: list[Event] = []
+        limit = bad[0] if bad else n
+        with self._lock:
+            for s in slots:
+                t.unpin(s)
+            if err is None:
+                self.tiers[0].stats.bytes_out += limit * self.block_bytes
+                for k in bad:
+                    self._drop_corrupt(keys[k], locs[k][1], (ti, 0), ti, events)
+                if self.promote:
+                    badset = set(bad)
+                    self._promotions.extend((h, ti, loc[0], loc[1]) for k, (h, loc) in enumerate(zip(keys, locs))
+                                            if k not in badset)
+                    self._work.notify()
+            self._room.notify_all()
+        self.events.emit(events)
+        if err is not None:
+            raise err
+        if bad:
+            raise BlockNotFound(f"block {keys[bad[0]]!r} failed its checksum and was dropped", done + limit)
+        return done + n
 
     def _read_direct(self, dst: kvx.PreparedList, rows: list[int], t: Tier, slots: list[int]
                      ) -> tuple[Any, np.ndarray | None]:
