@@ -788,8 +788,10 @@ class TieredStore:
         assert top.plist is not None and top.policy is not None
         keep = self._hold(dst)  # the destination's memory, kept alive while we check it in place
         direct_ok = keep is not None
-        if direct_ok and not self._promotions:
+        if direct_ok:
             assert dst is not None
+            if self._promotions:  # earlier gets' promotions first: decisions stay in order
+                self._settle_promotions()
             fast = self._fetch_disk(keys, dst, didx, done, deadline)
             if fast is not None:
                 return fast
