@@ -339,3 +339,29 @@ def test_get_into_a_released_destination_fails_cleanly(tmp_path: Path) -> None:
         out, live = _lists(st, 8)
         assert st.get(list(range(8)), live) == 8  # nothing was lost or left half-promoted
         assert np.array_equal(out, buf)
+
+
+def test_disk_get_takes_checksums_in_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get of disk blocks into host memory (buffered slab) checks them with the checksums the
+    posix read took while copying: no checksum pass over the destination afterwards."""
+    import kvx.tiers.store as store_mod
+
+    with TieredStore([HostTier(blocks=8), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru",
+                     promote=False) as st:
+        buf, src = _lists(st, 8)
+        for j in range(8):
+            buf[j * BB:(j + 1) * BB] = content(j)
+        st.put(list(range(8)), src)
+        st.put(list(range(100, 108)), src)
+        st.flush()
+        assert st.lookup(list(range(8))).tiers == (1,) * 8
+        calls = []
+        real = store_mod.block_sum
+        monkeypatch.setattr(store_mod, "block_sum", lambda b: calls.append(1) or real(b))
+        out, dst = _lists(st, 8)
+        for _ in range(2):
+            out[:] = 0
+            assert st.get(list(range(8)), dst) == 8
+            assert np.array_equal(out, buf)
+        assert calls == []
+        assert st.stats().tiers[1]["hits"] >= 16
