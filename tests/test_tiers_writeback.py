@@ -46,6 +46,18 @@ def _flip(path: Path, offset: int, mask: int) -> None:
         os.fsync(f.fileno())
 
 
+def _eight_on_disk(st: TieredStore) -> np.ndarray:
+    """Store blocks 0..7 (``content``), then 100..107 so that 0..7 go down to disk only."""
+    buf, src = _lists(st, 8)
+    for j in range(8):
+        buf[j * BB:(j + 1) * BB] = content(j)
+    st.put(list(range(8)), src)
+    st.put(list(range(100, 108)), src)
+    st.flush()
+    assert st.lookup(list(range(8))).tiers == (1,) * 8
+    return buf
+
+
 def _lists(st: TieredStore, n: int) -> tuple[np.ndarray, kvx.PreparedList]:
     buf = np.zeros(n * BB, np.uint8)
     return buf, st.agent.prepare(kvx.DescList.blocks(st.agent.register(buf), BB))
@@ -246,13 +258,7 @@ def test_get_promotes_after_it_returns_or_not_at_all(tmp_path: Path) -> None:
         d = tmp_path / str(promote)
         with TieredStore([HostTier(blocks=8), DiskTier(d, blocks=64)], block_bytes=BB, policy="lru",
                          promote=promote) as st:
-            buf, src = _lists(st, 8)
-            for j in range(8):
-                buf[j * BB:(j + 1) * BB] = content(j)
-            st.put(list(range(8)), src)
-            st.put(list(range(100, 108)), src)
-            st.flush()
-            assert st.lookup(list(range(8))).tiers == (1,) * 8
+            buf = _eight_on_disk(st)
             out, dst = _lists(st, 8)
             assert st.get(list(range(8)), dst) == 8
             assert np.array_equal(out, buf)
@@ -348,13 +354,7 @@ def test_disk_get_takes_checksums_in_the_copy(tmp_path: Path, monkeypatch: pytes
 
     with TieredStore([HostTier(blocks=8), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru",
                      promote=False) as st:
-        buf, src = _lists(st, 8)
-        for j in range(8):
-            buf[j * BB:(j + 1) * BB] = content(j)
-        st.put(list(range(8)), src)
-        st.put(list(range(100, 108)), src)
-        st.flush()
-        assert st.lookup(list(range(8))).tiers == (1,) * 8
+        buf = _eight_on_disk(st)
         calls = []
         real = store_mod.block_sum
         monkeypatch.setattr(store_mod, "block_sum", lambda b: calls.append(1) or real(b))
