@@ -3,6 +3,7 @@ one transfer per tier, concurrency."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,29 @@ class GatedStore(TieredStore):
     def _move_batch(self, batch: list, staging: Any) -> list[bool]:  # type: ignore[override]
         assert self.gate.wait(30)
         return super()._move_batch(batch, staging)
+
+
+def _flip(path: Path, offset: int, mask: int) -> None:
+    """Corrupt one byte of a file (written through to the device: O_DIRECT readers see it too)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _eight_on_disk(st: TieredStore) -> np.ndarray:
+    """Store blocks 0..7 (``content``), then 100..107 so that 0..7 go down to disk only."""
+    buf, src = _lists(st, 8)
+    for j in range(8):
+        buf[j * BB:(j + 1) * BB] = content(j)
+    st.put(list(range(8)), src)
+    st.put(list(range(100, 108)), src)
+    st.flush()
+    assert st.lookup(list(range(8))).tiers == (1,) * 8
+    return buf
 
 
 def _lists(st: TieredStore, n: int) -> tuple[np.ndarray, kvx.PreparedList]:
@@ -173,17 +197,107 @@ def test_prometheus_has_counters_queue_and_histograms(tmp_path: Path) -> None:
     assert "kvx_store_get_latency_seconds_count 1" in text and "kvx_store_put_latency_seconds_count 1" in text
 
 
-def test_checksum_is_zlib_crc32() -> None:
-    """Whatever implementation is in use, the values are zlib's (journals stay readable)."""
-    import zlib
-
-    from kvx.tiers.checksum import crc32
+def test_checksum_is_kvx_nh64() -> None:
+    """The tiers' block checksum is kvx-nh64, the one the posix backend takes in a copy: the same
+    values as the portable code, for any length and buffer type."""
+    from kvx import _native
+    from kvx.tiers.checksum import block_sum
 
     rng = np.random.default_rng(5)
-    for n in (0, 1, 63, 4096, 1 << 20):
+    for n in (0, 1, 63, 4096, 65537, 1 << 20):
         b = rng.integers(0, 256, n, dtype=np.uint8)
-        assert crc32(b) == zlib.crc32(b)
-        assert crc32(memoryview(b.tobytes())) == zlib.crc32(b.tobytes())
+        assert block_sum(b) == _native.nh64_portable(b.tobytes())
+        assert block_sum(memoryview(b.tobytes())) == block_sum(b)
+    a = rng.integers(0, 256, 4096, dtype=np.uint8)
+    c = a.copy()
+    c[100] ^= 1
+    assert block_sum(a) != block_sum(c)
+
+
+def test_tier_of_the_crc32_format_is_not_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A disk tier written by a release that checksummed with CRC-32 (``tier.meta`` without the
+    checksum tag, ``KJ`` journal records with a 32-bit CRC) is dropped on open, with a warning:
+    none of its blocks is served under a checksum of another function. The same journal under a
+    current ``tier.meta`` is not replayed either (its records' magic differs)."""
+    import struct
+    import zlib
+
+    slots = 16
+    body = content(7)
+    for meta in (f"{BB} {slots}\n", None):
+        d = tmp_path / ("old" if meta else "mixed")
+        d.mkdir()
+        with open(d / "slab.bin", "wb") as f:
+            f.write(body.tobytes() + bytes(BB * (slots - 1)))
+        key = b"i" + (7).to_bytes(16, "big", signed=True)
+        rec = struct.pack("<2sBHHIIQ", b"KJ", 1, len(key), 0, 0, zlib.crc32(body.tobytes()), BB) + key
+        with open(d / "index.log", "wb") as f:
+            f.write(rec + struct.pack("<I", zlib.crc32(rec)))
+        if meta is None:  # a current tier.meta over the old journal
+            with TieredStore([HostTier(blocks=2), DiskTier(d, blocks=8)], block_bytes=BB) as st:
+                pass
+            with open(d / "index.log", "wb") as f:
+                f.write(rec + struct.pack("<I", zlib.crc32(rec)))
+        else:
+            (d / "tier.meta").write_text(meta)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvx.tiers.tier"):
+            with TieredStore([HostTier(blocks=2), DiskTier(d, blocks=8)], block_bytes=BB) as st:
+                assert 7 not in st and len(st.tiers[1].index) == 0
+                out, dst = _lists(st, 1)
+                with pytest.raises(kvx.BlockNotFound):
+                    st.get([7], dst)
+        if meta is not None:
+            assert any("checksum" in r.getMessage() for r in caplog.records)
+
+
+def test_get_promotes_after_it_returns_or_not_at_all(tmp_path: Path) -> None:
+    """A get of disk blocks into host memory returns before their promotion to the host tier is
+    decided; flush() (or the store's next operation) makes it. promote=False keeps them on disk."""
+    for promote in (True, False):
+        d = tmp_path / str(promote)
+        with TieredStore([HostTier(blocks=8), DiskTier(d, blocks=64)], block_bytes=BB, policy="lru",
+                         promote=promote) as st:
+            buf = _eight_on_disk(st)
+            out, dst = _lists(st, 8)
+            assert st.get(list(range(8)), dst) == 8
+            assert np.array_equal(out, buf)
+            st.flush()
+            assert st.lookup(list(range(8))).tiers == ((0,) if promote else (1,)) * 8
+            assert st.stats().tiers[1]["promoted"] == (8 if promote else 0)
+            out[:] = 0
+            assert st.get(list(range(8)), dst) == 8  # from the host tier now, or from disk again
+            assert np.array_equal(out, buf)
+
+
+def test_direct_get_checks_o_direct_slab(tmp_path: Path) -> None:
+    """With an O_DIRECT slab the posix backend takes no checksums in the copy: the get checks the
+    destination after the read instead, and still refuses a corrupt block."""
+    from kvx.backends.posix import PosixOptions
+
+    bb = 4096
+    ag = kvx.Agent("tier-direct", kvx.AgentConfig(options={"posix": PosixOptions(direct=True)}))
+    try:
+        with TieredStore([HostTier(blocks=4), DiskTier(tmp_path, blocks=64)], block_bytes=bb, policy="lru",
+                         agent=ag) as st:
+            buf = kvx.alloc_host(4 * bb)
+            buf[:] = np.random.default_rng(3).integers(0, 256, 4 * bb, dtype=np.uint8)
+            src = st.agent.prepare(kvx.DescList.blocks(st.agent.register(buf), bb))
+            st.put([1, 2, 3, 4], src)
+            st.put([11, 12, 13, 14], src)
+            st.flush()
+            assert st.lookup([1, 2, 3, 4]).tiers == (1,) * 4
+            out = kvx.alloc_host(4 * bb)
+            dst = st.agent.prepare(kvx.DescList.blocks(st.agent.register(out), bb))
+            assert st.get([1, 2, 3, 4], dst) == 4 and np.array_equal(out, buf)
+            st.put([21, 22, 23, 24], src)  # 1..4 back down to disk only
+            st.flush()
+            _flip(tmp_path / "slab.bin", st.tiers[1].index[3][0] * bb + 9, 1)
+            with pytest.raises(kvx.BlockNotFound, match="checksum") as ei:
+                st.get([1, 2, 3, 4], dst)
+            assert ei.value.args[1] == 2
+    finally:
+        ag.close()
 
 
 def test_direct_get_stops_at_a_corrupt_disk_block(tmp_path: Path) -> None:
@@ -198,12 +312,7 @@ def test_direct_get_stops_at_a_corrupt_disk_block(tmp_path: Path) -> None:
         st.put(list(range(100, 108)), src)  # 0..7 go down to disk
         st.flush()
         assert st.lookup(list(range(8))).tiers == (1,) * 8
-        slot = st.tiers[1].index[5][0]
-        with open(tmp_path / "slab.bin", "r+b") as f:
-            f.seek(slot * BB + 3)
-            b = f.read(1)
-            f.seek(slot * BB + 3)
-            f.write(bytes([b[0] ^ 0x55]))
+        _flip(tmp_path / "slab.bin", st.tiers[1].index[5][0] * BB + 3, 0x55)
         out, dst = _lists(st, 8)
         out[:] = 9
         with pytest.raises(kvx.BlockNotFound, match="checksum") as ei:
@@ -236,3 +345,23 @@ def test_get_into_a_released_destination_fails_cleanly(tmp_path: Path) -> None:
         out, live = _lists(st, 8)
         assert st.get(list(range(8)), live) == 8  # nothing was lost or left half-promoted
         assert np.array_equal(out, buf)
+
+
+def test_disk_get_takes_checksums_in_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get of disk blocks into host memory (buffered slab) checks them with the checksums the
+    posix read took while copying: no checksum pass over the destination afterwards."""
+    import kvx.tiers.store as store_mod
+
+    with TieredStore([HostTier(blocks=8), DiskTier(tmp_path, blocks=64)], block_bytes=BB, policy="lru",
+                     promote=False) as st:
+        buf = _eight_on_disk(st)
+        calls = []
+        real = store_mod.block_sum
+        monkeypatch.setattr(store_mod, "block_sum", lambda b: calls.append(1) or real(b))
+        out, dst = _lists(st, 8)
+        for _ in range(2):
+            out[:] = 0
+            assert st.get(list(range(8)), dst) == 8
+            assert np.array_equal(out, buf)
+        assert calls == []
+        assert st.stats().tiers[1]["hits"] >= 16

@@ -1,36 +1,28 @@
-"""Block checksums of the tiers: CRC-32 with zlib's polynomial, from the fastest implementation
-that is importable.
+"""Block checksums of the tiers: kvx-nh64 (``kvx._native.nh64``, specified in
+``native/kvx_hash.c``), a 64-bit checksum that the posix backend can take in the same pass as a
+copy (``PosixBackend.keep_digests``).
 
-``zlib-ng`` (``pip install kvx[tiers]``) and ``isal`` compute exactly the values of
-:func:`zlib.crc32` with SIMD (tens of GB/s per core against about 2 for zlib), so journals and
-indexes written with one are read with any other.
+A ``get`` from the disk tier into host memory therefore checks every block without a second
+pass over it: the read computes the checksum of exactly the bytes that landed. Elsewhere
+(``put`` into the host tier, write-back, promotion through host slots) :func:`block_sum` runs
+over the bytes in memory, at tens of GB/s per core (AVX2; a portable version computes the same
+values), with no optional dependency.
+
+Tiers written with CRC-32 (before kvx-nh64; their ``tier.meta`` carries no ``nh64`` tag and
+their journal records the ``KJ`` magic) are not read: their index is discarded on open.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["crc32", "IMPL", "FAST"]
+from .. import _native
 
+__all__ = ["block_sum", "IMPL", "TAG"]
 
-def _pick() -> tuple[Callable[[Any], int], str]:
-    try:
-        from zlib_ng import zlib_ng
-
-        return zlib_ng.crc32, "zlib-ng"
-    except ImportError:
-        pass
-    try:
-        from isal import isal_zlib
-
-        return isal_zlib.crc32, "isal"
-    except ImportError:
-        pass
-    return zlib.crc32, "zlib"
-
-
-crc32, IMPL = _pick()
-#: a SIMD implementation is in use (a CRC pass costs far less than a copy)
-FAST = IMPL != "zlib"
+#: checksum of one block (a bytes-like object) -> unsigned 64-bit int
+block_sum: Callable[[Any], int] = _native.nh64
+IMPL = "kvx-nh64"
+#: what ``tier.meta`` of a journaled tier names, so a tier of another checksum is not read
+TAG = "nh64"

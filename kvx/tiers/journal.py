@@ -4,6 +4,11 @@ Ordering makes blocks appear atomically: a block's data is written to its slot f
 ``PUT`` record (key, parent, slot, length, checksum) is appended; before a slot is reused its
 ``DEL`` record is appended. Each record carries its own CRC, so a torn tail record is ignored
 on recovery; a slot overwritten mid-way is caught by the block checksum when it is read.
+
+Records start with the magic ``KN`` and carry the block's 64-bit kvx-nh64 checksum
+(:mod:`kvx.tiers.checksum`). Journals of the CRC-32 era (magic ``KJ``, a 32-bit checksum) are
+not replayed: recovery stops at the first record whose magic differs, so nothing is read with
+the wrong checksum.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from ..errors import TierError
 
 __all__ = ["Journal", "encode_key", "decode_key"]
 
-_MAGIC = b"KJ"
+_MAGIC = b"KN"  # b"KJ": the CRC-32 journal of older releases (not replayed)
 _PUT, _DEL = 1, 2
-_HDR = struct.Struct("<2sBHHIIQ")  # magic, type, keylen, parentlen, slot, crc, length
+_HDR = struct.Struct("<2sBHHIQQ")  # magic, type, keylen, parentlen, slot, checksum, length
 _TAIL = struct.Struct("<I")
 
 

@@ -13,10 +13,11 @@ each batch with one transfer, outside the lock. Until a job lands, its destinati
 *landing* slot: readers are sent to the source slot, which stays pinned (not reused) until then.
 ``put`` waits only while the queue is full (``writeback_depth`` jobs), for at most its timeout.
 
-Integrity: each stored block has its key, length and CRC32; a block read from a lower tier is
-checked before it is promoted or handed out, and one that fails is dropped and counted as a
-miss -- never returned. The disk tier journals a block only after its bytes landed (see
-:mod:`kvx.tiers.tier` and :mod:`kvx.tiers.journal`).
+Integrity: each stored block has its key, length and kvx-nh64 checksum
+(:mod:`kvx.tiers.checksum`); a block read from a lower tier is checked before it is promoted or
+handed out, and one that fails is dropped and counted as a miss -- never returned. A read from
+the disk tier into host memory takes the checksums in the copy itself. The disk tier journals a
+block only after its bytes landed (see :mod:`kvx.tiers.tier` and :mod:`kvx.tiers.journal`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +36,9 @@ import numpy as np
 
 import kvx
 
-from ..errors import BlockNotFound, TierError, TierFull, UsageError
+from ..errors import BackendUnavailable, BlockNotFound, KVXError, TierError, TierFull, UsageError
 from ..memory import DescList
-from .checksum import FAST, crc32
+from .checksum import block_sum
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
@@ -137,6 +139,11 @@ class TieredStore:
     get_chunk
         ``get``/``prefetch`` move at most this many blocks per transfer (one transfer per tier
         per chunk).
+    promote
+        Promote the disk blocks that a ``get`` reads straight into host memory to the host tier
+        (after the get returns). False keeps them on disk only: a scan or a one-off read then
+        leaves the host tier alone (reads through host slots -- objects, or a destination
+        that is not host memory -- and ``prefetch`` still promote).
 
     Notes
     -----
@@ -149,7 +156,7 @@ class TieredStore:
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
                  verify_host: bool = False, writeback_depth: int = 64, writeback_batch: int = 64,
-                 writeback_workers: int = 2, get_chunk: int = 64) -> None:
+                 writeback_workers: int = 2, get_chunk: int = 64, promote: bool = True) -> None:
         if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
             raise UsageError("a TieredStore needs a non-empty list of tiers")
         if not all(isinstance(t, Tier) for t in tiers):
@@ -172,6 +179,7 @@ class TieredStore:
         self.depth = writeback_depth
         self.wb_batch = writeback_batch
         self.chunk = get_chunk
+        self.promote = bool(promote)
         self._own_agent = agent is None
         self.agent = agent if agent is not None else kvx.Agent(f"kvx-store-{os.getpid()}-{id(self):x}")
         self.events = EventBus()
@@ -189,7 +197,11 @@ class TieredStore:
         self._forcing = 0  # flush() calls waiting: open packs are written at once
         self._stop = False
         self._workers: list[threading.Thread] = []
-        self._crc_pool: Any = None
+        #: blocks read straight from a persistent tier by a get, to promote to the host tier
+        #: afterwards: (key, tier, slot, checksum)
+        self._promotions: deque[tuple[Hashable, int, int, int]] = deque()
+        #: id(dst) -> (dst, its twin whose posix reads take checksums, the twin's digests)
+        self._twins: dict[int, tuple[kvx.PreparedList, kvx.PreparedList, np.ndarray]] = {}
         self.stats_ = StoreStats()
         self.h_writeback = Histogram("writeback_latency", "demotion queued -> bytes landed and journaled")
         self.h_promote = Histogram("promotion_latency", "background promotion (disk -> host) queued -> landed")
@@ -229,6 +241,8 @@ class TieredStore:
         """Longest stored prefix of ``hashes`` and which tier holds each of its blocks."""
         self._check()
         hashes = _keys(hashes)
+        if self._promotions:  # earlier gets' promotions are decided before anyone looks
+            self._settle_promotions()
         where = self._where
         tiers: list[int] = []
         for h in hashes:
@@ -457,8 +471,11 @@ class TieredStore:
         staging: dict[int, tuple[np.ndarray, kvx.PreparedList, kvx.Registration, kvx.PreparedList]] = {}
         try:
             while True:
+                pev: list[Event] = []
                 with self._lock:
                     while True:
+                        if self._promotions and not self._stop:
+                            self._promote_pending(pev)
                         batch = self._take() if self._jobs else []
                         if batch or (self._stop and not self._jobs):
                             break
@@ -468,6 +485,7 @@ class TieredStore:
                     if not batch:
                         return
                     self._active += len(batch)
+                self.events.emit(pev)
                 dt = self.tiers[batch[0].dst[0]]
                 packed = isinstance(dt, ObjectTier)
                 n = dt.pack_blocks if isinstance(dt, ObjectTier) else self.wb_batch
@@ -513,7 +531,7 @@ class TieredStore:
         n = len(batch)
         self.agent.read(spl, list(range(n)), src_t.plist, ss).wait(timeout)
         bb = self.block_bytes
-        ok = [crc32(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
+        ok = [block_sum(buf.data[i * bb:(i + 1) * bb]) == j.crc for i, j in enumerate(batch)]
         good = [i for i in range(n) if ok[i]]
         if good:
             self.agent.write(spl, good, dst_t.plist, [ds[i] for i in good]).wait(timeout)
@@ -549,7 +567,7 @@ class TieredStore:
                 reqs.append(self.agent.read(spl, os_, st.plist, ss))
         for r in reqs:
             r.wait(timeout)
-        ok = [crc32(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
+        ok = [block_sum(buf.data[o * bb:(o + 1) * bb]) == j.crc for j, o in zip(batch, offs)]
         mask = np.ones(pb, bool)
         mask[[o for o, good in zip(offs, ok) if good]] = False
         holes = np.flatnonzero(mask)
@@ -600,7 +618,7 @@ class TieredStore:
             self._forcing += 1  # open packs are written now, full or not
             self._work.notify_all()
             try:
-                while self._queued():
+                while self._queued() or self._promotions:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TierError(f"write-back queue did not drain in {timeout} s ({self._queued()} left)")
@@ -634,6 +652,8 @@ class TieredStore:
         top = self.tiers[0]
         events: list[Event] = []
         with self._lock:
+            if self._promotions:  # earlier gets' promotions first: decisions stay in order
+                self._promote_pending(events)
             pol = top.policy
             assert pol is not None and top.plist is not None
             where = self._where
@@ -661,7 +681,7 @@ class TieredStore:
                     raise
                 batch.clear()
                 for h, p, slot in zip(keys, parents, slots):
-                    crc = crc32(mv[slot * bb:(slot + 1) * bb])
+                    crc = block_sum(mv[slot * bb:(slot + 1) * bb])
                     top.index[h] = (slot, crc)
                     where[h] = 0
                     self._pending.discard(h)
@@ -757,8 +777,10 @@ class TieredStore:
         """Copy one chunk of blocks to ``dst`` (or only promote them: ``dst`` None).
 
         Host blocks go host -> ``dst``. Blocks of a persistent tier (disk) go straight from their
-        slot into a host ``dst`` and are checked there; their promotion to the host tier is a
-        write-back job (the disk copy stays, so nothing waits for it). Other lower-tier blocks
+        slot into a host ``dst``, their checksums taken in the copy (or over ``dst`` after it);
+        their promotion to the host tier is decided after this get returns, by a write-back
+        worker or the store's next operation, and its bytes move as a write-back job (the disk
+        copy stays, so nothing waits for it). Other lower-tier blocks
         (objects; or any, when ``dst`` is not host memory) are read into host slots, checked,
         then copied to ``dst`` with the host blocks."""
         top = self.tiers[0]
@@ -766,6 +788,13 @@ class TieredStore:
         assert top.plist is not None and top.policy is not None
         keep = self._hold(dst)  # the destination's memory, kept alive while we check it in place
         direct_ok = keep is not None
+        if direct_ok:
+            assert dst is not None
+            if self._promotions:  # earlier gets' promotions first: decisions stay in order
+                self._settle_promotions()
+            fast = self._fetch_disk(keys, dst, didx, done, deadline)
+            if fast is not None:
+                return fast
         events: list[Event] = []
         pins: list[tuple[int, int]] = []
         reads: list[int] = []  # host slot per block, in order (-1: read straight from a lower tier)
@@ -774,24 +803,28 @@ class TieredStore:
         # straight reads: (position, key, source loc, crc, tier, tier slot)
         directs: list[tuple[int, Hashable, tuple[int, int], int, int, int]] = []
         fail: tuple[int, str] | None = None
-        later: list[_Job] = []
+        promote: list[tuple[Hashable, int, int, int]] = []
         with self._lock:
+            if self._promotions:  # earlier gets' promotions first: decisions stay in order
+                self._promote_pending(events)
             self._wait_room(len(keys), deadline, queue=False)
             if dst is not None and not direct_ok:
                 self._wait_landed(keys, deadline)
+            where, tiers, landing = self._where, self.tiers, self._landing
             for i, h in enumerate(keys):
-                ti = self._where.get(h)
+                ti = where.get(h)
                 if ti is None:
                     top.stats.misses += 1
                     fail = (i, f"block {h!r} is not stored")
                     break
-                t = self.tiers[ti]
+                t = tiers[ti]
                 slot, crc = t.index[h]
                 assert t.policy is not None
                 t.policy.hit(h)
                 t.stats.hits += 1
-                src = self._src_of((ti, slot))
-                self._pin(src)
+                src = self._src_of((ti, slot)) if landing else (ti, slot)
+                busy = tiers[src[0]].busy  # pinned: not reused while we read it (Tier.pin)
+                busy[src[1]] = busy.get(src[1], 0) + 1
                 pins.append(src)
                 if ti == 0:
                     if src[0] == 0 or dst is None:
@@ -800,19 +833,12 @@ class TieredStore:
                         directs.append((i, h, src, crc, 0, slot))
                         reads.append(-1)
                     continue
-                parent = t.parents.get(h) if isinstance(t, JournaledTier) else None
-                if parent is None:
-                    parent = t.policy.parent_of(h)
-                hslot = self._make_room(0, events)
-                top.index[h] = (hslot, crc)
-                top.policy.inserted(h, parent if parent in top.index else None)
-                self._where[h] = 0
                 if direct_ok and t.persistent and src[0] != 0:
-                    self._enqueue(h, crc, parent, (ti, slot), (0, hslot), later)  # the promotion: after this get
                     directs.append((i, h, src, crc, ti, slot))
+                    promote.append((h, ti, slot, crc))  # decided after this get (_promote_pending)
                     reads.append(-1)
-                    t.stats.promoted += 1
                     continue
+                hslot = self._admit_top(h, t, crc, events)[0]
                 self._landing[(0, hslot)] = src
                 self._pin((0, hslot))
                 pins.append((0, hslot))
@@ -825,15 +851,19 @@ class TieredStore:
         try:
             left = max(0.001, deadline - time.monotonic())
             pending = []
+            digs: dict[int, np.ndarray] = {}  # source tier -> checksums taken in the copy, by dst row
             dgroups: dict[int, tuple[list[int], list[int]]] = {}
+            drows = didx.tolist() if directs else []
             for i, _h, src, _crc, _ti, _slot in directs:
                 g = dgroups.setdefault(src[0], ([], []))
-                g[0].append(int(didx[i]))
+                g[0].append(drows[i])
                 g[1].append(src[1])
             for sti, (dd, ss) in dgroups.items():  # straight into dst, in flight while promotions run
-                st = self.tiers[sti]
-                assert dst is not None and st.plist is not None
-                pending.append(self.agent.read(dst, dd, st.plist, ss))
+                assert dst is not None
+                req, dig = self._read_direct(dst, dd, self.tiers[sti], ss)
+                pending.append(req)
+                if dig is not None:
+                    digs[sti] = dig
             groups: dict[int, list[tuple[int, int]]] = {}
             for _i, _h, src, hslot, _crc, _ti, _slot in promos:
                 groups.setdefault(src[0], []).append((src[1], hslot))
@@ -852,11 +882,9 @@ class TieredStore:
                 r.wait(left)
             if directs:
                 assert dst is not None
-                views = [_view(int(dst.descs.addr[didx[d[0]]]), bb) for d in directs]
-                dsums = self._crcs(views)
-                dbad = [k for k, d in enumerate(directs) if dsums[k] != d[3]]
+                dbad = self._check_direct(dst, drows, directs, digs)
                 for k in dbad:  # corrupt bytes never stay in the destination
-                    views[k][:] = bytes(bb)
+                    _view(int(dst.descs.addr[didx[directs[k][0]]]), bb)[:] = bytes(bb)
             limit = fail[0] if fail is not None else len(keys)
             if bad:
                 limit = min(limit, promos[bad[0]][0])
@@ -865,7 +893,7 @@ class TieredStore:
             if self.verify_host:
                 for i in range(limit):
                     h = keys[i]
-                    if reads[i] >= 0 and self._where.get(h) == 0 and crc32(top.host_view(reads[i])) != \
+                    if reads[i] >= 0 and self._where.get(h) == 0 and block_sum(top.host_view(reads[i])) != \
                             top.index.get(h, (0, None))[1]:
                         limit = i
                         fail = (i, f"block {h!r} failed its checksum and was dropped")
@@ -904,22 +932,14 @@ class TieredStore:
                 if self.events.active:
                     events.append(BlockStored([h], None, top.medium, bb))
             for k in dbad:
-                _i, h, src, crc, ti, slot = directs[k]
-                log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[src[0]].medium)
-                for dti in {ti, src[0], 0}:  # every copy the store would serve it from
-                    dt = self.tiers[dti]
-                    if h in dt.index and dt.index[h][1] == crc:
-                        dt.stats.corrupt += int(dti == src[0])
-                        self._forget(dti, h, dt.index[h][0], events)
-            if self.events.active:
-                dbadset = set(dbad)
-                for k, dr in enumerate(directs):
-                    if dr[4] != 0 and k not in dbadset:
-                        events.append(BlockStored([dr[1]], None, top.medium, bb))
-            for loc in pins:
-                self._unpin(loc)
-            if later:
-                self._jobs.extend(later)
+                _i, h, src, crc, ti, _slot = directs[k]
+                self._drop_corrupt(h, crc, {ti, src[0], 0}, src[0], events)
+            tiers = self.tiers
+            for ti, slot in pins:
+                tiers[ti].unpin(slot)
+            if promote and err is None and self.promote:
+                dbadkeys = {directs[k][1] for k in dbad}
+                self._promotions.extend(p for p in promote if p[0] not in dbadkeys)
                 self._work.notify()
             self._room.notify_all()
         self.events.emit(events)
@@ -931,6 +951,194 @@ class TieredStore:
         if fail is not None:
             raise BlockNotFound(fail[1], done + limit)
         return done + limit
+
+    def _drop_corrupt(self, h: Hashable, crc: int, tiers: Iterable[int], read_from: int, events: list[Event]) -> None:
+        """Block ``h`` read from tier ``read_from`` failed its checksum: drop every copy of it
+        with that checksum in ``tiers`` (lock held)."""
+        log.warning("block %r in %s tier failed its checksum: dropped", h, self.tiers[read_from].medium)
+        for dti in tiers:  # every copy the store would serve it from
+            dt = self.tiers[dti]
+            if h in dt.index and dt.index[h][1] == crc:
+                dt.stats.corrupt += int(dti == read_from)
+                self._forget(dti, h, dt.index[h][0], events)
+
+    def _fetch_disk(self, keys: Sequence[Hashable], dst: kvx.PreparedList, didx: Any, done: int,
+                    deadline: float) -> int | None:
+        """The usual get from disk, with per-batch rather than per-block work: every block of the
+        chunk on the same disk tier, landed there, and ``dst`` local host memory (the caller
+        checked). One read straight into ``dst`` with the checksums taken in the copy; the
+        promotions are queued for later. None (nothing done) when the chunk is not such a case:
+        the general path then serves it."""
+        where = self._where
+        if not keys:
+            return None
+        ti = where.get(keys[0])
+        if not ti:
+            return None
+        t = self.tiers[ti]
+        if not isinstance(t, DiskTier) or t.plist is None:
+            return None
+        with self._lock:
+            if self._promotions or ti != where.get(keys[0]):
+                return None
+            try:
+                locs = [t.index[h] for h in keys]
+            except KeyError:
+                return None
+            if any(where[h] != ti for h in keys):
+                return None  # some are in the host tier too
+            slots = [loc[0] for loc in locs]
+            landing = self._landing
+            if landing and any((ti, s) in landing for s in slots):
+                return None  # some still on their way down
+            policy = t.policy
+            assert policy is not None
+            hit = policy.hit
+            for h in keys:
+                hit(h)
+            t.stats.hits += len(keys)
+            busy = t.busy  # pinned: not reused while we read them (Tier.pin)
+            for s in slots:
+                busy[s] = busy.get(s, 0) + 1
+        n = len(keys)
+        rows = didx.tolist()
+        err: BaseException | None = None
+        bad: list[int] = []
+        try:
+            req, dig = self._read_direct(dst, rows, t, slots)
+            req.wait(max(0.001, deadline - time.monotonic()))
+            want = np.array([loc[1] for loc in locs], dtype=np.uint64)
+            if dig is not None:
+                bad = np.flatnonzero(dig[didx] != want).tolist()
+            else:
+                bb = self.block_bytes
+                addr = dst.descs.addr
+                bad = [k for k, r in enumerate(rows) if block_sum(_view(int(addr[r]), bb)) != locs[k][1]]
+            for k in bad:  # corrupt bytes never stay in the destination
+                _view(int(dst.descs.addr[rows[k]]), self.block_bytes)[:] = bytes(self.block_bytes)
+        except BaseException as exc:
+            err = exc
+        events: list[Event] = []
+        limit = bad[0] if bad else n
+        with self._lock:
+            for s in slots:
+                t.unpin(s)
+            if err is None:
+                self.tiers[0].stats.bytes_out += limit * self.block_bytes
+                for k in bad:
+                    self._drop_corrupt(keys[k], locs[k][1], (ti, 0), ti, events)
+                if self.promote:
+                    badset = set(bad)
+                    self._promotions.extend((h, ti, loc[0], loc[1]) for k, (h, loc) in enumerate(zip(keys, locs))
+                                            if k not in badset)
+                    self._work.notify()
+            self._room.notify_all()
+        self.events.emit(events)
+        if err is not None:
+            raise err
+        if bad:
+            raise BlockNotFound(f"block {keys[bad[0]]!r} failed its checksum and was dropped", done + limit)
+        return done + n
+
+    def _read_direct(self, dst: kvx.PreparedList, rows: list[int], t: Tier, slots: list[int]
+                     ) -> tuple[Any, np.ndarray | None]:
+        """Post one read of ``t``'s ``slots`` into the host ``dst`` rows ``rows``. From a disk
+        tier it goes through a twin of ``dst`` whose posix transfers take the kvx-nh64 checksum of
+        every block in the copy; returns the request and that twin's checksums by ``dst`` row
+        (None: checksum ``dst`` after the read, e.g. an O_DIRECT slab)."""
+        assert t.plist is not None
+        if isinstance(t, DiskTier):
+            tw = self._twin(dst)
+            if tw is not None:
+                try:
+                    return self.agent.read(tw[0], rows, t.plist, slots), tw[1]
+                except BackendUnavailable:  # O_DIRECT: no checksums in the copy
+                    pass
+        return self.agent.read(dst, rows, t.plist, slots), None
+
+    def _twin(self, dst: kvx.PreparedList) -> tuple[kvx.PreparedList, np.ndarray] | None:
+        """A second prepared list over ``dst``'s descriptors with ``keep_digests`` on, and its
+        digest array (cached for a few destinations; only one get runs at a time, so its
+        transfers never move the same rows at once). None if the posix backend cannot."""
+        hit = self._twins.get(id(dst))
+        if hit is not None and hit[0] is dst and hit[1].gens == dst.gens:
+            return hit[1], hit[2]
+        try:
+            twin = self.agent.prepare(dst.descs)
+            dig = self.agent.backend("posix").keep_digests(twin)  # type: ignore[attr-defined]
+        except (KVXError, AttributeError):
+            return None
+        if twin.gens != dst.gens:  # a region of dst was registered anew since dst was prepared
+            return None
+        while len(self._twins) >= 4:
+            self._twins.pop(next(iter(self._twins)))
+        self._twins[id(dst)] = (dst, twin, dig)
+        return twin, dig
+
+    def _check_direct(self, dst: kvx.PreparedList, drows: list[int],
+                      directs: list[tuple[int, Hashable, tuple[int, int], int, int, int]],
+                      digs: dict[int, np.ndarray]) -> list[int]:
+        """Positions in ``directs`` of blocks whose bytes in ``dst`` do not match their checksum:
+        the sums taken in the copy where there are some, otherwise computed over ``dst``."""
+        rows = np.array([drows[d[0]] for d in directs], dtype=np.int64)
+        want = np.array([d[3] for d in directs], dtype=np.uint64)
+        if len(digs) == 1 and len({d[2][0] for d in directs}) == 1:  # the usual case: one tier, sums in the copy
+            return np.flatnonzero(next(iter(digs.values()))[rows] != want).tolist()
+        have = np.empty(len(directs), dtype=np.uint64)
+        src = np.fromiter((d[2][0] for d in directs), dtype=np.int64, count=len(directs))
+        for sti in np.unique(src).tolist():
+            sel = np.flatnonzero(src == sti)
+            dig = digs.get(sti)
+            if dig is not None:
+                have[sel] = dig[rows[sel]]
+            else:
+                bb = self.block_bytes
+                have[sel] = [block_sum(_view(int(dst.descs.addr[r]), bb)) for r in rows[sel].tolist()]
+        return np.flatnonzero(have != want).tolist()
+
+    def _admit_top(self, h: Hashable, t: Tier, crc: int, events: list[Event]) -> tuple[int, Hashable | None]:
+        """Take block ``h`` of lower tier ``t`` into the host tier (room made, policy told); its
+        bytes are not there yet. Returns its host slot and its parent."""
+        top = self.tiers[0]
+        assert t.policy is not None and top.policy is not None
+        parent = t.parents.get(h) if isinstance(t, JournaledTier) else None
+        if parent is None:
+            parent = t.policy.parent_of(h)
+        hslot = self._make_room(0, events)
+        top.index[h] = (hslot, crc)
+        top.policy.inserted(h, parent if parent in top.index else None)
+        self._where[h] = 0
+        return hslot, parent
+
+    def _settle_promotions(self) -> None:
+        events: list[Event] = []
+        with self._lock:
+            self._promote_pending(events)
+        self.events.emit(events)
+
+    def _promote_pending(self, events: list[Event]) -> None:
+        """Promote to the host tier the blocks that earlier gets read straight from a persistent
+        tier (lock held): the same decisions a get made itself before (admission into the host
+        tier, evictions), now off the get's path; the bytes move disk -> host as write-back
+        jobs. A promotion is an optimisation: one whose block moved or left since is skipped,
+        and with no spare slot and nothing in flight to free one, the rest are dropped."""
+        top = self.tiers[0]
+        assert top.policy is not None
+        while self._promotions:
+            if not self._has_room(1, queue=False):
+                if not self._queued():
+                    log.debug("no spare host slot: %d promotions skipped", len(self._promotions))
+                    self._promotions.clear()
+                return
+            h, ti, slot, crc = self._promotions.popleft()
+            t = self.tiers[ti]
+            if self._where.get(h) != ti or t.index.get(h) != (slot, crc):
+                continue  # already in the host tier, moved or gone
+            hslot, parent = self._admit_top(h, t, crc, events)
+            self._enqueue(h, crc, parent, (ti, slot), (0, hslot))
+            t.stats.promoted += 1
+            if self.events.active:
+                events.append(BlockStored([h], None, top.medium, self.block_bytes))
 
     def _hold(self, dst: kvx.PreparedList | None) -> list[Any] | None:
         """References to the objects that own a local host ``dst``'s memory (so a registration
@@ -959,21 +1167,10 @@ class TieredStore:
                 raise TierError("blocks still on their way to the host tier at the end of the timeout")
             self._room.wait(min(left, 1.0))
 
-    def _crcs(self, views: list[memoryview]) -> list[int]:
-        """CRC32 of blocks; with plain zlib, large batches on two threads (it releases the GIL)."""
-        if FAST or len(views) * self.block_bytes < (4 << 20):
-            return [crc32(v) for v in views]
-        if self._crc_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvx-crc")
-        half = (len(views) + 1) // 2
-
-        def part(vs: list[memoryview]) -> list[int]:
-            return [crc32(v) for v in vs]
-
-        fut = self._crc_pool.submit(part, views[half:])
-        return part(views[:half]) + fut.result()
+    @staticmethod
+    def _crcs(views: list[memoryview]) -> list[int]:
+        """Checksums of blocks in memory."""
+        return [block_sum(v) for v in views]
 
     def prefetch(self, hashes: Sequence[Hashable]) -> threading.Thread:
         """Promote the stored prefix of ``hashes`` to the top tier in the background."""
@@ -1057,8 +1254,12 @@ class TieredStore:
 
     # ---------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Occupancy and counters per tier, and the write-back queue."""
+        """Occupancy and counters per tier, and the write-back queue (earlier gets' promotions
+        are decided first, so the counters include them)."""
+        events: list[Event] = []
         with self._lock:
+            if self._promotions:
+                self._promote_pending(events)
             s = StoreStats(lookups=self.stats_.lookups, lookup_blocks=self.stats_.lookup_blocks,
                            lookup_hits=self.stats_.lookup_hits, writeback_queued=len(self._jobs),
                            writeback_active=self._active)
@@ -1067,6 +1268,7 @@ class TieredStore:
                      "pinned": sum(1 for k in self._pins if k in t.index), "held": len(t.deferred)}
                 d.update({k: getattr(t.stats, k) for k in TierStats.__dataclass_fields__})
                 s.tiers.append(d)
+        self.events.emit(events)
         return s
 
     def prometheus(self, prefix: str = "kvx_store") -> str:
@@ -1118,8 +1320,6 @@ class TieredStore:
                 self._work.notify_all()
             for th in self._workers:
                 th.join(timeout=max(1.0, timeout / 4))
-        if self._crc_pool is not None:
-            self._crc_pool.shutdown(wait=True)
         for t in self.tiers:
             try:
                 t.close()

@@ -23,6 +23,7 @@ import kvx
 
 from ..errors import TierError, UsageError
 from ..memory import DescList
+from .checksum import TAG
 from .journal import Journal
 from .policies import EvictionPolicy, make_policy
 
@@ -212,7 +213,8 @@ class JournaledTier(Tier):
 
     def check_meta(self, want: str, files: tuple[str, ...]) -> None:
         """Keep the journal (and ``files``) only if ``tier.meta`` describes the same layout:
-        ``want``'s first word (the block size, and whatever else must match) decides."""
+        ``want``'s first word (the block size, the checksum, and whatever else must match)
+        decides. A tier of the CRC-32 era (no checksum tag) is dropped, never misread."""
         assert self.path is not None
         os.makedirs(self.path, exist_ok=True)
         meta = os.path.join(self.path, "tier.meta")
@@ -222,6 +224,9 @@ class JournaledTier(Tier):
             # another layout: the old index means nothing. Another slot count (capacity or the
             # store's write-back depth changed) keeps it: recovery skips slots beyond the end.
             if have.split()[:1] != want.split()[:1]:
+                log.warning("%s tier %s: written with another layout or checksum (%r, now %r); its blocks are "
+                            "dropped", self.medium.lower(), self.path, " ".join(have.split()[:1]),
+                            " ".join(want.split()[:1]))
                 for name in ("index.log", *files):
                     try:
                         os.unlink(os.path.join(self.path, name))
@@ -350,7 +355,7 @@ class DiskTier(JournaledTier):
         super().__init__(path, nbytes, blocks, fsync)
 
     def region(self, n: int, block_bytes: int) -> Any:
-        self.check_meta(f"{block_bytes} {n}\n", ("slab.bin",))
+        self.check_meta(f"{block_bytes}:{TAG} {n}\n", ("slab.bin",))
         return kvx.FileRegion(os.path.join(self.path, "slab.bin"), n * block_bytes)
 
 
@@ -441,7 +446,7 @@ class ObjectTier(JournaledTier):
     def region(self, n: int, block_bytes: int) -> Any:
         pb = self.pack_blocks
         if self.path is not None:
-            self.check_meta(f"{block_bytes}:{pb}:{self.bucket}:{self.prefix} {n}\n", ())
+            self.check_meta(f"{block_bytes}:{pb}:{self.bucket}:{self.prefix}:{TAG} {n}\n", ())
         return [kvx.ObjectRegion(self.bucket, f"{self.prefix}/pack-{i}", pb * block_bytes) for i in range(n // pb)]
 
     # packs ------------------------------------------------------------------------------
