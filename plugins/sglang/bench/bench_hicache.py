@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory for all stores (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--page-sizes", default="16,64")
-    ap.add_argument("--backends", default="kvx,kvx-full,nixl,file,kvx-direct,nixl-direct",
+    ap.add_argument("--backends", default="kvx,kvx-noprefault,kvx-full,nixl,file,kvx-direct,nixl-direct",
                     help="kvx: every page stays stored, so each set writes slab slots for the first time; "
                          "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
                          "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
