@@ -369,6 +369,8 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     cap, window = 4096 * pb, 64 * pb  # a 64 MiB slab, a 1 MiB window
     off = make(tmp_path / "off", pool, capacity_gb=cap / (1 << 30), prefault_gb=0)
     try:
+        if all(_resident(off.pages.slab_path, 0, cap)):
+            pytest.skip("this file system keeps preallocated files in memory (tmpfs): nothing to prefault")
         assert not all(_resident(off.pages.slab_path, 0, window))
         assert off.pages.prefault_seconds == 0
     finally:
