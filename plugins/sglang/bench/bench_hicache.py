@@ -7,7 +7,10 @@ the zero-copy ``_page_set_zero_copy``/``_page_get_zero_copy`` for kvx (``dynamic
 file backend. Batches of 128 pages (SGLang's ``STORAGE_BATCH_SIZE``), fresh keys every
 round, backends interleaved round by round; every loaded page is compared byte for byte
 outside the timed region. All stores write buffered files under one directory (one
-filesystem); reads therefore come from the page cache for every backend alike.
+filesystem); reads therefore come from the page cache for every backend alike. The time to
+build each backend is reported; kvx's slab prefaults the page cache ahead of its fill (a window
+of PREFAULT_BATCHES batches: at creation, then in a background thread), and that background work
+is let finish outside every timed region and reported per batch.
 
     python bench/bench_hicache.py [--dir DIR] [--rounds N] [--page-sizes 16,64] [--json OUT]
 """
@@ -36,17 +39,39 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 #: Qwen2.5-0.5B's KV geometry (24 layers, 2 KV heads of 64, bf16): 12 KiB per token.
 GEOMETRY = {"layers": 24, "heads": 2, "head_dim": 64}
+#: kvx's prefault window in batches (the slab holds rounds + 1 batches).
+PREFAULT_BATCHES = 4
+
+
+def _slab(backend: Any) -> Any:
+    pages = getattr(backend, "pages", None)
+    return pages if hasattr(pages, "prefault_idle") else None
+
+
+def _prefault_s(backend: Any) -> float:
+    slab = _slab(backend)
+    return float(slab.prefault_seconds) if slab is not None else 0.0
+
+
+def _settle(backend: Any) -> None:
+    """Let a kvx slab's background prefault catch up (outside every timed region)."""
+    slab = _slab(backend)
+    if slab is not None and not slab.prefault_idle(60.0):
+        raise RuntimeError("the slab's prefault did not catch up within 60 s")
 
 
 def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any, Any]:
     """The backend and the controller's (page_set, page_get) functions for it."""
     d = os.path.join(root, f"{name}-{pool.page_size}")
     os.makedirs(d, exist_ok=True)
-    if name in ("kvx", "kvx-full", "kvx-direct"):
+    if name in ("kvx", "kvx-full", "kvx-direct", "kvx-noprefault"):
         if name == "kvx-full":  # a slab of exactly one batch: every set evicts and overwrites slots
             capacity_gb = (STORAGE_BATCH_SIZE + 0.5) * pool.page_size * pool.size_per_token / (1 << 30)
         extra = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
                  "interface_v1": 1, "path": d, "capacity_gb": capacity_gb, "direct_io": name == "kvx-direct"}
+        # the prefault window: a few batches, less than the slab, so the background top-up is measured too
+        extra["prefault_gb"] = 0 if name == "kvx-noprefault" else (
+            PREFAULT_BATCHES * STORAGE_BATCH_SIZE * pool.page_size * pool.size_per_token / (1 << 30))
         b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
         fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
     elif name in ("nixl", "nixl-direct"):
@@ -77,16 +102,24 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
     want = [page_bytes(pool, p) for p in src]
     op = SimpleNamespace(request_id="bench", is_terminated=lambda: False)
     cap = (rounds + 1) * n * pb / (1 << 30)  # every round's pages stay stored, as in the other stores
-    backends = {nm: build(nm, root, pool, cap) for nm in names}
+    backends = {}
+    created: dict[str, float] = {}
+    for nm in names:  # the time to build each backend (files, registration, index) is reported too
+        t0 = time.perf_counter()
+        backends[nm] = build(nm, root, pool, cap)
+        created[nm] = time.perf_counter() - t0
+    pf0 = {nm: _prefault_s(b[0]) for nm, b in backends.items()}  # populated at creation
     times: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
     for r in range(rounds + 1):  # round 0 warms up (first files, first transfers) and is not counted
         order = names[r % len(names):] + names[: r % len(names)]
         for nm in order:
             _b, ctl, (pset, pget) = backends[nm]
             keys = [f"{page_size:04x}{r:08x}{i:052x}" for i in range(n)]
+            _settle(_b)
             t0 = time.perf_counter()
             ok = pset(ctl, keys, src_idx)
             t1 = time.perf_counter()
+            _settle(_b)  # kvx's background prefault runs here, not during another backend's timing
             assert ok, f"{nm}: batch set failed"
             pool.kv_buffer[:, n * page_size:].zero_()
             t2 = time.perf_counter()
@@ -97,12 +130,14 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
             if r:
                 times[nm]["set"].append(t1 - t0)
                 times[nm]["get"].append(t3 - t2)
+    prefault = {nm: (pf0[nm], _prefault_s(b[0]) - pf0[nm]) for nm, b in backends.items()}
     for b, _c, _f in backends.values():
         if hasattr(b, "close"):
             b.close()
     out: dict[str, Any] = {"page_size": page_size, "page_bytes": pb, "batch": n, "backends": {}}
     for nm in names:
-        row = {}
+        row: dict[str, Any] = {"create_s": created[nm], "prefault_create_s": prefault[nm][0],
+                               "prefault_background_s_per_batch": prefault[nm][1] / (rounds + 1)}
         for opn in ("set", "get"):
             for stat, f in (("median", statistics.median), ("best", min)):
                 t = f(times[nm][opn])
@@ -116,11 +151,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory for all stores (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--page-sizes", default="16,64")
-    ap.add_argument("--backends", default="kvx,kvx-full,nixl,file,kvx-direct,nixl-direct",
+    ap.add_argument("--backends", default="kvx,kvx-noprefault,kvx-full,nixl,file,kvx-direct,nixl-direct",
                     help="kvx: every page stays stored, so each set writes slab slots for the first time; "
                          "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
                          "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
-                         "default for HiCacheNixl)")
+                         "default for HiCacheNixl); kvx-noprefault: kvx without the page-cache prefault ahead of the "
+                         "slab's fill (prefault_gb 0)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -151,6 +187,16 @@ def main() -> None:
                 line += "".join(f" {rows[k][opn]['pages_per_s'] / rows[r][opn]['pages_per_s']:>13.2f}x"
                                 for k, r in pairs)
                 print(line)
+    for res in results:
+        print(f"## time to build each backend (page {res['page_size']}; kvx: of which prefault): "
+              + ", ".join(f"{nm} {1e3 * row['create_s']:.0f} ms"
+                          + (f" ({1e3 * row['prefault_create_s']:.0f})" if row["prefault_create_s"] else "")
+                          for nm, row in res["backends"].items()))
+        bg = {nm: row["prefault_background_s_per_batch"] for nm, row in res["backends"].items()
+              if row["prefault_background_s_per_batch"] or row["prefault_create_s"]}
+        if bg:
+            print(f"## background prefault per batch, outside the timed sets (page {res['page_size']}): "
+                  + ", ".join(f"{nm} {1e3 * v:.1f} ms" for nm, v in bg.items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
                          "enable_metadata_cache", "metadata_ttl"})
 STORES = ("file", "tiered")
+#: Number settings that may be 0 (off).
+_ZERO_OK = frozenset({"prefault_gb"})
 _GB = 1 << 30
 
 
@@ -43,6 +45,15 @@ class HiCacheKVXConfig:
         on a busy host is most of a batch's wait (a copy out of the page cache runs at memory
         speed on one thread already). The batch is then bounded by the kernel's I/O, not by
         ``timeout_s``; false restores the threads (and the bound). O_DIRECT always uses them.
+    prefault_gb
+        Page cache kept ready ahead of the slab's fill (``store="file"``, buffered): the next
+        never-written slots are read into the page cache as zeros (``MADV_POPULATE_READ`` over a
+        mapping of the slab: clean pages, no disk I/O) -- this much at creation, then topped up
+        by a background thread as sets use slots up. A set then copies into pages that exist
+        instead of allocating and zero-filling them on its own path. Costs: up to this much page
+        cache (clean, so the kernel reclaims it freely under pressure; a reclaimed slot is then
+        written the ordinary way), the creation time of that populate, and the background
+        thread's time. 0 turns it off.
     timeout_s
         Bound on one batch transfer.
     policy
@@ -56,6 +67,7 @@ class HiCacheKVXConfig:
     direct_io: bool = False
     inline: bool = True
     timeout_s: float = 60.0
+    prefault_gb: float = 1.0
     host_gb: float = 4.0
     disk_path: str | None = None
     disk_gb: float = 64.0
@@ -81,8 +93,11 @@ class HiCacheKVXConfig:
             want = {"store": str, "path": str, "disk_path": str, "s3_bucket": str, "policy": str,
                     "fsync": bool, "direct_io": bool, "inline": bool}.get(k, float)
             if want is float:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                    raise UsageError(f"kvx HiCache setting {k!r} must be a positive number, not {v!r}")
+                zero_ok = k in _ZERO_OK
+                if (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if zero_ok else v > 0)
+                        or v == float("inf")):
+                    kind = "a number >= 0" if zero_ok else "a positive number"
+                    raise UsageError(f"kvx HiCache setting {k!r} must be {kind}, not {v!r}")
                 v = float(v)
             elif not isinstance(v, want):
                 raise UsageError(f"kvx HiCache setting {k!r} must be a {want.__name__}, not {v!r}")

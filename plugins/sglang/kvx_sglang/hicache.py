@@ -211,7 +211,8 @@ class HiCacheKVX(HiCacheStorage):
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
                                        writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
-                                       chunks=1 if view.fused else SlabStore.CHUNKS)
+                                       chunks=1 if view.fused else SlabStore.CHUNKS,
+                                       prefault=0 if self.cfg.direct_io else self.cfg.bytes_of(self.cfg.prefault_gb))
             except BaseException:
                 self.agent.close()
                 self.agent = None

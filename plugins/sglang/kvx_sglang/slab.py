@@ -12,13 +12,21 @@ when read and is a miss, never returned. Readers that do not write (MLA ranks ot
 writer) follow the writer's journal.
 
 Eviction is least-recently-used over whole pages when the slab is full.
+
+Prefault: a first write into a slot allocates its page-cache pages on the set's own path (through
+the mapping: readahead allocates folios and zero-fills them, then the copy fills them again).
+With ``prefault`` bytes, the slots next in line for a first write are read into the page cache
+ahead of time (``MADV_POPULATE_READ`` over a mapping of the slab: zero pages, clean, no disk I/O),
+at creation and then by a background thread that stays that far ahead of the fill.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 MAX_KEY = 1024
 _PUT, _DEL = 0, 1
 _FORMAT = 2  # 2: kvx-nh64 page checksums (1: xxh3)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 class SlabStore:
@@ -62,14 +71,20 @@ class SlabStore:
     chunks
         A get is read and verified in this many transfers (checksumming in Python then
         overlaps the reading); 1 where the copy takes the checksums.
+    prefault
+        Bytes of page cache kept populated ahead of the first never-written slot (0: none);
+        the first window is populated before the constructor returns.
     """
+
+    #: Bytes populated per madvise call of the prefault thread (a stop request waits at most one).
+    PREFAULT_STEP = 8 << 20
 
     #: Transfers per get when the checksums are taken in Python.
     CHUNKS = 4
 
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
-                 fsync: bool = False, chunks: int = CHUNKS) -> None:
+                 fsync: bool = False, chunks: int = CHUNKS, prefault: int = 0) -> None:
         if capacity <= 0:
             raise UsageError("slab capacity must be at least one page")
         self.agent = agent
@@ -119,6 +134,19 @@ class SlabStore:
             self._compact()
         used = {s for s, _ in self._index.values()}
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+        # slots from _fresh on were never handed out since the slab was opened (the free list
+        # hands out the lowest first); the prefault keeps [_fresh, _fresh + window) in the cache
+        self._fresh = max(used) + 1 if used else 0
+        self._pf_window = min(int(prefault), self.capacity * geom.page_bytes) if writer else 0
+        self._pf_done = 0  # bytes of the slab populated from its start
+        self._pf_seconds = 0.0
+        self._pf_busy = False
+        self._pf_stop = False
+        self._pf_cv = threading.Condition(threading.Lock())
+        self._pf_map: mmap.mmap | None = None
+        self._pf_thread: threading.Thread | None = None
+        if self._pf_window > 0:
+            self._start_prefault()
 
     # ------------------------------------------------------------------------------------
     def _replay(self) -> None:
@@ -190,6 +218,80 @@ class SlabStore:
             os.fdatasync(self._log.fileno())
 
     # ------------------------------------------------------------------------------------
+    def _start_prefault(self) -> None:
+        size = self.capacity * self.geom.page_bytes
+        try:
+            fd = os.open(self.slab_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._pf_map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            log.warning("slab %s: no prefault (cannot map it: %s)", self.slab_path, exc)
+            return
+        self._pf_done = self._fresh * self.geom.page_bytes
+        if not self._prefault_to(self._pf_done + self._pf_window):
+            return
+        self._pf_thread = threading.Thread(target=self._prefault_loop, name="kvx-slab-prefault", daemon=True)
+        self._pf_thread.start()
+
+    def _prefault_to(self, want: int) -> bool:
+        """Populate the slab's page cache from ``_pf_done`` up to ``want`` bytes; False when the
+        kernel cannot (no MADV_POPULATE_READ: the prefault is turned off) or a stop was asked."""
+        m = self._pf_map
+        want = min(want, self.capacity * self.geom.page_bytes)  # (the first call's target)
+        step = self.PREFAULT_STEP
+        while m is not None and self._pf_done < want:
+            if self._pf_stop:
+                return False
+            a = self._pf_done - self._pf_done % mmap.PAGESIZE
+            n = min(step, want - a)
+            t0 = time.perf_counter()
+            try:
+                m.madvise(_MADV_POPULATE_READ, a, n)
+            except OSError as exc:
+                # EINVAL: a kernel before 5.14; anything else (EFAULT: the file was cut short, ENOMEM)
+                log.warning("slab %s: prefault stopped (%s); first writes allocate their pages themselves",
+                            self.slab_path, exc)
+                self._pf_window = 0
+                return False
+            self._pf_seconds += time.perf_counter() - t0
+            self._pf_done = a + n
+        return True
+
+    def _pf_target(self) -> int:
+        """Bytes from the slab's start that the prefault keeps populated."""
+        pb = self.geom.page_bytes
+        return min(self._fresh * pb + self._pf_window, self.capacity * pb)
+
+    def _prefault_loop(self) -> None:
+        while True:
+            with self._pf_cv:
+                self._pf_busy = False
+                self._pf_cv.notify_all()
+                self._pf_cv.wait_for(lambda: self._pf_stop or self._pf_done < self._pf_target())
+                if self._pf_stop:
+                    return
+                self._pf_busy = True
+                want = self._pf_target()
+            if not self._prefault_to(want):
+                with self._pf_cv:
+                    self._pf_busy = False
+                    self._pf_cv.notify_all()
+                return
+
+    def prefault_idle(self, timeout: float) -> bool:
+        """Wait until the prefault thread has caught up (True), at most ``timeout`` seconds."""
+        with self._pf_cv:
+            return self._pf_cv.wait_for(
+                lambda: self._pf_thread is None or self._pf_window == 0 or not self._pf_thread.is_alive()
+                or (not self._pf_busy and self._pf_done >= self._pf_target()), timeout)
+
+    @property
+    def prefault_seconds(self) -> float:
+        """Time spent populating the page cache so far (at creation and in the background)."""
+        return self._pf_seconds
+
     def prefix(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` stored."""
         with self._lock:
@@ -237,6 +339,8 @@ class SlabStore:
                     self._free.append(slot)
                 slots.append(self._free.pop())
                 new_i.append(i)
+            if slots and max(slots) >= self._fresh:
+                self._fresh = max(slots) + 1  # the prefault thread is woken once the batch is written
         ok = [k in self._index for k in keys]
         if not new_i:
             return ok
@@ -250,6 +354,10 @@ class SlabStore:
             with self._lock:
                 self._free.extend(slots)
             raise
+        finally:
+            if self._pf_thread is not None:  # top the window up now, not while this batch was copied
+                with self._pf_cv:
+                    self._pf_cv.notify_all()
         with self._lock:
             recs = []
             for i, slot, c in zip(new_i, slots, sums.tolist()):
@@ -329,6 +437,16 @@ class SlabStore:
             self._compact()  # an empty journal in a new file: readers start over too
 
     def close(self) -> None:
+        t = self._pf_thread
+        if t is not None:
+            with self._pf_cv:
+                self._pf_stop = True
+                self._pf_cv.notify_all()
+            t.join(self.timeout)  # it stops after at most one madvise step
+            self._pf_thread = None
+        if self._pf_map is not None and (t is None or not t.is_alive()):
+            self._pf_map.close()
+            self._pf_map = None
         with self._lock:
             if self._log is not None:
                 self._log.close()
