@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     """JSON-lines agent: ``register {nbytes, seed}`` -> ``{id, descs}``; ``publish``;
     ``connect {peer}`` (etcd lookup + add_peer); ``start {op, id, peer, descs, bs, repeat}``
     (transfers in the background); ``result`` -> ``{status, err, t_end, done}``;
-    ``digest {id}``; ``removed {peer, within}``; ``quit``."""
+    ``digest {id}``; ``census`` -> ``{threads, fds, slots}``; ``removed {peer, within}``; ``quit``."""
     import kvx
     from kvx.discovery import EtcdDiscovery
 
@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             elif cmd == "digest":
                 data = memoryview(regs[int(c["id"])][1])  # type: ignore[arg-type]
                 say({"digest": hashlib.blake2b(data, digest_size=16).hexdigest()})
+            elif cmd == "census":  # what a leak check counts: threads, open fds, staging slots
+                from kvx.backends.tcp.staging import live_slots
+
+                say({"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                     "slots": live_slots()})
             elif cmd == "removed":
                 say({"removed": disc.wait_removed(c["peer"], float(c["within"]))})
             elif cmd == "quit":

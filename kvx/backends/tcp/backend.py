@@ -359,7 +359,7 @@ class TcpBackend(_Target, Backend):
                     finally:
                         st.send_lock.release()
                     return req
-        conn.put(chunks)
+        conn.put_chunks(chunks)
         return req
 
     def _small(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any

@@ -194,7 +194,7 @@ class _Stream:
                 self._stage(ch)
             if ch.op is Op.WRITE:
                 if self.ahead is None:
-                    nxt = self.conn.take_staged_write()
+                    nxt = self.conn.take_staged_write(self.idx)
                     if nxt is not None:
                         try:
                             self._stage(nxt)
@@ -219,7 +219,7 @@ class _Stream:
         item: Any = None
         try:
             while True:
-                item, self.ahead = (self.ahead, None) if self.ahead is not None else (conn.take(), None)
+                item, self.ahead = (self.ahead, None) if self.ahead is not None else (conn.take(self.idx), None)
                 if item is None or conn.dead:
                     return
                 try:
@@ -524,7 +524,10 @@ class _PeerConn:
         self.stage_host = False
         self.dead = False
         self.error: BaseException | None = None
+        #: control frames, notifications, and data chunks when there is one stream
         self._q: collections.deque[Any] = collections.deque()
+        #: each stream's own data chunks (``put_chunks`` spreads a transfer over the streams)
+        self._sq: list[collections.deque[Any]] = []
         self._cv = threading.Condition()
         self._rid = 0
         self._rlock = threading.Lock()
@@ -550,21 +553,51 @@ class _PeerConn:
         except PeerDisconnected:
             log.warning("notification to %s lost: the peer is disconnected", self.name)
 
-    def take(self) -> Any:
+    def _own(self, idx: int) -> "collections.deque[Any]":
+        """Stream ``idx``'s chunk queue (caller holds ``_cv``)."""
+        while len(self._sq) <= idx:
+            self._sq.append(collections.deque())
+        return self._sq[idx]
+
+    def put_chunks(self, chunks: list[Any]) -> None:
+        """Queue a transfer's chunks, each on the stream with the fewest chunks queued or
+        unanswered. Not one shared queue: a read's request frames take microseconds to send, so
+        whichever sender thread is awake would take them all and the whole read would come back
+        on one connection (writes balanced themselves only because sending a payload keeps a
+        sender busy)."""
+        n = len(self.streams)
+        if n <= 1:
+            self.put(chunks)
+            return
         with self._cv:
-            while not self._q and not self.dead:
+            if self.dead:
+                raise PeerDisconnected(f"peer {self.name!r} is disconnected: {self.error}")
+            qs = [self._own(i) for i in range(n)]
+            load = [len(qs[i]) + len(self.streams[i].pending) for i in range(n)]
+            for ch in chunks:
+                i = load.index(min(load))
+                qs[i].append(ch)
+                load[i] += 1
+            self._cv.notify_all()
+
+    def take(self, idx: int = 0) -> Any:
+        """The next item for stream ``idx``: a shared one (control frames first), else its own."""
+        with self._cv:
+            own = self._own(idx)
+            while not self._q and not own and not self.dead:
                 self._cv.wait()
             if self.dead:
                 return None
-            return self._q.popleft()
+            return self._q.popleft() if self._q else own.popleft()
 
-    def take_staged_write(self) -> "_Chunk | None":
-        """The next queued item if it is a staged write not yet staged (without waiting)."""
+    def take_staged_write(self, idx: int = 0) -> "_Chunk | None":
+        """Stream ``idx``'s next item if it is a staged write not yet staged (without waiting)."""
         with self._cv:
-            if self._q and not self.dead:
-                it = self._q[0]
+            q = self._q if self._q else self._own(idx)
+            if q and not self.dead:
+                it = q[0]
                 if isinstance(it, _Chunk) and it.copier is not None and it.op is Op.WRITE and it.slot is None:
-                    return self._q.popleft()  # type: ignore[no-any-return]
+                    return q.popleft()  # type: ignore[no-any-return]
         return None
 
     def control(self, t: str, timeout: float, **fields: Any) -> dict[str, Any]:
@@ -588,6 +621,9 @@ class _PeerConn:
             self.error = err
             queued = list(self._q)
             self._q.clear()
+            for q in self._sq:
+                queued += list(q)
+                q.clear()
             self._cv.notify_all()
         log.info("tcp peer %s failed: %s", self.name, err)
         for s in self.streams:

@@ -332,6 +332,22 @@ def cuda_copier() -> CudaCopier:
         return _CUDA[0]
 
 
+_live_lock = threading.Lock()
+_live = 0
+
+
+def live_slots() -> int:
+    """Staging slots allocated by every :class:`SlotRing` of this process and not freed yet (a
+    slot stays counted when its ring closes with a copy still running on it: it is leaked)."""
+    return _live
+
+
+def _count(k: int) -> None:
+    global _live
+    with _live_lock:
+        _live += k
+
+
 class SlotRing:
     """A connection's staging slots: at most ``count`` of ``size`` bytes, allocated on demand."""
 
@@ -355,6 +371,7 @@ class SlotRing:
                     return self._free.pop()
                 if len(self._all) < self.count:
                     s = self.copier.alloc(self.size)
+                    _count(1)
                     self._all.append(s)
                     return s
                 left = deadline - time.monotonic()
@@ -382,6 +399,7 @@ class SlotRing:
                 log.error("tcp: a staging copy did not finish; leaking its %d-byte slot", s.size)
                 continue
             self.copier.free(s)
+            _count(-1)
 
     @property
     def allocated(self) -> int:
