@@ -10,6 +10,11 @@
  *   every operation before it completed remotely. The transfer is done when the flush is; a
  *   notification attached to it is sent (active message) from the flush callback, i.e. after
  *   the data landed.
+ * - post_am() carries a HOST transfer as batched active messages (AM ids 1-4): write batches
+ *   with the source blocks as an IOV payload, read requests answered with the blocks' bytes; the
+ *   target validates every entry (cookie of an authenticated peer, live registration of the
+ *   stated generation, bounds, no overlapping destinations, payload length) before it copies a
+ *   byte, and answers each batch; the transfer is done when every batch is answered.
  * - Progress: a thread that runs ucp_worker_progress under the worker lock, arms the worker
  *   (ucp_worker_arm) and sleeps in epoll on the worker's event fd plus an eventfd for wakeups:
  *   no busy core when idle.

@@ -15,6 +15,11 @@ Design (see ``docs/networking.md``):
   the transfer's completion. :data:`UCX_DEFAULTS` (``RNDV_THRESH=inf``, as NIXL sets it) makes
   UCX put over ``tcp`` with the transport's own put instead of software emulation. A
   :class:`_UcxRoute` holds what one list pair needs (the agent keeps it per pair).
+- **Batched active messages.** Where UCX has no one-sided transport (tcp, its shared-memory
+  FIFOs) it would emulate each put/get with an active message; there HOST-to-HOST transfers
+  go as a few large active messages instead (:attr:`UcxOptions.batch`), posted in the same one
+  native call; the target checks every block against its registrations and the sender's
+  cookie from the authenticated handshake, then lands or serves it (``docs/networking.md``).
 - **Control channel.** UCX active messages carry a small msgpack protocol: ``hello`` /
   ``challenge`` / ``auth`` / ``welcome`` (the HMAC handshake of :mod:`kvx.auth`, so the target
   knows who its peers are and has an endpoint back to each), then *sealed* messages: each
