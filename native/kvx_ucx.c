@@ -10,6 +10,11 @@
  *   every operation before it completed remotely. The transfer is done when the flush is; a
  *   notification attached to it is sent (active message) from the flush callback, i.e. after
  *   the data landed.
+ * - post_am() carries a HOST transfer as batched active messages (AM ids 1-4): write batches
+ *   with the source blocks as an IOV payload, read requests answered with the blocks' bytes; the
+ *   target validates every entry (cookie of an authenticated peer, live registration of the
+ *   stated generation, bounds, no overlapping destinations, payload length) before it copies a
+ *   byte, and answers each batch; the transfer is done when every batch is answered.
  * - Progress: a thread that runs ucp_worker_progress under the worker lock, arms the worker
  *   (ucp_worker_arm) and sleeps in epoll on the worker's event fd plus an eventfd for wakeups:
  *   no busy core when idle.
@@ -44,6 +49,15 @@
 #define AM_MAX (16 << 20) /* largest control message accepted */
 #define AM_QMAX 65536    /* most queued, undrained messages */
 #define WAIT_SPIN_S 50e-6 /* how long a waiter progresses the worker itself */
+/* batched active-message transfers (transports without real RMA: tcp, shared-memory mm) */
+#define AM_WREQ 1        /* write batch: header am_hdr + entries, payload the blocks' bytes */
+#define AM_ACK 2         /* a batch's answer: am_ack (data) */
+#define AM_RREQ 3        /* read batch request: header am_hdr + entries, no payload */
+#define AM_RDATA 4       /* a read batch's answer: header am_ack, payload the blocks' bytes */
+#define NREG (1 << 16)   /* registration slots (kvx._slots.MAX_SLOTS) */
+#define AM_BATCH_MAX (64 << 20) /* the most bytes one batch may carry (a target refuses more) */
+#define AM_ENT_MAX 65536 /* the most entries one batch may list */
+#define MAX_COOKIES 4096
 
 static PyObject *UcxError;
 
@@ -91,7 +105,23 @@ typedef struct xfer {
     struct kworker *w;
     char *notif;         /* sent when the flush completes */
     size_t notif_len;
+    /* batched active messages (am=1): done when every batch is acknowledged */
+    int am;
+    int rd;              /* a read: batches land in the local blocks below */
+    uint64_t xid;
+    uint32_t nbatch, left;
+    uint8_t *bdone;      /* per batch: answered */
+    uint32_t *bstart;    /* read: first entry of each batch (nbatch + 1) */
+    uint64_t *bbytes;    /* read: bytes of each batch */
+    uint64_t *laddr, *llen; /* read: local destination per entry */
+    uint32_t *lslot, *lgen;
+    struct xfer *anext, *aprev; /* the worker's in-flight list */
 } xfer;
+
+typedef struct { uint64_t addr, len; uint32_t slot, gen; } am_ent; /* one remote block */
+typedef struct { uint64_t cookie, xid; uint32_t batch, n; } am_hdr;
+typedef struct { uint64_t xid; uint32_t batch; int32_t status; } am_ack;
+typedef struct { uint64_t base, len; uint32_t gen; int live; } kreg;
 
 typedef struct kworker {
     PyObject_HEAD
@@ -111,6 +141,14 @@ typedef struct kworker {
     long qlen;
     long dropped;
     int is_open;
+    kreg *regs;           /* this agent's HOST registrations, for batched AM validation */
+    uint64_t cookies[MAX_COOKIES]; /* authenticated peers' batch cookies (0: free) */
+    int cookie_ep[MAX_COOKIES];    /* the endpoint back to each (answers go there) */
+    xfer *ahead;          /* batched AM transfers in flight */
+    uint64_t next_xid;
+    size_t max_hdr;       /* UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER */
+    long refused;         /* batches refused (validation) */
+    long batches;         /* batches sent */
 } kworker;
 
 typedef struct {
@@ -144,6 +182,8 @@ static void wake(kworker *w) {
 static void xfer_unref(xfer *x) {
     if (--x->refs == 0) {
         free(x->notif);
+        free(x->bdone); free(x->bstart); free(x->bbytes);
+        free(x->laddr); free(x->llen); free(x->lslot); free(x->lgen);
         free(x);
     }
 }
@@ -173,10 +213,25 @@ static ucs_status_t am_send_locked(kworker *w, kep *e, const void *data, size_t 
     return UCS_OK;
 }
 
+static void am_unlink(xfer *x);
+
 static void finish(xfer *x, ucs_status_t st) {
     if (x->done) return;
     x->done = 1;
     x->status = st;
+    if (x->am) am_unlink(x); /* drops the in-flight list's reference last */
+    if (x->am && st == UCS_OK && x->notif) {
+        ucs_status_t s2 = am_send_locked(x->w, x->ep, x->notif, x->notif_len);
+        if (s2 != UCS_OK) x->status = s2;
+        pthread_cond_broadcast(&x->w->cv);
+        xfer_unref(x);
+        return;
+    }
+    if (x->am) {
+        pthread_cond_broadcast(&x->w->cv);
+        xfer_unref(x);
+        return;
+    }
     if (st == UCS_OK && x->notif) {
         ucs_status_t s2 = am_send_locked(x->w, x->ep, x->notif, x->notif_len);
         if (s2 != UCS_OK) x->status = s2;
@@ -235,6 +290,13 @@ static int reap_failed(kworker *w) {
             while (ucp_request_check_status(r) == UCS_INPROGRESS && now_s() < until) ucp_worker_progress(w->worker);
             ucp_request_free(r);
         }
+    }
+    /* batched AM transfers on a failed or closed endpoint will get no answer */
+    for (xfer *x = w->ahead, *nx; x; x = nx) {
+        nx = x->anext;
+        kep *e = x->ep;
+        if (e->failed || e->closed) finish(x, e->status != UCS_OK ? e->status : UCS_ERR_CONNECTION_RESET);
+        else busy = 1;
     }
     return busy;
 }
@@ -312,6 +374,197 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t hlen, void *data
     return UCS_OK;
 }
 
+/* ---- batched active messages (under lk: handlers run inside ucp_worker_progress) ---------- */
+static void am_unlink(xfer *x) {
+    kworker *w = x->w;
+    if (x->aprev) x->aprev->anext = x->anext; else if (w->ahead == x) w->ahead = x->anext;
+    if (x->anext) x->anext->aprev = x->aprev;
+    x->anext = x->aprev = NULL;
+    x->ep->pending--;
+    x->ep->last = now_s();
+}
+
+/* the endpoint back to the authenticated peer holding cookie ``c``, or NULL */
+static kep *cookie_ep(kworker *w, uint64_t c) {
+    if (c == 0) return NULL;
+    for (int i = 0; i < MAX_COOKIES; i++) {
+        if (w->cookies[i] != c) continue;
+        kep *e = w->eps[w->cookie_ep[i]];
+        return e && !e->failed && !e->closed ? e : NULL;
+    }
+    return NULL;
+}
+
+static int cmp_ent(const void *a, const void *b) {
+    uint64_t x = ((const am_ent *)a)->addr, y = ((const am_ent *)b)->addr;
+    return x < y ? -1 : x > y;
+}
+
+/*
+ * Validate a batch header from a peer against this agent's registrations: the cookie of an
+ * authenticated peer, the header's size matching its entry count, every entry inside a live HOST
+ * registration of the stated generation, the lengths summing to ``*total`` without overflow and
+ * at most AM_BATCH_MAX, and (writes) no two destinations overlapping. 0 or a refusal code.
+ */
+static int am_check(kworker *w, const void *header, size_t hlen, int write, am_hdr *h, am_ent **ents,
+                    uint64_t *total, kep **back) {
+    *ents = NULL;
+    *back = NULL;
+    if (!header || hlen < sizeof(am_hdr)) return 1;
+    memcpy(h, header, sizeof(am_hdr));
+    if (h->n == 0 || h->n > AM_ENT_MAX || (hlen - sizeof(am_hdr)) % sizeof(am_ent) != 0 ||
+        (hlen - sizeof(am_hdr)) / sizeof(am_ent) != h->n) return 2;
+    if (!(*back = cookie_ep(w, h->cookie))) return 3;
+    am_ent *e = malloc(sizeof(am_ent) * h->n * (write ? 2 : 1)); /* aligned copy (+ one to sort) */
+    if (!e) return 9;
+    memcpy(e, (const char *)header + sizeof(am_hdr), sizeof(am_ent) * h->n);
+    uint64_t sum = 0;
+    int bad = 0;
+    for (uint32_t i = 0; i < h->n && !bad; i++) {
+        const am_ent *q = &e[i];
+        const kreg *r = q->slot < NREG ? &w->regs[q->slot] : NULL;
+        if (!r) bad = 5;
+        else if (!r->live || r->gen != q->gen) bad = 6;
+        else if (q->len == 0 || q->addr < r->base || q->len > r->len || q->addr - r->base > r->len - q->len) bad = 7;
+        else if (q->len > AM_BATCH_MAX || sum > AM_BATCH_MAX - q->len) bad = 8;
+        else sum += q->len;
+    }
+    if (!bad && write && h->n > 1) {
+        am_ent *c = e + h->n;
+        memcpy(c, e, sizeof(am_ent) * h->n);
+        qsort(c, h->n, sizeof(am_ent), cmp_ent);
+        for (uint32_t i = 1; i < h->n && !bad; i++) if (c[i - 1].addr + c[i - 1].len > c[i].addr) bad = 10;
+    }
+    if (bad) { free(e); return bad; }
+    *ents = e;
+    *total = sum;
+    return 0;
+}
+
+static void am_raw_cb(void *req, ucs_status_t st, void *user) {
+    (void)st;
+    free(user);
+    ucp_request_free(req);
+}
+
+/* send buf[0:hlen] as the header and buf[hlen:hlen+len] as the payload (eager), then free buf */
+static void am_send_buf(ucp_ep_h ep, unsigned id, char *buf, size_t hlen, size_t len) {
+    ucp_request_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = am_raw_cb;
+    prm.user_data = buf;
+    prm.op_attr_mask |= UCP_OP_ATTR_FLAG_MULTI_SEND; /* zero-copy up to the transport's segment */
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, buf, hlen, buf + hlen, len, &prm);
+    if (!UCS_PTR_IS_PTR(r)) free(buf);
+}
+
+/* target: a write batch; validate, land every block, acknowledge */
+static ucs_status_t wreq_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param) {
+    kworker *w = arg;
+    am_hdr h = {0};
+    am_ent *e = NULL;
+    uint64_t total = 0;
+    kep *back;
+    int bad = am_check(w, header, hlen, 1, &h, &e, &total, &back);
+    if (!bad && (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) bad = 11; /* only eager is sent */
+    if (!bad && total != len) bad = 12; /* truncated or padded */
+    if (!bad) {
+        const char *p = data;
+        for (uint32_t i = 0; i < h.n; i++) {
+            memcpy((void *)(uintptr_t)e[i].addr, p, e[i].len);
+            p += e[i].len;
+        }
+    } else {
+        w->refused++;
+    }
+    free(e);
+    if (back) { /* an unknown cookie gets no answer: nobody to send it to */
+        am_ack a = {.xid = h.xid, .batch = h.batch, .status = bad};
+        char *buf = malloc(sizeof(a));
+        if (buf) { memcpy(buf, &a, sizeof(a)); am_send_buf(back->ep, AM_ACK, buf, sizeof(a), 0); }
+    }
+    return UCS_OK;
+}
+
+/* target: a read batch request; validate, answer with the blocks' bytes (or a refusal) */
+static ucs_status_t rreq_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param) {
+    kworker *w = arg;
+    (void)data;
+    am_hdr h = {0};
+    am_ent *e = NULL;
+    uint64_t total = 0;
+    kep *back;
+    int bad = am_check(w, header, hlen, 0, &h, &e, &total, &back);
+    if (!bad && len != 0) bad = 12;
+    if (!back) { w->refused++; free(e); return UCS_OK; }
+    am_ack a = {.xid = h.xid, .batch = h.batch, .status = bad};
+    char *buf = malloc(sizeof(am_ack) + (bad ? 0 : total));
+    if (!buf) { free(e); return UCS_OK; } /* the initiator's bound fails the transfer */
+    if (!bad) {
+        char *p = buf + sizeof(am_ack);
+        for (uint32_t i = 0; i < h.n; i++) {
+            memcpy(p, (const void *)(uintptr_t)e[i].addr, e[i].len);
+            p += e[i].len;
+        }
+    } else {
+        w->refused++;
+    }
+    memcpy(buf, &a, sizeof(a));
+    am_send_buf(back->ep, AM_RDATA, buf, sizeof(am_ack), bad ? 0 : total);
+    free(e);
+    return UCS_OK;
+}
+
+static xfer *am_find(kworker *w, uint64_t xid) {
+    for (xfer *x = w->ahead; x; x = x->anext) if (x->xid == xid) return x;
+    return NULL;
+}
+
+/* initiator: a batch's answer (ACK for writes, RDATA for reads) */
+static ucs_status_t answer_cb(kworker *w, int rd, const void *header, size_t hlen, const void *data, size_t len,
+                              const ucp_am_recv_param_t *param) {
+    am_ack a;
+    if (hlen != sizeof(am_ack) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) { w->dropped++; return UCS_OK; }
+    memcpy(&a, header, sizeof(a));
+    xfer *x = am_find(w, a.xid);
+    if (!x || x->rd != rd || a.batch >= x->nbatch || x->bdone[a.batch]) { w->dropped++; return UCS_OK; }
+    x->ep->last = now_s();
+    if (a.status != 0) { finish(x, UCS_ERR_INVALID_ADDR); return UCS_OK; } /* the target refused */
+    if (rd) {
+        uint32_t b = a.batch;
+        if (len != x->bbytes[b]) { finish(x, UCS_ERR_MESSAGE_TRUNCATED); return UCS_OK; }
+        for (uint32_t i = x->bstart[b]; i < x->bstart[b + 1]; i++) { /* released since posting? */
+            const kreg *r = &w->regs[x->lslot[i]];
+            if (!r->live || r->gen != x->lgen[i]) { finish(x, UCS_ERR_CANCELED); return UCS_OK; }
+        }
+        const char *p = data;
+        for (uint32_t i = x->bstart[b]; i < x->bstart[b + 1]; i++) {
+            memcpy((void *)(uintptr_t)x->laddr[i], p, x->llen[i]);
+            p += x->llen[i];
+        }
+    } else if (len != 0) {
+        finish(x, UCS_ERR_INVALID_ADDR);
+        return UCS_OK;
+    }
+    x->bdone[a.batch] = 1;
+    if (--x->left == 0) finish(x, UCS_OK);
+    return UCS_OK;
+}
+
+static ucs_status_t ack_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param) {
+    return answer_cb(arg, 0, header, hlen, data, len, param);
+}
+
+static ucs_status_t rdata_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                             const ucp_am_recv_param_t *param) {
+    return answer_cb(arg, 1, header, hlen, data, len, param);
+}
+
 /* ---- Worker object ----------------------------------------------------------------------- */
 static int worker_init(kworker *w, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"options", "peer_timeout", "cuda", NULL};
@@ -370,6 +623,20 @@ static int worker_init(kworker *w, PyObject *args, PyObject *kw) {
     hp.flags = UCP_AM_FLAG_WHOLE_MSG;
     st = ucp_worker_set_am_recv_handler(w->worker, &hp);
     if (st != UCS_OK) { raise_ucs(st, "ucp_worker_set_am_recv_handler"); return -1; }
+    static const struct { unsigned id; ucp_am_recv_callback_t cb; } hs[] = {
+        {AM_WREQ, wreq_cb}, {AM_ACK, ack_cb}, {AM_RREQ, rreq_cb}, {AM_RDATA, rdata_cb}};
+    for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) {
+        hp.id = hs[i].id;
+        hp.cb = hs[i].cb;
+        st = ucp_worker_set_am_recv_handler(w->worker, &hp);
+        if (st != UCS_OK) { raise_ucs(st, "ucp_worker_set_am_recv_handler"); return -1; }
+    }
+    ucp_worker_attr_t wa;
+    memset(&wa, 0, sizeof(wa));
+    wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    w->max_hdr = ucp_worker_query(w->worker, &wa) == UCS_OK ? wa.max_am_header : 0;
+    w->regs = calloc(NREG, sizeof(kreg));
+    if (!w->regs) { PyErr_NoMemory(); return -1; }
     w->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     w->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (w->wakefd < 0 || w->epfd < 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
@@ -423,6 +690,8 @@ static void worker_close_impl(kworker *w) {
                 }
             }
         }
+        /* batched transfers still waiting for answers: cancelled (the list's references go) */
+        while (w->ahead) finish(w->ahead, UCS_ERR_CANCELED);
         w->is_open = 0; /* transfers whose flush never completed read as cancelled */
         pthread_cond_broadcast(&w->cv);
         pthread_cond_broadcast(&w->amcv);
@@ -435,6 +704,8 @@ static void worker_close_impl(kworker *w) {
     if (w->epfd >= 0) { close(w->epfd); w->epfd = -1; }
     if (w->wakefd >= 0) { close(w->wakefd); w->wakefd = -1; }
     while (w->qhead) { amsg *m = w->qhead; w->qhead = m->next; free(m); }
+    free(w->regs);
+    w->regs = NULL;
     w->qtail = NULL;
     w->qlen = 0;
     if (w->is_open) {
@@ -839,6 +1110,328 @@ static PyObject *worker_flush(kworker *w, PyObject *args) {
     return res;
 }
 
+/* ---- batched active-message transfers: posting ------------------------------------------- */
+typedef struct {
+    xfer *x;
+    size_t hlen;
+    uint32_t n;
+    char *hdr;          /* am_hdr + entries */
+    ucp_dt_iov_t iov[]; /* write: the source blocks */
+} am_batch;
+
+static void batch_cb(void *req, ucs_status_t st, void *user) {
+    am_batch *b = user;
+    if (st != UCS_OK) finish(b->x, st);
+    xfer_unref(b->x);
+    free(b);
+    ucp_request_free(req);
+}
+
+/*
+ * post_am(op, ep, lidx, laddr, lnbytes, lslot, ridx, raddr, rnbytes, rslot, rgen, cookie, batch_bytes, notif=None)
+ *   -> Xfer. A transfer of HOST memory as batched active messages: each batch lists up to
+ *   ``batch_bytes`` of blocks (and at most what fits one AM header); a write batch carries the
+ *   source blocks as its payload (an IOV, no gather), a read batch asks the target for them. The
+ *   target validates every entry against its registrations and answers each batch; the transfer
+ *   completes when every batch is answered (writes: landed), then its notification is sent.
+ */
+static PyObject *worker_post_am(kworker *w, PyObject *args) {
+    int op, id;
+    PyObject *o[10];
+    unsigned long long cookie, bb;
+    PyObject *notif = Py_None;
+    if (!PyArg_ParseTuple(args, "iiOOOOOOOOOOKK|O", &op, &id, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
+                          &o[7], &o[8], &o[9], &cookie, &bb, &notif))
+        return NULL;
+    CHECK_OPEN(w);
+    static const char *names[10] = {"lidx", "laddr", "lnbytes", "lslot", "ridx", "raddr", "rnbytes", "rslot",
+                                    "rgen", "unused"};
+    Py_buffer b[9];
+    int got = 0;
+    PyObject *res = NULL;
+    char *ncopy = NULL;
+    Py_ssize_t nlen = 0;
+    xfer *x = NULL;
+    for (; got < 9; got++)
+        if (u64buf(o[got], &b[got], names[got]) < 0) goto out;
+    if (o[9] != Py_None) { PyErr_SetString(PyExc_TypeError, "reserved argument must be None"); goto out; }
+    Py_ssize_t n = b[0].len / 8, nl = b[1].len / 8, nr = b[5].len / 8;
+    if (b[4].len / 8 != n) { PyErr_SetString(PyExc_ValueError, "local and remote index lists differ in length"); goto out; }
+    if (b[2].len / 8 != nl || b[3].len / 8 != nl || b[6].len / 8 != nr || b[7].len / 8 != nr || b[8].len / 8 != nr) {
+        PyErr_SetString(PyExc_ValueError, "descriptor arrays differ in length");
+        goto out;
+    }
+    if (bb == 0) bb = 1;
+    const int64_t *li = b[0].buf, *ri = b[4].buf;
+    const uint64_t *la = b[1].buf, *ln = b[2].buf, *ls = b[3].buf, *ra = b[5].buf, *rn = b[6].buf, *rs = b[7].buf,
+                   *rg = b[8].buf;
+    uint64_t total = 0;
+    Py_ssize_t m = 0; /* non-empty pairs */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t a = li[i], c = ri[i];
+        if (a < 0 || a >= nl || c < 0 || c >= nr) { PyErr_Format(PyExc_IndexError, "index out of range at position %zd", i); goto out; }
+        if (ln[a] != rn[c]) { PyErr_Format(PyExc_ValueError, "descriptor lengths differ at position %zd", i); goto out; }
+        if (ls[a] >= NREG || rs[c] >= NREG) { PyErr_Format(PyExc_ValueError, "bad region slot at position %zd", i); goto out; }
+        if (ln[a] > AM_BATCH_MAX) { PyErr_Format(PyExc_ValueError, "block too large for batched messages at position %zd", i); goto out; }
+        total += ln[a];
+        if (ln[a]) m++;
+    }
+    if (m > 0xffffffffLL) { PyErr_SetString(PyExc_ValueError, "too many blocks"); goto out; }
+    if (notif != Py_None) {
+        char *p;
+        if (PyBytes_AsStringAndSize(notif, &p, &nlen) < 0) goto out;
+        if (nlen > AM_MAX) { PyErr_SetString(PyExc_ValueError, "notification too large"); goto out; }
+        ncopy = malloc(nlen ? nlen : 1);
+        if (!ncopy) { PyErr_NoMemory(); goto out; }
+        memcpy(ncopy, p, nlen);
+    }
+    size_t per = w->max_hdr > sizeof(am_hdr) ? (w->max_hdr - sizeof(am_hdr)) / sizeof(am_ent) : 0;
+    if (per > AM_ENT_MAX) per = AM_ENT_MAX;
+    if (per == 0) { PyErr_SetString(PyExc_ValueError, "UCX active message headers too small for batches"); goto out; }
+    x = calloc(1, sizeof(xfer));
+    if (!x) { PyErr_NoMemory(); goto out; }
+    x->w = w;
+    x->refs = 1;
+    x->nbytes = total;
+    x->notif = ncopy;
+    x->notif_len = (size_t)nlen;
+    ncopy = NULL;
+    x->rd = op == 1;
+    /* batch boundaries: at most ``per`` entries and (unless one block) ``bb`` bytes each */
+    x->bstart = malloc(sizeof(uint32_t) * (m + 2));
+    x->bbytes = malloc(sizeof(uint64_t) * (m + 1));
+    if (!x->bstart || !x->bbytes) { PyErr_NoMemory(); goto out; }
+    uint32_t nb = 0, cnt = 0;
+    uint64_t bytes = 0;
+    x->bstart[0] = 0;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t len = ln[li[i]];
+        if (!len) continue;
+        if (cnt > 0 && (cnt >= per || bytes + len > bb)) {
+            x->bbytes[nb] = bytes;
+            x->bstart[++nb] = (uint32_t)k;
+            cnt = 0; bytes = 0;
+        }
+        cnt++; bytes += len; k++;
+    }
+    if (cnt) { x->bbytes[nb] = bytes; x->bstart[++nb] = (uint32_t)k; }
+    x->nbatch = x->left = nb;
+    x->bdone = calloc(nb ? nb : 1, 1);
+    if (!x->bdone) { PyErr_NoMemory(); goto out; }
+    if (x->rd) {
+        x->laddr = malloc(sizeof(uint64_t) * (m ? m : 1));
+        x->llen = malloc(sizeof(uint64_t) * (m ? m : 1));
+        x->lslot = malloc(sizeof(uint32_t) * (m ? m : 1));
+        x->lgen = malloc(sizeof(uint32_t) * (m ? m : 1));
+        if (!x->laddr || !x->llen || !x->lslot || !x->lgen) { PyErr_NoMemory(); goto out; }
+    }
+    ucs_status_t st = UCS_OK;
+    int stale = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->lk);
+    kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
+    if (!e) st = UCS_ERR_INVALID_PARAM;
+    else if (e->failed || e->closed) st = e->status != UCS_OK ? e->status : UCS_ERR_CONNECTION_RESET;
+    /* the local blocks lie in live HOST registrations (of this worker's table) */
+    for (Py_ssize_t i = 0, j = 0; st == UCS_OK && i < n; i++) {
+        int64_t a = li[i];
+        if (!ln[a]) continue;
+        const kreg *r = &w->regs[ls[a]];
+        if (!r->live || la[a] < r->base || ln[a] > r->len || la[a] - r->base > r->len - ln[a]) { stale = 1; st = UCS_ERR_INVALID_PARAM; break; }
+        if (x->rd) { x->laddr[j] = la[a]; x->llen[j] = ln[a]; x->lslot[j] = (uint32_t)ls[a]; x->lgen[j] = r->gen; }
+        j++;
+    }
+    if (st == UCS_OK) {
+        x->ep = e;
+        if (nb == 0) {
+            finish(x, UCS_OK); /* nothing to move: the notification alone */
+        } else {
+            x->am = 1;
+            x->xid = ++w->next_xid ^ ((uint64_t)(uintptr_t)x << 20);
+            while (am_find(w, x->xid)) x->xid++;
+            x->anext = w->ahead;
+            if (w->ahead) w->ahead->aprev = x;
+            w->ahead = x;
+            x->refs++; /* the in-flight list's */
+            if (e->pending == 0) e->last = now_s();
+            e->pending++;
+            Py_ssize_t i = 0;
+            for (uint32_t bi = 0; bi < nb && !x->done; bi++) {
+                uint32_t cn = x->bstart[bi + 1] - x->bstart[bi];
+                size_t hlen = sizeof(am_hdr) + sizeof(am_ent) * cn;
+                am_batch *bt = malloc(sizeof(am_batch) + (x->rd ? 0 : sizeof(ucp_dt_iov_t) * cn) + hlen);
+                if (!bt) { finish(x, UCS_ERR_NO_MEMORY); break; }
+                bt->x = x;
+                bt->n = cn;
+                bt->hlen = hlen;
+                bt->hdr = (char *)bt + sizeof(am_batch) + (x->rd ? 0 : sizeof(ucp_dt_iov_t) * cn);
+                am_hdr h = {.cookie = cookie, .xid = x->xid, .batch = bi, .n = cn};
+                memcpy(bt->hdr, &h, sizeof(h));
+                am_ent *ents = (am_ent *)(bt->hdr + sizeof(am_hdr));
+                for (uint32_t c = 0; c < cn; i++) {
+                    int64_t a = li[i], r = ri[i];
+                    if (!ln[a]) continue;
+                    am_ent en = {.addr = ra[r], .len = rn[r], .slot = (uint32_t)rs[r], .gen = (uint32_t)rg[r]};
+                    memcpy(&ents[c], &en, sizeof(en));
+                    if (!x->rd) { bt->iov[c].buffer = (void *)(uintptr_t)la[a]; bt->iov[c].length = ln[a]; }
+                    c++;
+                }
+                ucp_request_param_t prm;
+                memset(&prm, 0, sizeof(prm));
+                prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+                prm.cb.send = batch_cb;
+                prm.user_data = bt;
+                prm.op_attr_mask |= UCP_OP_ATTR_FLAG_MULTI_SEND;
+                prm.flags = UCP_AM_SEND_FLAG_EAGER;
+                ucs_status_ptr_t r;
+                if (x->rd) {
+                    r = ucp_am_send_nbx(e->ep, AM_RREQ, bt->hdr, hlen, NULL, 0, &prm);
+                } else {
+                    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+                    prm.datatype = ucp_dt_make_iov();
+                    r = ucp_am_send_nbx(e->ep, AM_WREQ, bt->hdr, hlen, bt->iov, cn, &prm);
+                }
+                w->batches++;
+                if (UCS_PTR_IS_PTR(r)) { x->refs++; continue; }
+                free(bt);
+                if (UCS_PTR_IS_ERR(r)) { finish(x, UCS_PTR_STATUS(r)); break; }
+            }
+            ucp_worker_progress(w->worker);
+        }
+    } else {
+        x->done = 1;
+        x->status = st;
+    }
+    pthread_mutex_unlock(&w->lk);
+    Py_END_ALLOW_THREADS
+    if (stale) {
+        PyErr_SetString(PyExc_ValueError, "a local block is not in a live host registration");
+        goto out;
+    }
+    wake(w);
+    res = xfer_new(w, x);
+    if (res) x = NULL;
+out:
+    if (x) {
+        pthread_mutex_lock(&w->lk);
+        xfer_unref(x);
+        pthread_mutex_unlock(&w->lk);
+    }
+    free(ncopy);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    return res;
+}
+
+/* region_add(slot, gen, addr, nbytes) / region_del(slot): the HOST registrations batches may reach */
+static PyObject *worker_region_add(kworker *w, PyObject *args) {
+    unsigned int slot, gen;
+    unsigned long long addr, len;
+    if (!PyArg_ParseTuple(args, "IIKK", &slot, &gen, &addr, &len)) return NULL;
+    CHECK_OPEN(w);
+    if (slot >= NREG || len == 0 || addr + len < addr) { PyErr_SetString(PyExc_ValueError, "bad region"); return NULL; }
+    pthread_mutex_lock(&w->lk);
+    w->regs[slot] = (kreg){.base = addr, .len = len, .gen = gen, .live = 1};
+    pthread_mutex_unlock(&w->lk);
+    Py_RETURN_NONE;
+}
+
+static PyObject *worker_region_del(kworker *w, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot)) return NULL;
+    CHECK_OPEN(w);
+    if (slot >= NREG) { PyErr_SetString(PyExc_ValueError, "bad region slot"); return NULL; }
+    pthread_mutex_lock(&w->lk); /* handlers land data under this lock: none lands here after this */
+    w->regs[slot].live = 0;
+    pthread_mutex_unlock(&w->lk);
+    Py_RETURN_NONE;
+}
+
+/* cookie_add(c) / cookie_del(c): the batch cookies of authenticated peers */
+static PyObject *worker_cookie(kworker *w, PyObject *args, int add) {
+    unsigned long long c;
+    int ep = -1;
+    if (!PyArg_ParseTuple(args, add ? "Ki" : "K", &c, &ep)) return NULL;
+    CHECK_OPEN(w);
+    if (c == 0) { PyErr_SetString(PyExc_ValueError, "cookie 0 is reserved"); return NULL; }
+    if (add && (ep < 0 || ep >= MAX_EPS)) { PyErr_SetString(PyExc_ValueError, "bad endpoint"); return NULL; }
+    int ok = !add;
+    pthread_mutex_lock(&w->lk);
+    for (int i = 0; i < MAX_COOKIES; i++) {
+        if (add && w->cookies[i] == 0) { w->cookies[i] = c; w->cookie_ep[i] = ep; ok = 1; break; }
+        if (!add && w->cookies[i] == c) w->cookies[i] = 0;
+    }
+    pthread_mutex_unlock(&w->lk);
+    if (!ok) { PyErr_SetString(PyExc_ValueError, "too many peers"); return NULL; }
+    Py_RETURN_NONE;
+}
+
+static PyObject *worker_cookie_add(kworker *w, PyObject *args) { return worker_cookie(w, args, 1); }
+static PyObject *worker_cookie_del(kworker *w, PyObject *args) { return worker_cookie(w, args, 0); }
+
+/* ep_rma(id) -> True when a lane of the endpoint is a transport with real one-sided RMA
+   (RDMA, cuda_ipc, gdr_copy, cma/knem/xpmem); False for tcp and shared-memory FIFOs alone */
+static PyObject *worker_ep_transports(kworker *w, PyObject *args) {
+    int id;
+    if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
+    CHECK_OPEN(w);
+    ucp_transport_entry_t ents[32];
+    ucp_ep_attr_t a;
+    memset(&a, 0, sizeof(a));
+    a.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    a.transports.entries = ents;
+    a.transports.num_entries = 32;
+    a.transports.entry_size = sizeof(ucp_transport_entry_t);
+    pthread_mutex_lock(&w->lk);
+    kep *e = get_ep(w, id);
+    ucs_status_t st = e ? (e->closed ? UCS_ERR_CONNECTION_RESET : ucp_ep_query(e->ep, &a)) : UCS_OK;
+    PyObject *out = NULL;
+    if (e && st == UCS_OK) {
+        out = PyList_New(0);
+        for (unsigned i = 0; out && i < a.transports.num_entries; i++) {
+            PyObject *t = Py_BuildValue("(ss)", ents[i].transport_name ? ents[i].transport_name : "",
+                                        ents[i].device_name ? ents[i].device_name : "");
+            if (!t || PyList_Append(out, t) < 0) Py_CLEAR(out);
+            Py_XDECREF(t);
+        }
+    }
+    pthread_mutex_unlock(&w->lk);
+    if (!e) return NULL;
+    if (st != UCS_OK) return raise_ucs(st, "ucp_ep_query");
+    return out;
+}
+
+/* am_send_raw(ep, id, header, payload): any batched-message id with any bytes (tests play a
+   hostile peer with it) */
+static PyObject *worker_am_send_raw(kworker *w, PyObject *args) {
+    int id;
+    unsigned int amid;
+    Py_buffer h, d;
+    if (!PyArg_ParseTuple(args, "iIy*y*", &id, &amid, &h, &d)) return NULL;
+    PyObject *res = NULL;
+    if (!w->is_open || !w->worker) { PyErr_SetString(PyExc_RuntimeError, "UCX worker is closed"); goto out; }
+    if (amid < AM_WREQ || amid > AM_RDATA) { PyErr_SetString(PyExc_ValueError, "not a batched-message id"); goto out; }
+    if (h.len > (1 << 20) || d.len > AM_BATCH_MAX) { PyErr_SetString(PyExc_ValueError, "too large"); goto out; }
+    char *buf = malloc((size_t)(h.len + d.len) + 1);
+    if (!buf) { PyErr_NoMemory(); goto out; }
+    memcpy(buf, h.buf, h.len);
+    memcpy(buf + h.len, d.buf, d.len);
+    int bad = 0;
+    pthread_mutex_lock(&w->lk);
+    kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
+    if (!e || e->failed || e->closed) { bad = 1; free(buf); }
+    else { am_send_buf(e->ep, amid, buf, (size_t)h.len, (size_t)d.len); ucp_worker_progress(w->worker); }
+    pthread_mutex_unlock(&w->lk);
+    wake(w);
+    if (bad) { PyErr_Format(PyExc_ValueError, "unknown or failed endpoint %d", id); goto out; }
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&d);
+    return res;
+}
+
 static PyObject *worker_am_send(kworker *w, PyObject *args) {
     int id;
     Py_buffer b;
@@ -911,9 +1504,12 @@ static PyObject *worker_stats(kworker *w, PyObject *unused) {
     long neps = 0, pend = 0;
     pthread_mutex_lock(&w->lk);
     for (int i = 0; i < w->eps_hi; i++) if (w->eps[i]) { neps++; pend += w->eps[i]->pending; }
-    long dropped = w->dropped;
+    long dropped = w->dropped, refused = w->refused, batches = w->batches, inflight = 0;
+    for (xfer *x = w->ahead; x; x = x->anext) inflight++;
     pthread_mutex_unlock(&w->lk);
-    return Py_BuildValue("{s:l,s:l,s:l}", "endpoints", neps, "pending", pend, "dropped", dropped);
+    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:l,s:l,s:n}", "endpoints", neps, "pending", pend, "dropped", dropped,
+                         "refused", refused, "batches", batches, "am_inflight", inflight,
+                         "max_am_header", (Py_ssize_t)w->max_hdr);
 }
 
 static PyMethodDef worker_methods[] = {
@@ -928,6 +1524,13 @@ static PyMethodDef worker_methods[] = {
     {"rkey_unpack", (PyCFunction)worker_rkey_unpack, METH_VARARGS, "rkey_unpack(ep id, packed) -> rkey handle."},
     {"rkey_destroy", (PyCFunction)worker_rkey_destroy, METH_VARARGS, "rkey_destroy(handle)."},
     {"post", (PyCFunction)worker_post, METH_VARARGS, "Post a transfer (see the module docstring)."},
+    {"post_am", (PyCFunction)worker_post_am, METH_VARARGS, "Post a transfer as batched active messages (HOST memory)."},
+    {"region_add", (PyCFunction)worker_region_add, METH_VARARGS, "region_add(slot, gen, addr, nbytes)."},
+    {"region_del", (PyCFunction)worker_region_del, METH_VARARGS, "region_del(slot)."},
+    {"cookie_add", (PyCFunction)worker_cookie_add, METH_VARARGS, "cookie_add(c, ep): the peer reached by ep may send batches with c."},
+    {"cookie_del", (PyCFunction)worker_cookie_del, METH_VARARGS, "cookie_del(c)."},
+    {"ep_transports", (PyCFunction)worker_ep_transports, METH_VARARGS, "ep_transports(id) -> [(transport, device)]."},
+    {"am_send_raw", (PyCFunction)worker_am_send_raw, METH_VARARGS, "am_send_raw(ep, id, header, payload) (tests)."},
     {"flush", (PyCFunction)worker_flush, METH_VARARGS, "flush(ep id) -> Xfer."},
     {"am_send", (PyCFunction)worker_am_send, METH_VARARGS, "am_send(ep id, bytes)."},
     {"am_recv", (PyCFunction)worker_am_recv, METH_VARARGS, "am_recv(timeout) -> list of received messages."},
@@ -1085,5 +1688,11 @@ PyMODINIT_FUNC PyInit__ucx(void) {
     PyModule_AddIntConstant(m, "ERR_NOT_CONNECTED", UCS_ERR_NOT_CONNECTED);
     PyModule_AddIntConstant(m, "ERR_IO_ERROR", UCS_ERR_IO_ERROR);
     PyModule_AddIntConstant(m, "ERR_INVALID_PARAM", UCS_ERR_INVALID_PARAM);
+    PyModule_AddIntConstant(m, "ERR_INVALID_ADDR", UCS_ERR_INVALID_ADDR);
+    PyModule_AddIntConstant(m, "AM_WREQ", AM_WREQ);
+    PyModule_AddIntConstant(m, "AM_ACK", AM_ACK);
+    PyModule_AddIntConstant(m, "AM_RREQ", AM_RREQ);
+    PyModule_AddIntConstant(m, "AM_RDATA", AM_RDATA);
+    PyModule_AddIntConstant(m, "ERR_MESSAGE_TRUNCATED", UCS_ERR_MESSAGE_TRUNCATED);
     return m;
 }

@@ -15,6 +15,11 @@ Design (see ``docs/networking.md``):
   the transfer's completion. :data:`UCX_DEFAULTS` (``RNDV_THRESH=inf``, as NIXL sets it) makes
   UCX put over ``tcp`` with the transport's own put instead of software emulation. A
   :class:`_UcxRoute` holds what one list pair needs (the agent keeps it per pair).
+- **Batched active messages.** Where UCX has no one-sided transport (tcp, its shared-memory
+  FIFOs) it would emulate each put/get with an active message; there HOST-to-HOST transfers
+  go as a few large active messages instead (:attr:`UcxOptions.batch`), posted in the same one
+  native call; the target checks every block against its registrations and the sender's
+  cookie from the authenticated handshake, then lands or serves it (``docs/networking.md``).
 - **Control channel.** UCX active messages carry a small msgpack protocol: ``hello`` /
   ``challenge`` / ``auth`` / ``welcome`` (the HMAC handshake of :mod:`kvx.auth`, so the target
   knows who its peers are and has an endpoint back to each), then *sealed* messages: each
@@ -147,12 +152,39 @@ class UcxOptions:
     ucx
         Extra UCX settings as ``(name, value)`` pairs without the ``UCX_`` prefix (applied after
         the environment, e.g. ``(("TLS", "tcp"),)``); the environment's ``UCX_*`` apply too.
+    batch
+        How HOST-to-HOST transfers travel: as a few batched active messages (many blocks per
+        message, validated and landed by the target) or as one UCX put/get per block.
+        ``"auto"``: batched where the peer's endpoint has no RDMA or GPU transport (rc, dc,
+        cuda_ipc, gdr_copy) and the list pair's largest block is at most
+        :attr:`batch_max_block` (reads over transports without any one-sided operation, i.e.
+        tcp, where UCX emulates each get with a round trip of its own: at most
+        :attr:`batch_read_max_block`). ``"always"``/``"never"`` force one way. CUDA memory
+        always goes one-sided.
+    batch_bytes, batch_read_bytes
+        The most bytes one batched write / one batched read answer carries (a larger block
+        travels alone). Reads stay within one zero-copy segment of UCX's tcp transport.
+    batch_max_block
+        See :attr:`batch`: above it, writes go as UCX's zero-copy puts (over tcp they land
+        straight from the socket, where a batch is copied once more at the target) and, over
+        cma/knem/xpmem, reads and writes as the kernel's one-sided copies.
     """
 
     peer_timeout: float = 10.0
     handshake_timeout: float = 5.0
     auth_token: str | None = None
     ucx: tuple[tuple[str, str], ...] = ()
+    batch: str = "auto"
+    batch_bytes: int = 1 << 20
+    batch_read_bytes: int = (64 << 10) - 64
+    batch_max_block: int = 16 << 10
+    batch_read_max_block: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        if self.batch not in ("auto", "always", "never"):
+            raise UsageError(f"UcxOptions.batch must be 'auto', 'always' or 'never', not {self.batch!r}")
+        if not 0 < self.batch_bytes <= (64 << 20) or not 0 < self.batch_read_bytes <= (64 << 20):
+            raise UsageError("UcxOptions.batch_bytes and batch_read_bytes must be 1 B to 64 MiB")
 
     @classmethod
     def from_config(cls, cfg: Any) -> "UcxOptions":
@@ -173,6 +205,10 @@ def _translate(exc: OSError, where: str) -> TransferError:
     m = _mod
     code = exc.errno if isinstance(exc.errno, int) else 0
     text = exc.strerror or str(exc)
+    if m is not None and code == m.ERR_INVALID_ADDR:
+        return RemoteError(f"{where}: the target refused a batch (outside its live registrations)")
+    if m is not None and code == m.ERR_MESSAGE_TRUNCATED:
+        return RemoteError(f"{where}: the target answered a batch with the wrong number of bytes")
     if m is not None and code == m.ERR_ENDPOINT_TIMEOUT:
         return PeerDisconnected(f"{where}: no progress within the peer timeout (dead or cut off)")
     if m is not None and code in (m.ERR_CANCELED, m.ERR_CONNECTION_RESET, m.ERR_UNREACHABLE,
@@ -261,6 +297,8 @@ class _Peer:
         self.rgen = np.zeros(MAX_SLOTS, dtype=np.int64)  # gen of the live unpacked rkey per slot
         self.dead: str | None = None
         self.peer_errors = True  # the endpoint has UCX's peer failure handling
+        self.cookie = 0  # the target's batch cookie for us (0: it takes no batched messages)
+        self.rma = 2  # 0: no one-sided transport; 1: a kernel copy (cma/knem/xpmem); 2: RDMA/GPU
 
 
 class _Client:
@@ -273,6 +311,7 @@ class _Client:
         self.nonce = nonce
         self.started = started
         self.session: _Session | None = None  # set once authenticated
+        self.cookie = 0  # the batch cookie given to it at welcome
 
 
 @dataclass(slots=True)
@@ -282,13 +321,16 @@ class _Prep:
     handle: np.ndarray  # memh (local) or rkey (remote) per descriptor
     used: np.ndarray  # slots used
     gens: np.ndarray  # their generations
+    slot: np.ndarray  # per descriptor: its registration's slot (uint64)
+    gen: np.ndarray  # per descriptor: that registration's generation (uint64)
+    host: bool  # HOST memory
 
 
 class _UcxRoute(Route):
     """A list pair resolved once: both prepared sides (address, size and handle arrays, the
     slots and generations under them), the peer and the native post."""
 
-    __slots__ = ("_lp", "_peer", "_rd", "_rp")
+    __slots__ = ("_am", "_bb", "_lp", "_peer", "_rd", "_rp")
 
     def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
         super().__init__(backend, op, local, remote)
@@ -296,6 +338,14 @@ class _UcxRoute(Route):
         self._rp: _Prep = remote.bdata[backend.name]
         self._peer = backend._live_peer(remote.peer)
         self._rd = 1 if op is Op.READ else 0
+        o = backend.opts
+        big = int(self._lp.nbytes.max()) if self._lp.nbytes.size else 0
+        tier = self._peer.rma
+        auto = tier < 2 and (big <= o.batch_max_block or (tier == 0 and op is Op.READ
+                                                           and big <= o.batch_read_max_block))
+        self._bb = o.batch_read_bytes if op is Op.READ else o.batch_bytes
+        self._am = (self._lp.host and self._rp.host and self._peer.cookie != 0
+                    and (o.batch == "always" or (o.batch == "auto" and auto)))
 
     def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
         b: UcxBackend = self.backend  # type: ignore[assignment]
@@ -321,8 +371,12 @@ class _UcxRoute(Route):
                 assert p.session is not None
                 note = p.session.seal(b.me, "i", wire.pack("notif", msg=notify))
             try:
-                x = b.w.post(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr, rp.nbytes, rp.handle,
-                             note)
+                if self._am:
+                    x = b.w.post_am(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.slot, ri, rp.addr, rp.nbytes,
+                                    rp.slot, rp.gen, None, p.cookie, self._bb, note)
+                else:
+                    x = b.w.post(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.handle, ri, rp.addr, rp.nbytes,
+                                 rp.handle, note)
             except OSError as exc:
                 raise _translate(exc, f"peer {p.name!r}") from exc
             except BAD_INDEX as exc:  # the native bounds and length checks
@@ -386,6 +440,8 @@ class UcxBackend(Backend):
             self._mem[slot] = (memh, packed, gen, region)
             self._memh[slot] = memh
             self._lgen[slot] = gen
+        if region.kind == MemoryKind.HOST:  # batched messages may reach it (validated per block)
+            self.w.region_add(slot, gen & 0xFFFFFFFF, region.addr, region.nbytes)
         return slot
 
     def deregister(self, region: Any, handle: Any) -> None:
@@ -398,6 +454,9 @@ class UcxBackend(Backend):
             self._lgen[slot] = 0  # our own posts from this memory stop here
             self._memh[slot] = 0
             del self._mem[slot]
+            # no batched message lands in it or is served from it from here on (and none of our
+            # pending reads lands in it: their answers are refused)
+            self.w.region_del(slot)
             clients = [c for c in self._clients.values() if c.session is not None]
             peers = [p for p in self._peers.values() if p.dead is None]
         # peers stop writing into it: revoke and wait for their acknowledgements (bounded)
@@ -464,6 +523,7 @@ class UcxBackend(Backend):
         p = _Peer(peer.name, peer.agent_id, ep)
         p.packed = packed
         p.peer_errors = bool(self.w.ep_peer_errors(ep))
+        p.rma = _rma_tier(self.w.ep_transports(ep))
         try:
             self._handshake(p)
         except BaseException:
@@ -542,6 +602,8 @@ class UcxBackend(Backend):
             raise AuthError(f"{p.name!r} refused us over ucx (wrong or missing KVX_AUTH_TOKEN)")
         if rep.get("t") != "welcome":
             raise ProtocolError(f"{p.name!r} answered the ucx handshake with something else")
+        ck = rep.get("ck", 0)
+        p.cookie = ck if isinstance(ck, int) and not isinstance(ck, bool) and 0 < ck < (1 << 64) else 0
         p.session = _Session(_session_key(self.opts.auth_token, ch["nonce"], self.me, p.id))
 
     def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
@@ -590,19 +652,24 @@ class UcxBackend(Backend):
         gens = np.fromiter(plist.gens.values(), dtype=np.int64, count=len(plist.gens))
         addr = np.ascontiguousarray(d.addr, dtype=_U64)
         nb = np.ascontiguousarray(d.nbytes, dtype=_U64)
+        gtab = np.zeros(MAX_SLOTS, dtype=_U64)
+        gtab[used] = gens.astype(_U64) & _U64(0xFFFFFFFF)
+        slot_u = slots.astype(_U64)
+        gen_u = gtab[slots]
+        host = d.kind == MemoryKind.HOST
         if plist.peer is None:
             with self._lock:
                 if not np.array_equal(self._lgen[used], gens):
                     raise RegistrationError("a local registration of this list is not mapped for ucx")
                 handle = self._memh[slots].copy()
-            return _Prep(addr, nb, handle, used, gens)
+            return _Prep(addr, nb, handle, used, gens, slot_u, gen_u, host)
         p = self._peers.get(plist.peer)
         if p is None or p.dead is not None:
             raise PeerDisconnected(f"not connected to {plist.peer!r} over ucx")
         table = np.zeros(MAX_SLOTS, dtype=_U64)
         for s, g in zip(used.tolist(), gens.tolist()):
             table[s] = self._rkey(p, s, g)
-        return _Prep(addr, nb, table[slots], used, gens)
+        return _Prep(addr, nb, table[slots], used, gens, slot_u, gen_u, host)
 
     def _rkey(self, p: _Peer, slot: int, gen: int) -> int:
         with self._lock:
@@ -717,6 +784,8 @@ class UcxBackend(Backend):
                 s.discard(c.id)
             self._cv.notify_all()
         try:
+            if c.cookie:
+                self.w.cookie_del(c.cookie)
             self.w.ep_close(c.ep, 0.0, True)
         except (ValueError, RuntimeError):
             pass
@@ -796,8 +865,11 @@ class UcxBackend(Backend):
             self._drop_client(c)
             return
         c.session = _Session(_session_key(self.opts.auth_token, c.nonce, c.id, self.me))
+        # the cookie an authenticated peer puts in its batched messages (the target refuses others)
+        c.cookie = int.from_bytes(os.urandom(8), "little") or 1
+        self.w.cookie_add(c.cookie, c.ep)
         try:
-            self.w.am_send(c.ep, wire.pack("welcome", rid=msg["rid"]))
+            self.w.am_send(c.ep, wire.pack("welcome", rid=msg["rid"], ck=c.cookie))
         except OSError:
             self._drop_client(c)
 
@@ -889,6 +961,19 @@ class UcxBackend(Backend):
 
 
 _SHM_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
+#: UCX transports whose puts/gets are one-sided in hardware (RDMA, GPU copies) and in the
+#: kernel (cross-memory copies); every other one (tcp, the shared-memory FIFOs) has UCX emulate
+#: puts and gets with active messages.
+_RDMA_TLS = ("rc", "dc", "cuda_ipc", "gdr_copy")
+_KERNEL_TLS = ("cma", "knem", "xpmem")
+
+
+def _rma_tier(transports: list[tuple[str, str]]) -> int:
+    """2 when an endpoint's lanes include an RDMA or GPU transport, 1 a kernel copy, else 0."""
+    def has(names: tuple[str, ...]) -> bool:
+        return any(t == n or t.startswith(n + "_") for t, _d in transports for n in names)
+
+    return 2 if has(_RDMA_TLS) else 1 if has(_KERNEL_TLS) else 0
 
 
 def _shm_peer(peer: PeerInfo) -> bool:
