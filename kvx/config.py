@@ -191,6 +191,18 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_TCP_STAGE_HOST", _bool, False,
                 "Move host memory through the tcp backend's staging path too (tests of the GPU pipeline "
                 "without a GPU; slower)."),
+        Setting("KVX_UCX_STAGE", _choice("auto", "always", "never", "host"), "auto",
+                "CUDA memory over ucx through pinned staging slots (batched gather/scatter kernel, one UCX "
+                "operation per slot) instead of one UCX operation per block: auto = where UCX_TLS names no "
+                "transport with device RMA (rc, dc, ib, cuda_ipc, gdr_copy), e.g. tcp,cuda_copy; host = host "
+                "memory too (tests of the pipeline without a GPU)."),
+        Setting("KVX_UCX_STAGE_BYTES", _int(64 << 10, 1 << 30), 4 << 20,
+                "Bytes per pinned staging slot of the ucx backend (the unit of a staged transfer)."),
+        Setting("KVX_UCX_STAGE_MIN", _int(0, 1 << 40), 256 << 10,
+                "Smallest staged ucx transfer, bytes: smaller ones take one UCX operation per block (lower latency); "
+                "0 = stage every transfer."),
+        Setting("KVX_UCX_STAGE_SLOTS", _int(2, 64), 4,
+                "Pinned staging slots per ucx peer and direction (chunks gathered, moving or scattering at once)."),
         Setting("KVX_TCP_STREAMS", _int(1, 64), 2, "TCP connections per peer (a large transfer is striped over them)."),
         Setting("KVX_TCP_CHUNK", _int(4096, 1 << 30), 16 << 20,
                 "Bytes per TCP data frame (pipelining unit of large transfers; 16 MiB measured best on loopback)."),

@@ -48,7 +48,7 @@ rc=0
 if [ "$TESTS" = 1 ]; then
   echo "== tests (gpu)"
   $PY -m pytest -q -p kvx.testing.plugin -rfEs --timeout ${GPU_CHECK_TEST_TIMEOUT:-300} -o addopts="" tests/test_cuda.py tests/test_tcp_gpu.py \
-    $([ "$UCX_OK" = 1 ] && echo tests/test_ucx.py) 2>&1 | tee "$OUT/tests.log" | tail -40
+    $([ "$UCX_OK" = 1 ] && echo tests/test_ucx.py tests/test_ucx_staged.py) 2>&1 | tee "$OUT/tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from .. import auth, wire
+from .. import config as _cfg
 from .._slots import BOOT_ID, MAX_SLOTS
 from ..errors import (
     AuthError,
@@ -168,6 +169,18 @@ class UcxOptions:
         See :attr:`batch`: above it, writes go as UCX's zero-copy puts (over tcp they land
         straight from the socket, where a batch is copied once more at the target) and, over
         cma/knem/xpmem, reads and writes as the kernel's one-sided copies.
+    stage
+        CUDA memory through pinned staging slots (:mod:`kvx.backends.ucx_staged`): ``auto``
+        where ``UCX_TLS`` names no transport with device RMA, ``always``, ``never``, or ``host``
+        (host memory too: tests without a GPU) (``KVX_UCX_STAGE``).
+    stage_bytes
+        Bytes per staging slot (``KVX_UCX_STAGE_BYTES``).
+    stage_slots
+        Staging slots per peer and direction (``KVX_UCX_STAGE_SLOTS``).
+    stage_min
+        Transfers of fewer bytes take one UCX operation per block even where staging is chosen
+        (a staged chunk costs a few thread hand-offs and two kernel launches; 0 = stage all)
+        (``KVX_UCX_STAGE_MIN``).
     """
 
     peer_timeout: float = 10.0
@@ -179,12 +192,17 @@ class UcxOptions:
     batch_read_bytes: int = (64 << 10) - 64
     batch_max_block: int = 16 << 10
     batch_read_max_block: int = 64 << 10
+    stage: str = _cfg.option("KVX_UCX_STAGE")
+    stage_bytes: int = _cfg.option("KVX_UCX_STAGE_BYTES")
+    stage_slots: int = _cfg.option("KVX_UCX_STAGE_SLOTS")
+    stage_min: int = _cfg.option("KVX_UCX_STAGE_MIN")
 
     def __post_init__(self) -> None:
         if self.batch not in ("auto", "always", "never"):
             raise UsageError(f"UcxOptions.batch must be 'auto', 'always' or 'never', not {self.batch!r}")
         if not 0 < self.batch_bytes <= (64 << 20) or not 0 < self.batch_read_bytes <= (64 << 20):
             raise UsageError("UcxOptions.batch_bytes and batch_read_bytes must be 1 B to 64 MiB")
+        _cfg.check_options(self)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "UcxOptions":
@@ -416,6 +434,7 @@ class UcxBackend(Backend):
         self._replies: dict[int, dict[str, Any]] = {}
         self._acks: dict[int, set[str]] = {}
         self._rid = 0
+        self._stager: Any = None
         self._svc = threading.Thread(target=self._service, name=f"kvx-ucx-{ctx.agent_name}", daemon=True)
         self._svc.start()
 
@@ -461,6 +480,8 @@ class UcxBackend(Backend):
             peers = [p for p in self._peers.values() if p.dead is None]
         # peers stop writing into it: revoke and wait for their acknowledgements (bounded)
         self._revoke(clients, slot, gen)
+        if self._stager is not None:  # staged copies already checked against it finish first
+            self._stager.wait_idle(slot, self.opts.peer_timeout)
         # our own operations from this memory (initiator role) complete before it goes
         for p in peers:
             try:
@@ -642,6 +663,8 @@ class UcxBackend(Backend):
             p.rkeys.clear()
             p.rgen[:] = 0
         self.w.ep_close(p.ep, 0.0, True)  # pending transfers fail with PeerDisconnected
+        if self._stager is not None:
+            self._stager.drop(p.id)
         for _g, h in keys:
             self.w.rkey_destroy(h)
 
@@ -703,7 +726,35 @@ class UcxBackend(Backend):
 
     # ---- transfers -------------------------------------------------------------------------
     def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        from . import ucx_staged
+
+        if ucx_staged.wanted(self.opts.stage, ucx_staged.effective_tls(self.opts.ucx), local.kind, remote.kind):
+            return ucx_staged.StagedRoute(self, op, local, remote)
         return _UcxRoute(self, op, local, remote)
+
+    def direct_route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
+        """One UCX operation per block (the staged route's path for small transfers)."""
+        return _UcxRoute(self, op, local, remote)
+
+    def stager(self) -> Any:
+        """The staged path's state (made at its first use)."""
+        with self._lock:
+            if self._stager is None:
+                if self._closed:
+                    raise PeerDisconnected("the ucx backend is closed")
+                from .ucx_staged import Stager
+
+                self._stager = Stager(self)
+            return self._stager
+
+    def _check_gens(self, p: _Peer, local: PreparedList, remote: PreparedList) -> None:
+        lp: _Prep = local.bdata[self.name]
+        rp: _Prep = remote.bdata[self.name]
+        with self._lock:
+            if not np.array_equal(p.rgen[rp.used], rp.gens):
+                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
+            if not np.array_equal(self._lgen[lp.used], lp.gens):
+                raise UsageError("a registration under this prepared list was released; prepare again")
 
     def _live_peer(self, peer_name: str | None) -> _Peer:
         p = self._peers.get(peer_name) if peer_name is not None else None
@@ -783,6 +834,8 @@ class UcxBackend(Backend):
             for s in self._acks.values():
                 s.discard(c.id)
             self._cv.notify_all()
+        if self._stager is not None:
+            self._stager.drop(c.id)
         try:
             if c.cookie:
                 self.w.cookie_del(c.cookie)
@@ -875,7 +928,9 @@ class UcxBackend(Backend):
 
     def _from_client(self, c: _Client, m: dict[str, Any]) -> None:
         t = m["t"]
-        if t == "notif":
+        if t in ("so", "sw", "sr"):
+            self.stager().on_message(c, m)
+        elif t == "notif":
             wire.check(m, "notif", {"msg": bytes})
             self.ctx.deliver(c.name, m["msg"])
         elif t == "regions":
@@ -928,6 +983,9 @@ class UcxBackend(Backend):
         elif t == "regions_rep":
             wire.check(m, "regions_rep", {"rid": int, "rows": list, "rkeys": list})
             self._reply(m)
+        elif t in ("so_rep", "sw_rep", "sr_rep"):
+            wire.check(m, t, {"rid": int})
+            self._reply(m)
 
     # ---- shutdown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -947,6 +1005,8 @@ class UcxBackend(Backend):
             self._svc.join(timeout=5.0)
         for p in peers:
             self._drop_peer(p)
+        if self._stager is not None:
+            self._stager.close()
         for c in clients:
             try:
                 self.w.ep_close(c.ep, 0.0, True)
