@@ -98,6 +98,12 @@ def _sweep(agent: kvx.Agent, impl: str, buf: np.ndarray, path: str, opts: BenchO
         disk: np.ndarray | None = None
         for op in opts.ops:
             if op == "read":
+                if "write" not in opts.ops:
+                    # a read-only run reads real bytes: a file never written is fallocated holes, whose
+                    # reads return zeros without touching data (faster than any real read, and a
+                    # zeroed destination would pass the check even if nothing moved)
+                    _pattern(opts.total, opts.seed).tofile(path)
+                    _fsync_path(path)
                 # the writes went through the file's mapping (KVX_POSIX_MMAP): pages mapped into this
                 # process survive drop_caches, which would make kvx-cold a warm read. A new
                 # registration maps nothing until it writes (reads use preadv).
