@@ -368,15 +368,7 @@ class _UcxRoute(Route):
     def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
         b: UcxBackend = self.backend  # type: ignore[assignment]
         p, lp, rp = self._peer, self._lp, self._rp
-        if p.dead is not None or b._peers.get(p.name) is not p:
-            raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
-                                   + (f": {p.dead}" if p.dead is not None else ""))
-        try:
-            li, ri = index_vector(lidx), index_vector(ridx)
-        except BAD_INDEX as exc:
-            raise UsageError(f"bad transfer request: {exc}") from None
-        if li.shape != ri.shape:
-            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        li, ri = b.post_args(p, lidx, ridx)
         if li.size == 0 and notify is None:
             return DoneRequest(0)
         with b._lock:
@@ -731,6 +723,20 @@ class UcxBackend(Backend):
         if ucx_staged.wanted(self.opts.stage, ucx_staged.effective_tls(self.opts.ucx), local.kind, remote.kind):
             return ucx_staged.StagedRoute(self, op, local, remote)
         return _UcxRoute(self, op, local, remote)
+
+    def post_args(self, p: _Peer, lidx: Any, ridx: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A post's checks before any work: the peer still connected, the index lists as int64
+        vectors of one length (else PeerDisconnected / UsageError)."""
+        if p.dead is not None or self._peers.get(p.name) is not p:
+            raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
+                                   + (f": {p.dead}" if p.dead is not None else ""))
+        try:
+            li, ri = index_vector(lidx), index_vector(ridx)
+        except BAD_INDEX as exc:
+            raise UsageError(f"bad transfer request: {exc}") from None
+        if li.shape != ri.shape:
+            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        return li, ri
 
     def direct_route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
         """One UCX operation per block (the staged route's path for small transfers)."""

@@ -40,7 +40,7 @@ import numpy as np
 from .. import wire
 from ..errors import KVXError, PeerDisconnected, ProtocolError, RemoteError, TransferError, TransferTimeout, UsageError
 from ..memory import MemoryKind
-from .base import BAD_INDEX, DoneRequest, Op, PreparedList, Request, Route, index_vector, validate
+from .base import DoneRequest, Op, PreparedList, Request, Route, validate
 from .tcp.staging import MAX_STAGED_DESCS, Copier, HostCopier, Slot, SlotRing, cuda_copier
 
 if TYPE_CHECKING:
@@ -598,15 +598,7 @@ class StagedRoute(Route):
     def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
         b: UcxBackend = self.backend  # type: ignore[assignment]
         p = self.peer
-        if p.dead is not None or b._peers.get(p.name) is not p:
-            raise PeerDisconnected(f"peer {p.name!r} is not connected over ucx"
-                                   + (f": {p.dead}" if p.dead is not None else ""))
-        try:
-            li, ri = index_vector(lidx), index_vector(ridx)
-        except BAD_INDEX as exc:
-            raise UsageError(f"bad transfer request: {exc}") from None
-        if li.shape != ri.shape:
-            raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
+        li, ri = b.post_args(p, lidx, ridx)
         small = b.opts.stage_min
         if small and li.size and b.opts.stage != "host":
             try:
