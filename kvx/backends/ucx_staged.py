@@ -20,8 +20,9 @@ that is ~17 us a block. The staged path moves a transfer as the tcp backend move
 - up to ``stage_slots`` chunks of a transfer are in flight (gather, UCX, scatter overlap).
 
 Slots are per peer and direction (:class:`~kvx.backends.tcp.staging.SlotRing`), registered with
-UCX once. A target exposes to a peer only the slots it gathered that peer's own reads into; an
-initiator exposes its slots to the target it writes to. Control messages ride the backend's
+UCX once. What a peer can reach through the staging: the landing slots the target gave it (to
+write) and the initiator's own slots it named in a read (the target puts into them); never memory
+outside registrations, whatever the transport. Control messages ride the backend's
 sealed channel (sequence numbers; HMAC with ``auth_token``). Every wait is bounded by
 ``peer_timeout``.
 """
