@@ -580,19 +580,25 @@ class UcxBackend(Backend):
             self.w.am_send(ep, msg)
         except OSError as exc:
             raise PeerDisconnected(f"{what}: {exc.strerror or exc}") from exc
+        rep = self._await_reply(ep, rid, timeout, what)
+        if rep is None:
+            raise PeerDisconnected(f"{what}: no answer within {timeout:.1f} s")
+        return rep
+
+    def _await_reply(self, ep: int, rid: int, timeout: float, what: str, peer: _Peer | None = None
+                     ) -> dict[str, Any] | None:
+        """The answer ``rid`` once the service thread delivered it, or None after ``timeout`` (or
+        at close); PeerDisconnected as soon as the endpoint (or ``peer``) failed."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while rid not in self._replies:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     break
-                if self.w.ep_status(ep) != 0:
+                if (peer is not None and peer.dead is not None) or self.w.ep_status(ep) != 0:
                     raise PeerDisconnected(f"{what}: the peer's endpoint failed")
                 self._cv.wait(min(left, 0.1))
-            rep = self._replies.pop(rid, None)
-        if rep is None:
-            raise PeerDisconnected(f"{what}: no answer within {timeout:.1f} s")
-        return rep
+            return self._replies.pop(rid, None)
 
     def _next_rid(self) -> int:
         with self._lock:

@@ -41,7 +41,7 @@ import numpy as np
 from .. import wire
 from ..errors import KVXError, PeerDisconnected, ProtocolError, RemoteError, TransferError, TransferTimeout, UsageError
 from ..memory import MemoryKind
-from .base import DoneRequest, Op, PreparedList, Request, Route, validate
+from .base import DoneRequest, Op, PreparedList, Request, Route, ThreadRequest, validate
 from .tcp.staging import MAX_STAGED_DESCS, Copier, HostCopier, Slot, SlotRing, cuda_copier
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def wanted(mode: str, tls: str | None, local: MemoryKind, remote: MemoryKind) ->
     names = [t.strip().lower() for t in tls.split(",")]
     if any(n == "all" for n in names):
         return False
-    return not any(n == d or n.startswith(d + "_") or n.startswith(d) for n in names for d in _DEVICE_RMA)
+    return not any(n.startswith(d) for n in names for d in _DEVICE_RMA)
 
 
 def effective_tls(opts_ucx: tuple[tuple[str, str], ...]) -> str | None:
@@ -79,31 +79,12 @@ def effective_tls(opts_ucx: tuple[tuple[str, str], ...]) -> str | None:
     return os.environ.get("UCX_TLS")
 
 
-class StagedRequest(Request):
-    """A staged transfer running on the stager's pool."""
+class StagedRequest(ThreadRequest):
+    """A staged transfer running on the stager's pool (its chunks are not abandoned midway:
+    ``cancel`` cannot stop it)."""
 
-    __slots__ = ("_done", "_err", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._done = threading.Event()
-        self._err: BaseException | None = None
-
-    def finish(self, err: BaseException | None) -> None:
-        self._err = err
-        self._done.set()
-
-    def test(self) -> bool:
-        if not self._done.is_set():
-            return False
-        if self._err is not None:
-            raise self._err
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        if not self._done.wait(max(0.0, timeout)):
-            return False
-        return self.test()
+    def cancel(self) -> bool:
+        return False
 
 
 def _bytes(a: np.ndarray) -> bytes:
@@ -285,17 +266,7 @@ class Stager:
             raise PeerDisconnected(f"peer {p.name!r}: {exc.strerror or exc}") from exc
 
     def _reply(self, p: _Peer, rid: int, t: str) -> dict[str, Any]:
-        b = self.b
-        deadline = time.monotonic() + self.timeout
-        with b._cv:
-            while rid not in b._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or b._closed:
-                    break
-                if p.dead is not None or b.w.ep_status(p.ep) != 0:
-                    raise PeerDisconnected(f"peer {p.name!r} failed during a staged transfer")
-                b._cv.wait(min(left, 0.05))
-            rep = b._replies.pop(rid, None)
+        rep = self.b._await_reply(p.ep, rid, self.timeout, f"peer {p.name!r}, staged transfer", peer=p)
         if rep is None:
             raise TransferTimeout(f"peer {p.name!r} did not answer a staged chunk within {self.timeout:.1f} s")
         if rep.get("t") != t:
