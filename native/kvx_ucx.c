@@ -17,7 +17,10 @@
  *   byte, and answers each batch; the transfer is done when every batch is answered.
  * - Progress: a thread that runs ucp_worker_progress under the worker lock, arms the worker
  *   (ucp_worker_arm) and sleeps in epoll on the worker's event fd plus an eventfd for wakeups:
- *   no busy core when idle.
+ *   no busy core when idle. A caller blocked in wait() progresses the worker itself while its
+ *   transfer moves (as a NIXL initiator polls): the thread stands aside meanwhile, so the two
+ *   do not take turns on the lock and the CPU; a waiter whose transfer makes no progress for
+ *   WAIT_IDLE_S leaves the worker to the thread and sleeps until the transfer ends.
  * - Failure: endpoints use UCP_ERR_HANDLING_MODE_PEER; the error callback marks the endpoint
  *   failed and the progress thread force-closes it, which completes its pending operations with
  *   an error. An endpoint with pending work that completes nothing for ``peer_timeout`` seconds
@@ -48,7 +51,7 @@
 #define AM_ID 0
 #define AM_MAX (16 << 20) /* largest control message accepted */
 #define AM_QMAX 65536    /* most queued, undrained messages */
-#define WAIT_SPIN_S 50e-6 /* how long a waiter progresses the worker itself */
+#define WAIT_IDLE_S 1e-3 /* a waiter progresses the worker itself until this long without progress */
 /* batched active-message transfers (transports without real RMA: tcp, shared-memory mm) */
 #define AM_WREQ 1        /* write batch: header am_hdr + entries, payload the blocks' bytes */
 #define AM_ACK 2         /* a batch's answer: am_ack (data) */
@@ -130,6 +133,7 @@ typedef struct kworker {
     pthread_mutex_t lk;
     pthread_cond_t cv;    /* a transfer finished */
     pthread_cond_t amcv;  /* a message arrived */
+    pthread_cond_t idlecv; /* the last waiter stopped progressing the worker */
     int efd, wakefd, epfd;
     pthread_t thr;
     int thr_started;
@@ -149,6 +153,7 @@ typedef struct kworker {
     size_t max_hdr;       /* UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER */
     long refused;         /* batches refused (validation) */
     long batches;         /* batches sent */
+    int spinners;         /* waiters progressing the worker themselves (the thread stands aside) */
 } kworker;
 
 typedef struct {
@@ -305,13 +310,16 @@ static int reap_failed(kworker *w) {
 /*
  * UCX's wakeup does not signal everything a transport still holds after ucp_worker_arm: a tcp
  * send waiting for the socket to drain is pushed on only by the next progress call. So the
- * thread escalates: within SPIN_S of the last progress made (or while a transfer of this
- * worker is pending and progressing) it keeps progressing, yielding the CPU between rounds;
- * within ACTIVE_S it sleeps at most NAP_NS between rounds; idle, it sleeps until the event fd
- * or a post wakes it (no busy core).
+ * thread escalates: within SPIN_S of the last progress made it keeps progressing, yielding the
+ * CPU between rounds (a target answering back-to-back small operations stays awake: 40 us per
+ * 4 KiB write instead of ~85 us without the spin); within ACTIVE_S (or while a transfer of this
+ * worker is pending) it sleeps at most NAP_NS between rounds; idle, it sleeps until the event
+ * fd or a post wakes it (no busy core). While a waiter progresses the worker itself
+ * (spinners > 0) the thread sleeps on idlecv, so the two do not take turns on the lock and the
+ * CPU (2 MiB tcp writes on 2 cores: 4.0-4.4 GB/s when they did, 4.4-5.2 after, alternated runs).
  */
 #define ACTIVE_S 0.05
-#define SPIN_S 100e-6
+#define SPIN_S 50e-6
 #define NAP_NS 200000L
 
 static void *progress_main(void *arg) {
@@ -321,6 +329,14 @@ static void *progress_main(void *arg) {
     for (;;) {
         pthread_mutex_lock(&w->lk);
         if (w->stop) { pthread_mutex_unlock(&w->lk); break; }
+        if (w->spinners > 0) {
+            struct timespec ts;
+            abs_deadline(&ts, 0.01);
+            pthread_cond_timedwait(&w->idlecv, &w->lk, &ts);
+            pthread_mutex_unlock(&w->lk);
+            last_active = now_s();
+            continue;
+        }
         unsigned got = 0, k;
         while ((k = ucp_worker_progress(w->worker)) != 0) got += k;
         int busy = reap_failed(w);
@@ -651,6 +667,7 @@ static int worker_init(kworker *w, PyObject *args, PyObject *kw) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&w->cv, &ca);
     pthread_cond_init(&w->amcv, &ca);
+    pthread_cond_init(&w->idlecv, &ca);
     pthread_condattr_destroy(&ca);
     w->is_open = 1;
     if (pthread_create(&w->thr, NULL, progress_main, w) != 0) {
@@ -1596,17 +1613,21 @@ static PyObject *xfer_wait(XferObject *o, PyObject *args) {
     ucs_status_t st;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
-    /* a short transfer completes within a few round trips: the waiter progresses the worker
-       itself for up to WAIT_SPIN_S (no thread hop), then sleeps until the progress thread
-       finishes the transfer */
-    double spin_until = now_s() + (timeout < WAIT_SPIN_S ? timeout : WAIT_SPIN_S);
-    while (!o->x->done && w->is_open && !w->stop && now_s() < spin_until) {
-        if (ucp_worker_progress(w->worker) == 0) {
-            pthread_mutex_unlock(&w->lk);
-            sched_yield();
-            pthread_mutex_lock(&w->lk);
-        }
+    /* the waiter progresses the worker itself while its transfer moves (no thread hop, no
+       turns on the lock with the progress thread, which stands aside), then, after WAIT_IDLE_S
+       without progress or at its deadline, sleeps until the progress thread finishes it */
+    double t0 = now_s(), until = t0 + (timeout > 0 ? timeout : 0), seen = t0, reaped = t0;
+    w->spinners++;
+    while (!o->x->done && w->is_open && !w->stop) {
+        double t = now_s();
+        if (t >= until || t - seen > WAIT_IDLE_S) break;
+        if (t - reaped > WAIT_IDLE_S) { reap_failed(w); reaped = t; }
+        unsigned got = ucp_worker_progress(w->worker);
+        pthread_mutex_unlock(&w->lk);
+        if (got) seen = now_s(); else sched_yield();
+        pthread_mutex_lock(&w->lk);
     }
+    if (--w->spinners == 0) pthread_cond_signal(&w->idlecv);
     if (!o->x->done && timeout > 0) {
         struct timespec ts;
         abs_deadline(&ts, timeout);

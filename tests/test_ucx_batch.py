@@ -233,7 +233,8 @@ def _backend(a: kvx.Agent) -> Any:
 @pytest.mark.parametrize("bs,batched", [(4096, True), (64 << 10, False)])
 def test_small_blocks_over_tcp_go_batched(tcp_env: None, bs: int, batched: bool) -> None:
     """Over tcp, writes of small blocks travel as batched messages (many blocks per message),
-    larger ones as UCX puts; reads of up to 64 KiB blocks go batched; bytes exact either way."""
+    larger ones as UCX puts; reads go batched at every block size (a 64 KiB block in two 32 KiB
+    pieces, one answer each); bytes exact either way."""
     with _agent("a") as a, _agent("b") as b:
         n = 64
         src = pattern(n * bs, 3)
@@ -256,9 +257,49 @@ def test_small_blocks_over_tcp_go_batched(tcp_env: None, bs: int, batched: bool)
         lb = a.prepare(kvx.DescList.blocks(a.register(back), bs))
         s1 = int(w.stats()["batches"])
         a.read(lb, perm, rem, np.arange(n)).wait(10)
-        # reads: one zero-copy segment per answer, so 64 KiB blocks travel one per batch
-        assert (0 < int(w.stats()["batches"]) - s1 < n) if batched else int(w.stats()["batches"]) - s1 == n
+        # reads: one zero-copy segment (64 KiB - 64) per answer, so 64 KiB blocks take two
+        assert (0 < int(w.stats()["batches"]) - s1 < n) if batched else int(w.stats()["batches"]) - s1 == 2 * n
         assert np.array_equal(back.reshape(n, bs)[perm], dst.reshape(n, bs))
+
+
+def _lists(reg: kvx.Registration, sizes: list[int]) -> kvx.DescList:
+    """Consecutive blocks of the given sizes from the start of ``reg``."""
+    d = reg.descs
+    off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+    return kvx.DescList.from_arrays(kind=d.kind, addr=int(d.addr[0]) + off, nbytes=np.array(sizes, np.uint64))
+
+
+def test_batched_reads_cut_large_blocks_into_pieces(tcp_env: None) -> None:
+    """Over tcp a read of blocks larger than one answer asks for them in pieces: odd sizes
+    around the piece boundaries (one byte over, a few pieces, a 4 KiB-rounded piece that would
+    not fit) arrive byte-exact in a permuted order; a pair of blocks of
+    different sizes is a UsageError and moves nothing."""
+    bb = (64 << 10) - 64
+    sizes = [1, bb, bb + 1, 2 * bb, 130000, 300001, 4096, 1 << 20]
+    total = sum(sizes)
+    with _agent("a") as a, _agent("b") as b:
+        src = pattern(total, 9)
+        back = np.zeros(total, np.uint8)
+        rb, ra = b.register(src), a.register(back)
+        peer = a.add_peer(b.metadata())
+        rem = a.prepare(_lists(rb, sizes), peer=peer)
+        perm = np.random.default_rng(2).permutation(len(sizes))
+        # local block i receives remote block perm[i]: local sizes follow the permutation
+        lsizes = [sizes[j] for j in perm]
+        loc = a.prepare(_lists(ra, lsizes))
+        w = _backend(a).w
+        s0 = int(w.stats()["batches"])
+        a.read(loc, np.arange(len(sizes)), rem, perm).wait(10)
+        # every answer carries at most bb bytes (unsplit, the 1 MiB block would be one answer)
+        assert int(w.stats()["batches"]) - s0 >= -(-total // bb)
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        loffs = np.concatenate([[0], np.cumsum(lsizes)])
+        for i, j in enumerate(perm):
+            assert np.array_equal(back[loffs[i]:loffs[i + 1]], src[offs[j]:offs[j + 1]]), (i, j)
+        back[:] = 0
+        with pytest.raises(kvx.UsageError):
+            a.read(loc, [0, 1], rem, [perm[1], perm[0]]).wait(10)
+        assert not back.any()
 
 
 def test_batched_write_after_target_release_is_refused(tcp_env: None) -> None:

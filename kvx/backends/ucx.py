@@ -158,13 +158,14 @@ class UcxOptions:
         message, validated and landed by the target) or as one UCX put/get per block.
         ``"auto"``: batched where the peer's endpoint has no RDMA or GPU transport (rc, dc,
         cuda_ipc, gdr_copy) and the list pair's largest block is at most
-        :attr:`batch_max_block` (reads over transports without any one-sided operation, i.e.
-        tcp, where UCX emulates each get with a round trip of its own: at most
-        :attr:`batch_read_max_block`). ``"always"``/``"never"`` force one way. CUDA memory
-        always goes one-sided.
+        :attr:`batch_max_block`; reads over transports without any one-sided operation (tcp,
+        where UCX emulates each get with a software round trip) at every block size.
+        ``"always"``/``"never"`` force one way. CUDA memory always goes one-sided.
     batch_bytes, batch_read_bytes
         The most bytes one batched write / one batched read answer carries (a larger block
-        travels alone). Reads stay within one zero-copy segment of UCX's tcp transport.
+        travels alone in a write; a read asks for it in pieces of at most
+        ``batch_read_bytes``). Read answers stay within one zero-copy segment of UCX's tcp
+        transport: a larger answer is sent in 8 KiB copied fragments.
     batch_max_block
         See :attr:`batch`: above it, writes go as UCX's zero-copy puts (over tcp they land
         straight from the socket, where a batch is copied once more at the target) and, over
@@ -191,7 +192,6 @@ class UcxOptions:
     batch_bytes: int = 1 << 20
     batch_read_bytes: int = (64 << 10) - 64
     batch_max_block: int = 16 << 10
-    batch_read_max_block: int = 64 << 10
     stage: str = _cfg.option("KVX_UCX_STAGE")
     stage_bytes: int = _cfg.option("KVX_UCX_STAGE_BYTES")
     stage_slots: int = _cfg.option("KVX_UCX_STAGE_SLOTS")
@@ -348,7 +348,7 @@ class _UcxRoute(Route):
     """A list pair resolved once: both prepared sides (address, size and handle arrays, the
     slots and generations under them), the peer and the native post."""
 
-    __slots__ = ("_am", "_bb", "_lp", "_peer", "_rd", "_rp")
+    __slots__ = ("_am", "_bb", "_lp", "_peer", "_rd", "_rp", "_split")
 
     def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
         super().__init__(backend, op, local, remote)
@@ -359,11 +359,12 @@ class _UcxRoute(Route):
         o = backend.opts
         big = int(self._lp.nbytes.max()) if self._lp.nbytes.size else 0
         tier = self._peer.rma
-        auto = tier < 2 and (big <= o.batch_max_block or (tier == 0 and op is Op.READ
-                                                           and big <= o.batch_read_max_block))
+        auto = tier < 2 and (big <= o.batch_max_block or (tier == 0 and op is Op.READ))
         self._bb = o.batch_read_bytes if op is Op.READ else o.batch_bytes
         self._am = (self._lp.host and self._rp.host and self._peer.cookie != 0
                     and (o.batch == "always" or (o.batch == "auto" and auto)))
+        # a batched read asks for blocks larger than one answer in pieces (see _pieces)
+        self._split = self._am and op is Op.READ and big > self._bb
 
     def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
         b: UcxBackend = self.backend  # type: ignore[assignment]
@@ -381,7 +382,12 @@ class _UcxRoute(Route):
                 assert p.session is not None
                 note = p.session.seal(b.me, "i", wire.pack("notif", msg=notify))
             try:
-                if self._am:
+                if self._split:
+                    la, ln, ls, ra, rs, rg = self._pieces(li, ri)
+                    ix = np.arange(la.shape[0], dtype=np.int64)
+                    x = b.w.post_am(self._rd, p.ep, ix, la, ln, ls, ix, ra, ln, rs, rg, None, p.cookie, self._bb,
+                                    note)
+                elif self._am:
                     x = b.w.post_am(self._rd, p.ep, li, lp.addr, lp.nbytes, lp.slot, ri, rp.addr, rp.nbytes,
                                     rp.slot, rp.gen, None, p.cookie, self._bb, note)
                 else:
@@ -392,6 +398,33 @@ class _UcxRoute(Route):
             except BAD_INDEX as exc:  # the native bounds and length checks
                 raise UsageError(f"bad transfer request: {exc}") from None
         return _UcxRequest(x, f"peer {p.name!r}")
+
+    def _pieces(self, li: np.ndarray, ri: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The blocks of a batched read cut into pieces that each fill one answer: a block of
+        ``n`` bytes becomes ``k = ceil(n / batch_read_bytes)`` pieces of about ``n / k`` bytes
+        (rounded up to 4 KiB where that still fits). Returns local address, length, region slot;
+        remote address, region slot, generation (one entry per piece, a block's pieces
+        consecutive). The index lists are checked here as the native post checks them."""
+        lp, rp, bb = self._lp, self._rp, self._bb
+        nl, nr = lp.addr.shape[0], rp.addr.shape[0]
+        if li.size and (int(li.min()) < 0 or int(li.max()) >= nl or int(ri.min()) < 0 or int(ri.max()) >= nr):
+            raise UsageError("bad transfer request: index out of range")
+        n = lp.nbytes[li]
+        if not np.array_equal(n, rp.nbytes[ri]):
+            raise UsageError("bad transfer request: local and remote blocks differ in size")
+        n = n.astype(np.int64)
+        k = np.maximum(-(-n // bb), 1)
+        q = np.maximum(-(-n // k), 1)
+        q4 = -(-q // 4096) * 4096
+        q = np.where(q4 <= bb, q4, q)
+        k = np.maximum(-(-n // q), 1)
+        first = np.cumsum(k) - k
+        within = np.arange(int(k.sum()), dtype=np.int64) - np.repeat(first, k)
+        off = within * np.repeat(q, k)
+        ln = np.minimum(np.repeat(n, k) - off, np.repeat(q, k)).astype(np.uint64)
+        off = off.astype(np.uint64)
+        return (np.repeat(lp.addr[li], k) + off, ln, np.repeat(lp.slot[li], k),
+                np.repeat(rp.addr[ri], k) + off, np.repeat(rp.slot[ri], k), np.repeat(rp.gen[ri], k))
 
 
 # ---- the backend ----------------------------------------------------------------------------
