@@ -67,6 +67,7 @@ def bench_options(a: argparse.Namespace) -> BenchOptions:
         seg=(seg[0], seg[-1]),
         peer=a.peer,
         latency_samples=a.latency_samples,
+        rounds=a.rounds,
         path=a.path,
     )
     checks.check(opts, json_path=a.json, plot_path=a.plot)
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--total", type=_size, default=256 << 20, help="bytes per buffer (default 256M)")
     b.add_argument("--iters", type=int, default=5,
                    help="timed transfers per point (median), after a warm-up of at least 20 ms")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="run kvx and each --compare this many times, alternately, and report medians "
+                        "(ratios with their per-round range): for noisy, shared machines (default 1)")
     b.add_argument("--no-permute", action="store_true", help="contiguous block ids (default: permuted)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--compare", default="", help="comma list of comparisons: nixl, mooncake (tcp)")

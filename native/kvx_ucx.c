@@ -1030,6 +1030,7 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
     x->notif_len = (size_t)nlen;
     ncopy = NULL;
     ucs_status_t st = UCS_OK;
+    int finished = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
     kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
@@ -1060,9 +1061,11 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
         x->done = 1;
         x->status = st;
     }
+    /* completed while posting (a kernel copy) and no notification left to push: no thread hop */
+    finished = x->done && !x->notif;
     pthread_mutex_unlock(&w->lk);
     Py_END_ALLOW_THREADS
-    wake(w);
+    if (!finished) wake(w);
     res = xfer_new(w, x);
     if (!res) {
         pthread_mutex_lock(&w->lk);
@@ -1106,6 +1109,7 @@ static PyObject *worker_flush(kworker *w, PyObject *args) {
     if (!x) return PyErr_NoMemory();
     x->w = w;
     x->refs = 1;
+    int finished = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
     kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
@@ -1115,9 +1119,10 @@ static PyObject *worker_flush(kworker *w, PyObject *args) {
     } else {
         issue_flush(w, e, x, UCS_OK);
     }
+    finished = x->done;
     pthread_mutex_unlock(&w->lk);
     Py_END_ALLOW_THREADS
-    wake(w);
+    if (!finished) wake(w);
     PyObject *res = xfer_new(w, x);
     if (!res) {
         pthread_mutex_lock(&w->lk);

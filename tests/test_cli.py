@@ -82,6 +82,38 @@ def test_bench_without_latency_test(tmp_path: Path) -> None:
         assert r.returncode == 2 and "must be" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_rounds_report_medians(tmp_path: Path) -> None:
+    """``--rounds 3`` runs the benchmark three times and reports per point the median of the
+    three rounds' figures, keeping each round's; a bad count is one line and exit 2."""
+    out = tmp_path / "b.json"
+    r = kvx("bench", "--backend", "host", "--total", "1M", "--block-sizes", "256K", "--iters", "1", "--rounds", "3",
+            "--latency-samples", "20", "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    bw = [x for x in rows if x["impl"] == "kvx" and "gbps" in x]
+    assert len(bw) == 2
+    for x in bw:
+        assert x["rounds"] == 3 and len(x["gbps_rounds"]) == 3
+        assert x["gbps"] == sorted(x["gbps_rounds"])[1]
+    assert all(x["rounds"] == 3 for x in rows if "lat_us_median" in x)
+    for bad in ("0", "101", "x"):
+        r = kvx("bench", "--backend", "host", "--total", "64K", "--block-sizes", "16K", "--rounds", bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_merge_rounds_ratio_spread() -> None:
+    """The table's ratio is of the medians, with the lowest and highest per-round ratio."""
+    from kvx.bench import format_table, merge_rounds
+
+    def rnd(a: float, b: float) -> list[dict[str, object]]:
+        return [{"impl": "kvx", "op": "write", "block_bytes": 4096, "gbps": a},
+                {"impl": "nixl", "op": "write", "block_bytes": 4096, "gbps": b}]
+
+    rows = merge_rounds([rnd(2.0, 1.0), rnd(3.0, 1.0), rnd(1.0, 2.0)])
+    assert [x["gbps"] for x in rows] == [2.0, 1.0]
+    assert "| write | 4K | 2.00 | 1.00 | 2.00x (0.50-3.00) |" in format_table(rows)
+
+
 def test_bench_path_must_be_a_directory(tmp_path: Path) -> None:
     """A mistyped ``--path`` is an error, not a directory created on the way."""
     missing = tmp_path / "no" / "such"

@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -88,6 +89,7 @@ class BenchOptions:
     seg: tuple[str, str] = ("dram", "dram")  # local, remote: dram | pinned | vram
     peer: str | None = None  # host:port of a remote bench target (tcp)
     latency_samples: int = 2000
+    rounds: int = 1  # kvx and its comparisons run this many times, alternately; medians reported
     path: str | None = None  # directory for file benchmarks
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -208,7 +210,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             cells = [op, fmt_size(bs)] + [f"{vals[i]:.2f}" if i in vals else "-" for i in impls]
             for i in impls[1:]:
                 if kvx_impl in vals and i in vals and vals[i] > 0:
-                    cells.append(f"{vals[kvx_impl] / vals[i]:.2f}x")
+                    cells.append(f"{vals[kvx_impl] / vals[i]:.2f}x" + _spread(bw, kvx_impl, i, op, bs))
                 else:
                     cells.append("-")
             lines.append("| " + " | ".join(cells) + " |")
@@ -221,6 +223,45 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['impl']} | {r['op']} | {fmt_size(r['block_bytes'])} | {r['lat_us_median']:.1f} | "
                          f"{r['lat_us_p99']:.1f} |")
     return "\n".join(lines)
+
+
+def _spread(bw: list[dict[str, Any]], a: str, b: str, op: str, bs: int) -> str:
+    """`` (lo-hi)``: the lowest and highest per-round ratio a/b where the point ran in rounds."""
+    ra = next((r.get("gbps_rounds") for r in bw if (r["impl"], r["op"], r["block_bytes"]) == (a, op, bs)), None)
+    rb = next((r.get("gbps_rounds") for r in bw if (r["impl"], r["op"], r["block_bytes"]) == (b, op, bs)), None)
+    if not ra or not rb or len(ra) != len(rb) or len(ra) < 2:
+        return ""
+    q = [x / y for x, y in zip(ra, rb) if y > 0]
+    return f" ({min(q):.2f}-{max(q):.2f})" if q else ""
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of several rounds as one set: per (impl, op, block) the median GB/s (every round's
+    in ``gbps_rounds``, in round order) and the median of the latency figures."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for r in rows:
+            k = (r["impl"], r["op"], r["block_bytes"], "gbps" in r)
+            if k not in groups:
+                groups[k] = []
+                out.append(r)
+            groups[k].append(r)
+    merged = []
+    for r in out:
+        g = groups[(r["impl"], r["op"], r["block_bytes"], "gbps" in r)]
+        m = dict(r)
+        m["rounds"] = len(g)
+        if "gbps" in r:
+            m["gbps_rounds"] = [x["gbps"] for x in g]
+            m["gbps"] = statistics.median(m["gbps_rounds"])
+        for key in ("lat_us_median", "lat_us_p99"):
+            if key in r:
+                m[key] = statistics.median(x[key] for x in g)
+        merged.append(m)
+    return merged
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -262,15 +303,18 @@ def runner(name: str) -> Callable[[BenchOptions, Progress], list[dict[str, Any]]
 def run(opts: BenchOptions, quiet: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run the kvx benchmark, its comparisons and ceiling; return (header, rows)."""
     hdr = header(opts)
-    steps = len(opts.ops) * (len(opts.block_sizes) + 2 * len(opts.compare)) + 3
+    steps = (len(opts.ops) * (len(opts.block_sizes) + 2 * len(opts.compare)) + 3) * max(1, opts.rounds)
     prog = Progress(steps, quiet)
+    rounds = []
     try:
-        rows = runner(opts.backend)(opts, prog)
-        for c in opts.compare:
-            rows += runner(f"compare_{c}")(opts, prog)
+        for _ in range(max(1, opts.rounds)):
+            rows = runner(opts.backend)(opts, prog)
+            for c in opts.compare:
+                rows += runner(f"compare_{c}")(opts, prog)
+            rounds.append(rows)
     finally:
         prog.close()
-    return hdr, rows
+    return hdr, merge_rounds(rounds)
 
 
 def dump_json(path: str, hdr: dict[str, Any], rows: list[dict[str, Any]], opts: BenchOptions) -> None:

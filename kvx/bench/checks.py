@@ -38,6 +38,7 @@ MAX_TOTAL = 1 << 50
 
 #: Most timed runs per point (``--iters``) and latency samples taken.
 MAX_ITERS = 1_000_000
+MAX_ROUNDS = 100
 
 _SEGS = ("dram", "pinned", "vram")
 
@@ -67,6 +68,8 @@ def _check_numbers(opts: BenchOptions) -> None:
         raise UsageError(f"--total must be > 0 and at most {fmt_size(MAX_TOTAL)}, not {opts.total}")
     if not 1 <= opts.iters <= MAX_ITERS:
         raise UsageError(f"--iters must be in 1..{MAX_ITERS}, not {opts.iters}")
+    if not 1 <= opts.rounds <= MAX_ROUNDS:
+        raise UsageError(f"--rounds must be in 1..{MAX_ROUNDS}, not {opts.rounds}")
     if not 0 <= opts.latency_samples <= MAX_ITERS:
         raise UsageError(f"--latency-samples must be in 0..{MAX_ITERS}, not {opts.latency_samples}")
     if opts.seed < 0:
