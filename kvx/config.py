@@ -183,7 +183,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_BENCH_GPU_NAME", str, None, "GPU name printed in the kvx bench header (set by gpu_check.sh)."),
         Setting("KVX_NIXL_LOG", _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True), "WARNING",
                 "Log level of the NIXL comparison's child processes."),
-        Setting("KVX_TCP_STAGE_BYTES", _int(64 << 10, 1 << 30), 4 << 20,
+        Setting("KVX_TCP_STAGE_BYTES", _int(64 << 10, 1 << 30), 8 << 20,
                 "Bytes per pinned staging slot of the tcp backend: the largest frame of a transfer touching "
                 "CUDA memory."),
         Setting("KVX_TCP_STAGE_SLOTS", _int(2, 64), 4,
