@@ -157,6 +157,25 @@ def test_release_revokes_and_later_writes_fail(tcp_env: None) -> None:
         assert a.backend("ucx")._peers[peer].rkeys == {}  # destroyed after the revoke
 
 
+def test_local_release_stops_a_used_route(tcp_env: None) -> None:
+    """A list pair that already moved data (its route's check passed) stops at its next post once
+    its local registration is released: UsageError, nothing moved (batched and one-sided)."""
+    for bs in (4096, 256 << 10):
+        with _agent("a") as a, _agent("b") as b:
+            dst = np.zeros(4 * bs, np.uint8)
+            rb = b.register(dst)
+            peer = a.add_peer(b.metadata())
+            ra = a.register(pattern(4 * bs, 5))
+            loc = a.prepare(kvx.DescList.blocks(ra, bs))
+            rem = a.prepare(kvx.DescList.blocks(rb.descs, bs), peer=peer)
+            a.write(loc, [0], rem, [0]).wait(10)
+            before = digest(dst)
+            ra.release()
+            with pytest.raises(kvx.UsageError):
+                a.write(loc, [1, 2], rem, [1, 2]).wait(10)
+            assert digest(dst) == before
+
+
 def test_wrong_token_is_refused(tcp_env: None) -> None:
     with _agent("target", auth_token=TOKEN) as t:
         dst = np.zeros(4096, np.uint8)

@@ -351,7 +351,7 @@ class _UcxRoute(Route):
     """A list pair resolved once: both prepared sides (address, size and handle arrays, the
     slots and generations under them), the peer and the native post."""
 
-    __slots__ = ("_am", "_bb", "_few", "_lp", "_peer", "_rd", "_rp", "_split")
+    __slots__ = ("_am", "_bb", "_few", "_lp", "_ok", "_peer", "_rd", "_rp", "_split")
 
     def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList) -> None:
         super().__init__(backend, op, local, remote)
@@ -368,6 +368,7 @@ class _UcxRoute(Route):
                     and (o.batch == "always" or (o.batch == "auto" and auto)))
         # a batched read asks for blocks larger than one answer in pieces (see _pieces)
         self._split = self._am and op is Op.READ and big > self._bb
+        self._ok = -1  # the backend's generation epoch at which this pair's registrations were last seen live
         # over a kernel copy (cma) a transfer of a few blocks goes one-sided all the same: each
         # is one process_vm_writev/readv in the posting call, where a batch waits for the
         # target's answer (a 4 KiB write: ~5 us instead of ~25 us)
@@ -380,10 +381,12 @@ class _UcxRoute(Route):
         if li.size == 0 and notify is None:
             return DoneRequest(0)
         with b._lock:
-            if not np.array_equal(p.rgen[rp.used], rp.gens):
-                raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
-            if not np.array_equal(b._lgen[lp.used], lp.gens):
-                raise UsageError("a registration under this prepared list was released; prepare again")
+            if self._ok != b._epoch:  # a registration or remote key changed somewhere: look again
+                if not np.array_equal(p.rgen[rp.used], rp.gens):
+                    raise RemoteError(f"peer {p.name!r} released a registration under this prepared list")
+                if not np.array_equal(b._lgen[lp.used], lp.gens):
+                    raise UsageError("a registration under this prepared list was released; prepare again")
+                self._ok = b._epoch
             note = None
             if notify is not None:
                 assert p.session is not None
@@ -462,6 +465,9 @@ class UcxBackend(Backend):
         self._address: bytes = self.w.address()
         self._mem: dict[int, tuple[int, bytes, int, Any]] = {}  # slot -> (memh, packed rkey, gen, region)
         self._lgen = np.zeros(MAX_SLOTS, dtype=np.int64)
+        # bumped (under _lock) whenever _lgen or any peer's rgen changes: a route whose check passed
+        # at the current epoch needs no new look at the generation tables
+        self._epoch = 0
         self._memh = np.zeros(MAX_SLOTS, dtype=_U64)
         self._peers: dict[str, _Peer] = {}
         self._peers_by_id: dict[str, _Peer] = {}
@@ -494,6 +500,7 @@ class UcxBackend(Backend):
             self._mem[slot] = (memh, packed, gen, region)
             self._memh[slot] = memh
             self._lgen[slot] = gen
+            self._epoch += 1
         if region.kind == MemoryKind.HOST:  # batched messages may reach it (validated per block)
             self.w.region_add(slot, gen & 0xFFFFFFFF, region.addr, region.nbytes)
         return slot
@@ -506,6 +513,7 @@ class UcxBackend(Backend):
                 return
             memh, _packed, gen, _r = ent
             self._lgen[slot] = 0  # our own posts from this memory stop here
+            self._epoch += 1
             self._memh[slot] = 0
             del self._mem[slot]
             # no batched message lands in it or is served from it from here on (and none of our
@@ -703,6 +711,7 @@ class UcxBackend(Backend):
             keys = list(p.rkeys.values())
             p.rkeys.clear()
             p.rgen[:] = 0
+            self._epoch += 1
         self.w.ep_close(p.ep, 0.0, True)  # pending transfers fail with PeerDisconnected
         if self._stager is not None:
             self._stager.drop(p.id)
@@ -761,6 +770,7 @@ class UcxBackend(Backend):
                 return old[1]
             p.rkeys[slot] = (gen, h)
             p.rgen[slot] = gen
+            self._epoch += 1
         if old is not None:
             self.w.rkey_destroy(old[1])
         return int(h)
@@ -1017,6 +1027,7 @@ class UcxBackend(Backend):
                 if drop:
                     del p.rkeys[slot]
                     p.rgen[slot] = 0
+                    self._epoch += 1
                 pk = p.packed.get(slot)
                 if pk is not None and pk[0] == gen:
                     del p.packed[slot]
