@@ -977,6 +977,27 @@ static int u64buf(PyObject *o, Py_buffer *b, const char *what) {
 static PyObject *xfer_new(kworker *w, xfer *x);
 static void issue_flush(kworker *w, kep *e, xfer *x, ucs_status_t st);
 
+/* a new transfer of ``total`` bytes (one reference: the caller's) carrying a copy of the
+   notification ``notif`` (bytes, at most AM_MAX, or None); NULL with a Python error set */
+static xfer *xfer_make(kworker *w, uint64_t total, PyObject *notif) {
+    char *p = NULL;
+    Py_ssize_t nlen = 0;
+    if (notif != Py_None) {
+        if (PyBytes_AsStringAndSize(notif, &p, &nlen) < 0) return NULL;
+        if (nlen > AM_MAX) { PyErr_SetString(PyExc_ValueError, "notification too large"); return NULL; }
+    }
+    xfer *x = calloc(1, sizeof(xfer));
+    char *copy = notif != Py_None ? malloc(nlen ? nlen : 1) : NULL;
+    if (!x || (notif != Py_None && !copy)) { free(x); free(copy); PyErr_NoMemory(); return NULL; }
+    if (copy) memcpy(copy, p, nlen);
+    x->w = w;
+    x->refs = 1;
+    x->nbytes = total;
+    x->notif = copy;
+    x->notif_len = (size_t)nlen;
+    return x;
+}
+
 /*
  * post(op, ep, lidx, laddr, lnb, lmemh, ridx, raddr, rnb, rkey, notif=None) -> Xfer
  *   op: 0 write (put), 1 read (get). lidx/ridx: int64 indices into the (full) prepared arrays;
@@ -994,8 +1015,6 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
     Py_buffer b[8];
     int got = 0;
     PyObject *res = NULL;
-    char *ncopy = NULL;
-    Py_ssize_t nlen = 0;
     for (; got < 8; got++)
         if (u64buf(o[got], &b[got], names[got]) < 0) goto out;
     Py_ssize_t n = b[0].len / 8, nl = b[1].len / 8, nr = b[5].len / 8;
@@ -1013,22 +1032,8 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
         if (ln[a] != rn[c]) { PyErr_Format(PyExc_ValueError, "descriptor lengths differ at position %zd", i); goto out; }
         total += ln[a];
     }
-    if (notif != Py_None) {
-        char *p;
-        if (PyBytes_AsStringAndSize(notif, &p, &nlen) < 0) goto out;
-        if (nlen > AM_MAX) { PyErr_SetString(PyExc_ValueError, "notification too large"); goto out; }
-        ncopy = malloc(nlen ? nlen : 1);
-        if (!ncopy) { PyErr_NoMemory(); goto out; }
-        memcpy(ncopy, p, nlen);
-    }
-    xfer *x = calloc(1, sizeof(xfer));
-    if (!x) { PyErr_NoMemory(); goto out; }
-    x->w = w;
-    x->refs = 1;
-    x->nbytes = total;
-    x->notif = ncopy;
-    x->notif_len = (size_t)nlen;
-    ncopy = NULL;
+    xfer *x = xfer_make(w, total, notif);
+    if (!x) goto out;
     ucs_status_t st = UCS_OK;
     int finished = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -1073,7 +1078,6 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
         pthread_mutex_unlock(&w->lk);
     }
 out:
-    free(ncopy);
     for (int i = 0; i < got; i++) PyBuffer_Release(&b[i]);
     return res;
 }
@@ -1171,8 +1175,6 @@ static PyObject *worker_post_am(kworker *w, PyObject *args) {
     Py_buffer b[9];
     int got = 0;
     PyObject *res = NULL;
-    char *ncopy = NULL;
-    Py_ssize_t nlen = 0;
     xfer *x = NULL;
     for (; got < 9; got++)
         if (u64buf(o[got], &b[got], names[got]) < 0) goto out;
@@ -1199,25 +1201,11 @@ static PyObject *worker_post_am(kworker *w, PyObject *args) {
         if (ln[a]) m++;
     }
     if (m > 0xffffffffLL) { PyErr_SetString(PyExc_ValueError, "too many blocks"); goto out; }
-    if (notif != Py_None) {
-        char *p;
-        if (PyBytes_AsStringAndSize(notif, &p, &nlen) < 0) goto out;
-        if (nlen > AM_MAX) { PyErr_SetString(PyExc_ValueError, "notification too large"); goto out; }
-        ncopy = malloc(nlen ? nlen : 1);
-        if (!ncopy) { PyErr_NoMemory(); goto out; }
-        memcpy(ncopy, p, nlen);
-    }
     size_t per = w->max_hdr > sizeof(am_hdr) ? (w->max_hdr - sizeof(am_hdr)) / sizeof(am_ent) : 0;
     if (per > AM_ENT_MAX) per = AM_ENT_MAX;
     if (per == 0) { PyErr_SetString(PyExc_ValueError, "UCX active message headers too small for batches"); goto out; }
-    x = calloc(1, sizeof(xfer));
-    if (!x) { PyErr_NoMemory(); goto out; }
-    x->w = w;
-    x->refs = 1;
-    x->nbytes = total;
-    x->notif = ncopy;
-    x->notif_len = (size_t)nlen;
-    ncopy = NULL;
+    x = xfer_make(w, total, notif);
+    if (!x) goto out;
     x->rd = op == 1;
     /* batch boundaries: at most ``per`` entries and (unless one block) ``bb`` bytes each */
     x->bstart = malloc(sizeof(uint32_t) * (m + 2));
@@ -1340,7 +1328,6 @@ out:
         xfer_unref(x);
         pthread_mutex_unlock(&w->lk);
     }
-    free(ncopy);
     for (int i = 0; i < got; i++) PyBuffer_Release(&b[i]);
     return res;
 }
