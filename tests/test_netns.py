@@ -43,23 +43,27 @@ def etcd(hosts: netns.TwoHosts) -> Iterator[Etcd]:
         e.stop()
 
 
-def _agent(hosts: netns.TwoHosts, etcd: Etcd, name: str, ns: str, addr: str, procs: list[Any]) -> netns.NsAgent:
-    a = netns.NsAgent(name, f"{addr}:0", etcd.endpoint, prefix=hosts.prefix(ns),
-                      config={"peer_timeout": PEER_TIMEOUT})
+def _agent(hosts: netns.TwoHosts, etcd: Etcd, name: str, ns: str, addr: str, procs: list[Any],
+           backends: tuple[str, ...] = ()) -> netns.NsAgent:
+    """An agent process in namespace ``ns`` (``backends``: the agent's, default its own choice)."""
+    config: dict[str, Any] = {"peer_timeout": PEER_TIMEOUT}
+    if backends:
+        config["backends"] = list(backends)
+    a = netns.NsAgent(name, f"{addr}:0", etcd.endpoint, prefix=hosts.prefix(ns), config=config)
     procs.append(a)
     return a
 
 
-def _connected_pair(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any]
+def _connected_pair(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any], backends: tuple[str, ...] = ()
                     ) -> tuple[netns.NsAgent, dict[str, Any], netns.NsAgent, dict[str, Any]]:
     """A target in namespace A (256 MiB registered with seed 0, published) and an initiator in B
     (seed 3) connected to it: (target, its registration, initiator, its registration)."""
-    tgt = _agent(hosts, etcd, "target", hosts.a, netns.ADDR_A, procs)
+    tgt = _agent(hosts, etcd, "target", hosts.a, netns.ADDR_A, procs, backends)
     tid = tgt.call(cmd="register", nbytes=TOTAL, seed=0)
     tgt.call(cmd="publish")
-    ini = _agent(hosts, etcd, "initiator", hosts.b, netns.ADDR_B, procs)
+    ini = _agent(hosts, etcd, "initiator", hosts.b, netns.ADDR_B, procs, backends)
     iid = ini.call(cmd="register", nbytes=TOTAL, seed=3)
-    ini.call(cmd="connect", peer="target")
+    assert ini.call(cmd="connect", peer="target")["peer"] == "target"
     return tgt, tid, ini, iid
 
 
@@ -70,9 +74,10 @@ def _expected(seed: int, n: int) -> str:
     return hashlib.blake2b(memoryview(exp), digest_size=16).hexdigest()
 
 
-def _other_reads(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any], tid: dict[str, Any]) -> netns.NsAgent:
+def _other_reads(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any], tid: dict[str, Any],
+                 backends: tuple[str, ...] = ()) -> netns.NsAgent:
     """A new agent in the target's namespace reads from the target (it still serves); returns it."""
-    other = _agent(hosts, etcd, "other", hosts.a, netns.ADDR_A, procs)
+    other = _agent(hosts, etcd, "other", hosts.a, netns.ADDR_A, procs, backends)
     oid = other.call(cmd="register", nbytes=16 * BS, seed=5)
     assert other.call(cmd="connect", peer="target")["peer"] == "target"
     other.call(cmd="start", op="read", id=oid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=2)
@@ -82,10 +87,10 @@ def _other_reads(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any], tid: dict[
 
 
 def _second_initiator(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any], tid: dict[str, Any], op: str,
-                      nbytes: int) -> tuple[netns.NsAgent, dict[str, Any]]:
+                      nbytes: int, backends: tuple[str, ...] = ()) -> tuple[netns.NsAgent, dict[str, Any]]:
     """A new initiator in B (``nbytes`` registered, seed 4) completes one ``op`` with the target:
     (it, its registration)."""
-    ini2 = _agent(hosts, etcd, "initiator2", hosts.b, netns.ADDR_B, procs)
+    ini2 = _agent(hosts, etcd, "initiator2", hosts.b, netns.ADDR_B, procs, backends)
     i2 = ini2.call(cmd="register", nbytes=nbytes, seed=4)
     ini2.call(cmd="connect", peer="target")
     ini2.call(cmd="start", op=op, id=i2["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1)

@@ -6,10 +6,21 @@ as tests/test_netns.py runs for the tcp backend)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
-from test_netns import BS, PEER_TIMEOUT, TOTAL, _expected, etcd, hosts  # noqa: F401 (fixtures)
+from test_netns import (  # noqa: F401
+    BS,
+    PEER_TIMEOUT,
+    TOTAL,
+    _connected_pair,
+    _expected,
+    _kill_target_mid_read,
+    _other_reads,
+    _second_initiator,
+    etcd,
+    hosts,
+)
 
 from kvx.backends import registry
 from kvx.testing import netns
@@ -26,28 +37,13 @@ def _ucx_tcp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _agent(hosts: netns.TwoHosts, etcd: Etcd, name: str, ns: str, addr: str,  # noqa: F811
-           procs: list[Any]) -> netns.NsAgent:
-    a = netns.NsAgent(name, f"{addr}:0", etcd.endpoint, prefix=hosts.prefix(ns),
-                      config={"peer_timeout": PEER_TIMEOUT, "backends": ["ucx"]})
-    procs.append(a)
-    return a
-
-
-def _pair(hosts: netns.TwoHosts, etcd: Etcd, procs: list[Any]) -> tuple[Any, Any, Any, Any]:  # noqa: F811
-    tgt = _agent(hosts, etcd, "target", hosts.a, netns.ADDR_A, procs)
-    tid = tgt.call(cmd="register", nbytes=TOTAL, seed=0)
-    tgt.call(cmd="publish")
-    ini = _agent(hosts, etcd, "initiator", hosts.b, netns.ADDR_B, procs)
-    iid = ini.call(cmd="register", nbytes=TOTAL, seed=3)
-    assert ini.call(cmd="connect", peer="target")["peer"] == "target"
-    return tgt, tid, ini, iid
+UCX = ("ucx",)
 
 
 def test_ucx_cross_host_link_cut_and_survivor(hosts: netns.TwoHosts, etcd: Etcd) -> None:  # noqa: F811
     procs: list[netns.NsAgent] = []
     try:
-        tgt, tid, ini, iid = _pair(hosts, etcd, procs)
+        tgt, tid, ini, iid = _connected_pair(hosts, etcd, procs, UCX)
         ini.call(cmd="start", op="write", id=iid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1)
         res = ini.call(cmd="result", timeout=120)
         assert res["status"] == "DONE", res
@@ -62,12 +58,7 @@ def test_ucx_cross_host_link_cut_and_survivor(hosts: netns.TwoHosts, etcd: Etcd)
         assert "PeerDisconnected" in res["err"] or "TransferTimeout" in res["err"], res
         assert res["t_end"] - t_cut < PEER_TIMEOUT + 2.0, res
         # the target keeps serving another peer on its side of the cut
-        other = _agent(hosts, etcd, "other", hosts.a, netns.ADDR_A, procs)
-        oid = other.call(cmd="register", nbytes=16 * BS, seed=5)
-        assert other.call(cmd="connect", peer="target")["peer"] == "target"
-        other.call(cmd="start", op="read", id=oid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=2)
-        res = other.call(cmd="result", timeout=60)
-        assert res["status"] == "DONE", res
+        _other_reads(hosts, etcd, procs, tid, UCX)
     finally:
         for p in procs:
             p.close()
@@ -80,16 +71,11 @@ def test_ucx_killed_initiator_target_survives(hosts: netns.TwoHosts, etcd: Etcd)
     the tcp transport's own put and the target survives (docs/networking.md)."""
     procs: list[netns.NsAgent] = []
     try:
-        tgt, tid, ini, iid = _pair(hosts, etcd, procs)
+        tgt, tid, ini, iid = _connected_pair(hosts, etcd, procs, UCX)
         ini.call(cmd="start", op="write", id=iid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1000)
         time.sleep(0.5)
         ini.kill()
-        ini2 = _agent(hosts, etcd, "initiator2", hosts.b, netns.ADDR_B, procs)
-        i2 = ini2.call(cmd="register", nbytes=TOTAL, seed=4)
-        ini2.call(cmd="connect", peer="target")
-        ini2.call(cmd="start", op="write", id=i2["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1)
-        res = ini2.call(cmd="result", timeout=120)
-        assert res["status"] == "DONE", res
+        _second_initiator(hosts, etcd, procs, tid, "write", TOTAL, UCX)
         assert tgt.call(cmd="digest", id=tid["id"])["digest"] == _expected(4, TOTAL // BS)
     finally:
         for p in procs:
@@ -101,16 +87,11 @@ def test_ucx_killed_initiator_mid_read_target_survives(hosts: netns.TwoHosts, et
     answers, so the target is still sending replies to the initiator when it dies."""
     procs: list[netns.NsAgent] = []
     try:
-        tgt, tid, ini, iid = _pair(hosts, etcd, procs)
+        tgt, tid, ini, iid = _connected_pair(hosts, etcd, procs, UCX)
         ini.call(cmd="start", op="read", id=iid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1000)
         time.sleep(0.5)
         ini.kill()
-        ini2 = _agent(hosts, etcd, "initiator2", hosts.b, netns.ADDR_B, procs)
-        i2 = ini2.call(cmd="register", nbytes=TOTAL, seed=4)
-        ini2.call(cmd="connect", peer="target")
-        ini2.call(cmd="start", op="write", id=i2["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1)
-        res = ini2.call(cmd="result", timeout=120)
-        assert res["status"] == "DONE", res
+        _second_initiator(hosts, etcd, procs, tid, "write", TOTAL, UCX)
         assert tgt.call(cmd="digest", id=tid["id"])["digest"] == _expected(4, TOTAL // BS)
     finally:
         for p in procs:
@@ -120,14 +101,8 @@ def test_ucx_killed_initiator_mid_read_target_survives(hosts: netns.TwoHosts, et
 def test_ucx_killed_target_mid_read_fails_within_bound(hosts: netns.TwoHosts, etcd: Etcd) -> None:  # noqa: F811
     procs: list[netns.NsAgent] = []
     try:
-        tgt, tid, ini, iid = _pair(hosts, etcd, procs)
-        ini.call(cmd="start", op="read", id=iid["id"], peer="target", descs=tid["descs"], bs=BS, repeat=1000)
-        time.sleep(0.5)
-        tgt.kill()
-        t_kill = time.monotonic()
-        res = ini.call(cmd="result", timeout=60)
-        assert res["status"] == "FAILED" and "PeerDisconnected" in res["err"], res
-        assert res["t_end"] - t_kill < PEER_TIMEOUT + 2.0, res
+        tgt, tid, ini, iid = _connected_pair(hosts, etcd, procs, UCX)
+        _kill_target_mid_read(tgt, tid, ini, iid["id"])
     finally:
         for p in procs:
             p.close()
