@@ -977,6 +977,15 @@ static int u64buf(PyObject *o, Py_buffer *b, const char *what) {
 static PyObject *xfer_new(kworker *w, xfer *x);
 static void issue_flush(kworker *w, kep *e, xfer *x, ucs_status_t st);
 
+/* endpoint ``id`` for a new post (under lk): UCS_OK, or why none can go out on it */
+static ucs_status_t ep_for_post(kworker *w, int id, kep **out) {
+    kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
+    *out = e;
+    if (!e) return UCS_ERR_INVALID_PARAM;
+    if (e->failed || e->closed) return e->status != UCS_OK ? e->status : UCS_ERR_CONNECTION_RESET;
+    return UCS_OK;
+}
+
 /* a new transfer of ``total`` bytes (one reference: the caller's) carrying a copy of the
    notification ``notif`` (bytes, at most AM_MAX, or None); NULL with a Python error set */
 static xfer *xfer_make(kworker *w, uint64_t total, PyObject *notif) {
@@ -1038,9 +1047,8 @@ static PyObject *worker_post(kworker *w, PyObject *args) {
     int finished = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
-    kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
-    if (!e) st = UCS_ERR_INVALID_PARAM;
-    else if (e->failed || e->closed) st = e->status != UCS_OK ? e->status : UCS_ERR_CONNECTION_RESET;
+    kep *e;
+    st = ep_for_post(w, id, &e);
     if (st == UCS_OK) {
         x->ep = e;
         ucp_request_param_t prm;
@@ -1240,9 +1248,8 @@ static PyObject *worker_post_am(kworker *w, PyObject *args) {
     int stale = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->lk);
-    kep *e = (id >= 0 && id < MAX_EPS) ? w->eps[id] : NULL;
-    if (!e) st = UCS_ERR_INVALID_PARAM;
-    else if (e->failed || e->closed) st = e->status != UCS_OK ? e->status : UCS_ERR_CONNECTION_RESET;
+    kep *e;
+    st = ep_for_post(w, id, &e);
     /* the local blocks lie in live HOST registrations (of this worker's table) */
     for (Py_ssize_t i = 0, j = 0; st == UCS_OK && i < n; i++) {
         int64_t a = li[i];
