@@ -388,6 +388,19 @@ def index_vector(idx: Any) -> np.ndarray:
     return np.ascontiguousarray(a.astype(np.int64, copy=False).reshape(-1))
 
 
+def paired_nbytes(li: np.ndarray, ri: np.ndarray, lnb: np.ndarray, rnb: np.ndarray) -> np.ndarray:
+    """The byte counts of a transfer's block pairs: ``lnb[li]``, after checking that every index
+    lies in its list (``lnb``/``rnb`` are the lists' sizes) and that each pair's blocks have one
+    size (else UsageError). ``li``/``ri``: int64 vectors of one length (``index_vector``)."""
+    if li.size and (int(li.min()) < 0 or int(li.max()) >= lnb.shape[0]
+                    or int(ri.min()) < 0 or int(ri.max()) >= rnb.shape[0]):
+        raise UsageError("bad transfer request: index out of range")
+    n = lnb[li]
+    if not np.array_equal(n, rnb[ri]):
+        raise UsageError("bad transfer request: local and remote blocks differ in size")
+    return n
+
+
 def index_array(idx: Any, n: int, what: str = "index") -> np.ndarray:
     """``idx`` as a checked int64 array of positions in a list of ``n`` descriptors (UsageError if not)."""
     try:

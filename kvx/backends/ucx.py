@@ -78,6 +78,7 @@ from .base import (
     Request,
     Route,
     index_vector,
+    paired_nbytes,
     region_rows,
 )
 
@@ -419,13 +420,7 @@ class _UcxRoute(Route):
         remote address, region slot, generation (one entry per piece, a block's pieces
         consecutive). The index lists are checked here as the native post checks them."""
         lp, rp, bb = self._lp, self._rp, self._bb
-        nl, nr = lp.addr.shape[0], rp.addr.shape[0]
-        if li.size and (int(li.min()) < 0 or int(li.max()) >= nl or int(ri.min()) < 0 or int(ri.max()) >= nr):
-            raise UsageError("bad transfer request: index out of range")
-        n = lp.nbytes[li]
-        if not np.array_equal(n, rp.nbytes[ri]):
-            raise UsageError("bad transfer request: local and remote blocks differ in size")
-        n = n.astype(np.int64)
+        n = paired_nbytes(li, ri, lp.nbytes, rp.nbytes).astype(np.int64)
         k = np.maximum(-(-n // bb), 1)
         q = np.maximum(-(-n // k), 1)
         q4 = -(-q // 4096) * 4096

@@ -41,7 +41,7 @@ import numpy as np
 from .. import wire
 from ..errors import KVXError, PeerDisconnected, ProtocolError, RemoteError, TransferError, TransferTimeout, UsageError
 from ..memory import MemoryKind
-from .base import DoneRequest, Op, PreparedList, Request, Route, ThreadRequest, validate
+from .base import DoneRequest, Op, PreparedList, Request, Route, ThreadRequest, paired_nbytes, validate
 from .tcp.staging import MAX_STAGED_DESCS, Copier, HostCopier, Slot, SlotRing, cuda_copier
 
 if TYPE_CHECKING:
@@ -223,12 +223,7 @@ class Stager:
     # ---- initiator ---------------------------------------------------------------------------
     def post(self, route: StagedRoute, li: np.ndarray, ri: np.ndarray, notify: bytes | None) -> Request:
         lp, rp = route.lp, route.rp
-        if li.size and (int(li.min()) < 0 or int(li.max()) >= lp[0].shape[0]
-                        or int(ri.min()) < 0 or int(ri.max()) >= rp[0].shape[0]):
-            raise UsageError("bad transfer request: index out of range")
-        ln, rn = lp[1][li], rp[1][ri]
-        if not np.array_equal(ln, rn):
-            raise UsageError("bad transfer request: local and remote blocks differ in size")
+        ln = paired_nbytes(li, ri, lp[1], rp[1])
         req = StagedRequest(int(ln.sum()))
         la, ld, ra, rd = lp[0][li], lp[2][li], rp[0][ri], rp[2][ri]
         self._ini.submit(self._run, route, la, ld, ra, rd, ln, notify, req)
