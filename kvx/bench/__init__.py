@@ -207,10 +207,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 keys.append(k)
         for op, bs in keys:
             vals = {r["impl"]: r["gbps"] for r in bw if r["op"] == op and r["block_bytes"] == bs}
+            per_round = {r["impl"]: r.get("gbps_rounds") for r in bw if r["op"] == op and r["block_bytes"] == bs}
             cells = [op, fmt_size(bs)] + [f"{vals[i]:.2f}" if i in vals else "-" for i in impls]
             for i in impls[1:]:
                 if kvx_impl in vals and i in vals and vals[i] > 0:
-                    cells.append(f"{vals[kvx_impl] / vals[i]:.2f}x" + _spread(bw, kvx_impl, i, op, bs))
+                    cells.append(f"{vals[kvx_impl] / vals[i]:.2f}x" + _spread(per_round[kvx_impl], per_round[i]))
                 else:
                     cells.append("-")
             lines.append("| " + " | ".join(cells) + " |")
@@ -225,10 +226,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _spread(bw: list[dict[str, Any]], a: str, b: str, op: str, bs: int) -> str:
-    """`` (lo-hi)``: the lowest and highest per-round ratio a/b where the point ran in rounds."""
-    ra = next((r.get("gbps_rounds") for r in bw if (r["impl"], r["op"], r["block_bytes"]) == (a, op, bs)), None)
-    rb = next((r.get("gbps_rounds") for r in bw if (r["impl"], r["op"], r["block_bytes"]) == (b, op, bs)), None)
+def _spread(ra: list[float] | None, rb: list[float] | None) -> str:
+    """`` (lo-hi)``: the lowest and highest per-round ratio ra/rb where the point ran in rounds."""
     if not ra or not rb or len(ra) != len(rb) or len(ra) < 2:
         return ""
     q = [x / y for x, y in zip(ra, rb) if y > 0]
