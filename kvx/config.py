@@ -201,6 +201,10 @@ SETTINGS: dict[str, Setting] = {
         Setting("KVX_UCX_STAGE_MIN", _int(0, 1 << 40), 256 << 10,
                 "Smallest staged ucx transfer, bytes: smaller ones take one UCX operation per block (lower latency); "
                 "0 = stage every transfer."),
+        Setting("KVX_UCX_SAMENODE", _choice("host", "ucx"), "host",
+                "Host memory between ucx agents on one host, while UCX_TLS allows shared memory: host = kvx's "
+                "same-node engine (batched process_vm_* over copy threads, or shared mappings of alloc_host "
+                "memory; the peer's pid verified by the kernel), ucx = UCX's one kernel copy per block."),
         Setting("KVX_UCX_STAGE_SLOTS", _int(2, 64), 4,
                 "Pinned staging slots per ucx peer and direction (chunks gathered, moving or scattering at once)."),
         Setting("KVX_TCP_STREAMS", _int(1, 64), 2, "TCP connections per peer (a large transfer is striped over them)."),

@@ -14,6 +14,7 @@ import pytest
 
 import kvx
 from kvx.backends import registry
+from kvx.backends.base import Op
 from kvx.testing.conformance import TransferConformance, digest, pattern
 from kvx.testing.procs import PeerProcess
 
@@ -44,8 +45,21 @@ class TestUcxTcp(_UcxConformance):
 
 
 class TestUcxShm(_UcxConformance):
+    """Same-node host memory goes through kvx's same-node engine (KVX_UCX_SAMENODE=host):
+    shared mappings of alloc_host memory here, batched process_vm_* below."""
+
     env = SHM
     mem = "alloc"
+
+
+class TestUcxShmCma(_UcxConformance):
+    env = SHM
+
+
+class TestUcxShmByUcx(_UcxConformance):
+    """UCX's own shared-memory transports (one kernel copy per block over cma)."""
+
+    env = {**SHM, "KVX_UCX_SAMENODE": "ucx"}
 
 
 class TestUcxTcpToken(_UcxConformance):
@@ -87,6 +101,104 @@ def tcp_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _agent(name: str, **kw: Any) -> kvx.Agent:
     kw.setdefault("peer_timeout", 3.0)
     return kvx.Agent(name, kvx.AgentConfig(backends=("ucx",), **kw))
+
+
+@pytest.fixture
+def shm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in SHM.items():
+        monkeypatch.setenv(k, v)
+
+
+def _connected(a: kvx.Agent, b: kvx.Agent, n: int, bs: int, meta: bytes | None = None
+               ) -> tuple[Any, Any, np.ndarray, np.ndarray, Any]:
+    src, dst = pattern(n * bs, 7), np.zeros(n * bs, np.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    peer = a.add_peer(meta if meta is not None else b.metadata())
+    loc = a.prepare(kvx.DescList.blocks(ra, bs))
+    rem = a.prepare(kvx.DescList.blocks(rb.descs, bs), peer=peer)
+    return loc, rem, src, dst, rb
+
+
+@pytest.mark.parametrize("alloc", [False, True])
+def test_same_node_host_memory_takes_kvx_engine(shm_env: None, alloc: bool, monkeypatch: pytest.MonkeyPatch
+                                                ) -> None:
+    """With shared memory allowed and the peer on this host, host memory moves through the
+    same-node engine (its prepared lists and route), byte-exact both ways; KVX_UCX_SAMENODE=ucx
+    leaves it to UCX."""
+    from kvx.backends.ucx import _SameNodeHost, _SameNodeRoute, _UcxRoute
+
+    n, bs = 64, 32 << 10
+    for samenode, route in (("host", _SameNodeRoute), ("ucx", _UcxRoute)):
+        monkeypatch.setenv("KVX_UCX_SAMENODE", samenode)
+        with _agent("a") as a, _agent("b") as b:
+            src, dst = pattern(n * bs, 7), (kvx.alloc_host(n * bs) if alloc else np.zeros(n * bs, np.uint8))
+            dst[:] = 0
+            ra, rb = a.register(src), b.register(dst)
+            peer = a.add_peer(b.metadata())
+            loc = a.prepare(kvx.DescList.blocks(ra, bs))
+            rem = a.prepare(kvx.DescList.blocks(rb.descs, bs), peer=peer)
+            assert (_SameNodeHost.name in rem.bdata) == (samenode == "host")
+            perm = np.random.default_rng(3).permutation(n)
+            x = a.write(loc, np.arange(n), rem, perm, notify=b"in").wait(10)
+            assert x.backend == "ucx" and x.nbytes == n * bs
+            assert type(loc.routes(Op.WRITE)[rem]) is route
+            exp = np.zeros((n, bs), np.uint8)
+            exp[perm] = src.reshape(n, bs)
+            assert np.array_equal(np.asarray(dst).reshape(n, bs), exp)
+            assert b.notifications(timeout=5) == {"a": [b"in"]}
+            back = np.zeros_like(src)
+            lb = a.prepare(kvx.DescList.blocks(a.register(back), bs))
+            a.read(lb, perm, rem, np.arange(n)).wait(10)
+            assert np.array_equal(back.reshape(n, bs)[perm], np.asarray(dst).reshape(n, bs))
+
+
+def test_same_node_release_fails_later_posts(shm_env: None) -> None:
+    """Through the same-node engine too: once the target's release returns, a post to that
+    region fails and the memory keeps its bytes."""
+    with _agent("a") as a, _agent("b") as b:
+        loc, rem, _src, dst, rb = _connected(a, b, 16, 4096)
+        a.write(loc, [0], rem, [0]).wait(10)
+        before = digest(dst)
+        rb.release()
+        with pytest.raises((kvx.RemoteError, kvx.TransferError)):
+            a.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+        assert digest(dst) == before
+
+
+def test_same_node_pid_is_the_listeners(shm_env: None) -> None:
+    """The pid that one-sided copies go to is the one the kernel names for the peer's listener:
+    metadata naming another pid is refused (ProtocolError, no peer added)."""
+    from kvx import wire
+
+    with _agent("target") as t, _agent("a") as a:
+        info = wire.unpack(t.metadata())
+        info["backends"]["ucx"]["host"] = dict(info["backends"]["ucx"]["host"], pid=os.getppid())
+        fields = {k: v for k, v in info.items() if k not in ("v", "t")}
+        with pytest.raises(kvx.ProtocolError):
+            a.add_peer(wire.pack("meta", **fields))
+        assert a.peers() == []
+
+
+def test_same_node_listener_out_of_reach_falls_back_to_ucx(shm_env: None) -> None:
+    """A same-host peer whose listener cannot be reached (another network namespace has its own
+    abstract sockets): UCX carries its host memory, byte-exact."""
+    from kvx import wire
+    from kvx.backends.ucx import _SameNodeHost, _UcxRoute
+
+    with _agent("target") as t, _agent("a") as a:
+        dst = np.zeros(16 * 4096, np.uint8)
+        rb = t.register(dst)
+        info = wire.unpack(t.metadata())
+        info["backends"]["ucx"]["host"] = dict(info["backends"]["ucx"]["host"], uds="kvx-nobody-listens-here")
+        fields = {k: v for k, v in info.items() if k not in ("v", "t")}
+        peer = a.add_peer(wire.pack("meta", **fields))
+        src = pattern(16 * 4096, 9)
+        loc = a.prepare(kvx.DescList.blocks(a.register(src), 4096))
+        rem = a.prepare(kvx.DescList.blocks(rb.descs, 4096), peer=peer)
+        assert _SameNodeHost.name not in rem.bdata
+        a.write(loc, np.arange(16), rem, np.arange(16)).wait(10)
+        assert type(loc.routes(Op.WRITE)[rem]) is _UcxRoute
+        assert digest(dst) == digest(src)
 
 
 def test_ucx_defaults_yield_to_environment_and_options(monkeypatch: pytest.MonkeyPatch) -> None:

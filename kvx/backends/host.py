@@ -204,13 +204,14 @@ class HostBackend(SameNodeLink, Backend):
         self._table = _u64view(self._ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
         self._slots: dict[int, tuple[Region, int]] = {}
         # listener
-        self._addr = f"\0kvx-{ctx.agent_id}"
+        self._addr = f"\0kvx-{ctx.agent_id}" if self.name == "host" else f"\0kvx-{self.name}-{ctx.agent_id}"
         self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._lsock.bind(self._addr)
         self._lsock.listen(64)
         self._accepted: list[Channel] = []  # connections peers opened to us
         self._peers: dict[str, _Peer] = {}  # connections we opened
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-host-{ctx.agent_name}", daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvx-{self.name}-{ctx.agent_name}",
+                                          daemon=True)
         self._acceptor.start()
 
     # ---- memory ----------------------------------------------------------------------------
@@ -480,8 +481,8 @@ class HostBackend(SameNodeLink, Backend):
     # ---- transfers -------------------------------------------------------------------------
     def _route(self, op: Op, local: PreparedList, remote: PreparedList
                ) -> tuple[_Prep, _Prep, _Peer | None, int, int]:
-        lp: _Prep = local.bdata["host"]
-        rp: _Prep = remote.bdata["host"]
+        lp: _Prep = local.bdata[self.name]
+        rp: _Prep = remote.bdata[self.name]
         peer = None
         pid = 0
         code = 0  # memcpy

@@ -36,6 +36,14 @@ Design (see ``docs/networking.md``):
   same way (this bound, not UCX's keepalive, is what fails a cut link's transfers in time).
 - **Progress.** A native thread progresses the worker and sleeps on its event fd (no busy
   core when idle); a Python service thread handles control messages.
+- **Same-node host memory.** Where the peer runs on this host and ``UCX_TLS`` allows shared
+  memory, HOST-to-HOST transfers go through kvx's same-node engine (the ``host`` backend's, held
+  inside this one: :attr:`UcxOptions.samenode`) instead of UCX's one kernel copy per block:
+  batched ``process_vm_writev``/``readv`` over copy threads, or shared mappings of
+  ``alloc_host`` memory; the peer's pid is the one the kernel names for its AF_UNIX listener
+  and every copy is checked against the control table that process shares. UCX still carries
+  CUDA memory, notifications and every peer on another host (or whose listener is out of
+  reach, e.g. in another network namespace).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -81,6 +89,7 @@ from .base import (
     paired_nbytes,
     region_rows,
 )
+from .host import HostBackend
 
 __all__ = ["UcxBackend", "UcxOptions", "INSTALL_HINT", "load"]
 
@@ -186,6 +195,10 @@ class UcxOptions:
         Transfers of fewer bytes take one UCX operation per block even where staging is chosen
         (a staged chunk costs a few thread hand-offs and two kernel launches; 0 = stage all)
         (``KVX_UCX_STAGE_MIN``).
+    samenode
+        HOST-to-HOST transfers with a peer on this host, while ``UCX_TLS`` allows shared memory:
+        ``"host"`` through kvx's same-node engine (the module docstring), ``"ucx"`` through UCX
+        like any other (one kernel copy per block over cma) (``KVX_UCX_SAMENODE``).
     """
 
     peer_timeout: float = 10.0
@@ -200,6 +213,7 @@ class UcxOptions:
     stage_bytes: int = _cfg.option("KVX_UCX_STAGE_BYTES")
     stage_slots: int = _cfg.option("KVX_UCX_STAGE_SLOTS")
     stage_min: int = _cfg.option("KVX_UCX_STAGE_MIN")
+    samenode: str = _cfg.option("KVX_UCX_SAMENODE")
 
     def __post_init__(self) -> None:
         if self.batch not in ("auto", "always", "never"):
@@ -435,6 +449,29 @@ class _UcxRoute(Route):
                 np.repeat(rp.addr[ri], k) + off, np.repeat(rp.slot[ri], k), np.repeat(rp.gen[ri], k))
 
 
+class _SameNodeHost(HostBackend):
+    """The ``host`` backend's engine, held by a ucx backend for its same-node peers' host memory
+    (its own listener, control table and metadata, inside the ucx section)."""
+
+    name = "ucx.host"
+
+
+class _SameNodeRoute(Route):
+    """A ucx route that the same-node engine's route carries (the transfer is ucx's to the agent)."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, backend: "UcxBackend", op: Op, local: PreparedList, remote: PreparedList, inner: Route) -> None:
+        super().__init__(backend, op, local, remote)
+        self._inner = inner
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        return self._inner.post(lidx, ridx, notify)
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        return self._inner.plan(lidx, ridx, notify)
+
+
 # ---- the backend ----------------------------------------------------------------------------
 class UcxBackend(Backend):
     """HOST and CUDA memory to and from agents on any node through UCX; see the module docstring."""
@@ -471,8 +508,20 @@ class UcxBackend(Backend):
         self._acks: dict[int, set[str]] = {}
         self._rid = 0
         self._stager: Any = None
+        # kvx's same-node engine for host memory (see the module docstring), where it may serve
+        self._hb: _SameNodeHost | None = None
+        if self.opts.samenode == "host" and _shm_allowed(self._tls()):
+            try:
+                self._hb = _SameNodeHost(ctx)
+            except OSError as exc:
+                log.info("ucx: kvx's same-node path is unavailable (%s); UCX carries same-node host memory", exc)
         self._svc = threading.Thread(target=self._service, name=f"kvx-ucx-{ctx.agent_name}", daemon=True)
         self._svc.start()
+
+    def _tls(self) -> str | None:
+        from .ucx_staged import effective_tls
+
+        return effective_tls(self.opts.ucx)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -498,6 +547,8 @@ class UcxBackend(Backend):
             self._epoch += 1
         if region.kind == MemoryKind.HOST:  # batched messages may reach it (validated per block)
             self.w.region_add(slot, gen & 0xFFFFFFFF, region.addr, region.nbytes)
+            if self._hb is not None:
+                self._hb.register(region, slot, gen)
         return slot
 
     def deregister(self, region: Any, handle: Any) -> None:
@@ -507,6 +558,7 @@ class UcxBackend(Backend):
             if ent is None or ent[3] is not region:
                 return
             memh, _packed, gen, _r = ent
+            hb = self._hb if region.kind == MemoryKind.HOST else None
             self._lgen[slot] = 0  # our own posts from this memory stop here
             self._epoch += 1
             self._memh[slot] = 0
@@ -516,6 +568,8 @@ class UcxBackend(Backend):
             self.w.region_del(slot)
             clients = [c for c in self._clients.values() if c.session is not None]
             peers = [p for p in self._peers.values() if p.dead is None]
+        if hb is not None:  # same-node peers' copies drain and no new one reaches it
+            hb.deregister(region, gen)
         # peers stop writing into it: revoke and wait for their acknowledgements (bounded)
         self._revoke(clients, slot, gen)
         if self._stager is not None:  # staged copies already checked against it finish first
@@ -563,7 +617,10 @@ class UcxBackend(Backend):
     def metadata(self) -> dict[str, Any]:
         with self._lock:
             rk = [[s, g, p] for s, (_m, p, g, _r) in self._mem.items()]
-        return {"addr": self._address, "rkeys": rk}
+        sec: dict[str, Any] = {"addr": self._address, "rkeys": rk}
+        if self._hb is not None:
+            sec["host"] = self._hb.metadata()
+        return sec
 
     def connect(self, peer: PeerInfo) -> bool:
         sec = peer.sections.get(self.name)
@@ -574,7 +631,7 @@ class UcxBackend(Backend):
             raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
         packed = _parse_rkeys(sec["rkeys"])
         try:
-            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer))
+            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer, self._tls()))
         except ValueError as exc:
             raise ProtocolError(f"malformed UCX address in {peer.name!r} metadata") from exc
         except OSError as exc:
@@ -597,7 +654,37 @@ class UcxBackend(Backend):
             self._peers_by_id[p.id] = p
         if old is not None and old is not p:
             self._drop_peer(old)
+        try:
+            self._connect_samenode(peer, sec)
+        except ProtocolError:
+            self.disconnect(peer.name)
+            raise
         return True
+
+    def _connect_samenode(self, peer: PeerInfo, sec: dict[str, Any]) -> None:
+        """Reach a same-node peer's host engine too, where both sides run one; where that fails
+        (another network namespace, CMA not permitted and no shared mappings...) UCX carries
+        its host memory like any other."""
+        hs = sec.get("host")
+        if self._hb is None or hs is None:
+            self._hb_drop(peer.name)
+            return
+        if not _shm_peer(peer, self._tls()):
+            return
+        view = PeerInfo(peer.name, peer.agent_id, {_SameNodeHost.name: hs, "_boot": peer.sections.get("_boot"),
+                                                   "_pid": peer.sections.get("_pid")})
+        try:
+            self._hb.connect(view)
+        except ProtocolError:
+            raise  # a malformed section: the peer's metadata is bad, as for any other backend
+        except (KVXError, OSError) as exc:
+            self._hb_drop(peer.name)
+            log.info("ucx: %s's same-node host path is out of reach (%s); UCX carries its host memory",
+                     peer.name, exc)
+
+    def _hb_drop(self, name: str) -> None:
+        if self._hb is not None:
+            self._hb.disconnect(name)
 
     def _ep_create(self, addr: bytes, peer_errors: bool = True) -> int:
         """An endpoint with UCX's peer failure handling; where the transports cannot offer it
@@ -694,6 +781,7 @@ class UcxBackend(Backend):
                 del self._peers_by_id[p.id]
         if p is not None:
             self._drop_peer(p)
+        self._hb_drop(peer_name)
 
     def _drop_peer(self, p: _Peer) -> None:
         if p.dead is None and p.session is not None:
@@ -730,6 +818,7 @@ class UcxBackend(Backend):
                 if not np.array_equal(self._lgen[used], gens):
                     raise RegistrationError("a local registration of this list is not mapped for ucx")
                 handle = self._memh[slots].copy()
+            self._prepare_samenode(plist, host)
             return _Prep(addr, nb, handle, used, gens, slot_u, gen_u, host)
         p = self._peers.get(plist.peer)
         if p is None or p.dead is not None:
@@ -737,7 +826,23 @@ class UcxBackend(Backend):
         table = np.zeros(MAX_SLOTS, dtype=_U64)
         for s, g in zip(used.tolist(), gens.tolist()):
             table[s] = self._rkey(p, s, g)
+        self._prepare_samenode(plist, host)
         return _Prep(addr, nb, table[slots], used, gens, slot_u, gen_u, host)
+
+    def _prepare_samenode(self, plist: PreparedList, host: bool) -> None:
+        """Prepare a HOST list for the same-node engine too, where it reaches the list's side; it
+        keeps what it prepared under its own name in the list's ``bdata`` (its route reads it
+        there). A remote list is checked against the control table the peer process shares: a
+        descriptor outside it is a RegistrationError, as on the ``host`` backend."""
+        hb = self._hb
+        if hb is None or not host or (plist.peer is not None and plist.peer not in hb._peers):
+            return
+        try:
+            plist.bdata[_SameNodeHost.name] = hb.prepare(plist)
+        except RegistrationError:
+            raise
+        except KVXError:  # the link went meanwhile: UCX carries this list
+            log.debug("ucx: same-node engine cannot prepare %r", plist, exc_info=True)
 
     def _rkey(self, p: _Peer, slot: int, gen: int) -> int:
         with self._lock:
@@ -776,6 +881,9 @@ class UcxBackend(Backend):
 
         if ucx_staged.wanted(self.opts.stage, ucx_staged.effective_tls(self.opts.ucx), local.kind, remote.kind):
             return ucx_staged.StagedRoute(self, op, local, remote)
+        hb, key = self._hb, _SameNodeHost.name
+        if hb is not None and key in local.bdata and key in remote.bdata:
+            return _SameNodeRoute(self, op, local, remote, hb.route(op, local, remote))
         return _UcxRoute(self, op, local, remote)
 
     def post_args(self, p: _Peer, lidx: Any, ridx: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -1068,6 +1176,8 @@ class UcxBackend(Backend):
             self._drop_peer(p)
         if self._stager is not None:
             self._stager.close()
+        if self._hb is not None:
+            self._hb.close()
         for c in clients:
             try:
                 self.w.ep_close(c.ep, 0.0, True)
@@ -1097,14 +1207,16 @@ def _rma_tier(transports: list[tuple[str, str]]) -> int:
     return 2 if has(_RDMA_TLS) else 1 if has(_KERNEL_TLS) else 0
 
 
-def _shm_peer(peer: PeerInfo) -> bool:
-    """Whether ``peer`` runs on this host and UCX may use shared memory to reach it."""
-    if peer.sections.get("_boot") != BOOT_ID:
-        return False
-    tls = os.environ.get("UCX_TLS", "all").replace("^", "")
-    if os.environ.get("UCX_TLS", "").startswith("^"):
-        return True  # an exclusion list: shared memory stays unless named, keep it simple
+def _shm_allowed(tls: str | None) -> bool:
+    """Whether UCX may use shared memory under the ``UCX_TLS`` value ``tls`` (None: unset)."""
+    if tls is None or tls.startswith("^"):
+        return True  # all transports, or an exclusion list: shared memory stays unless named, keep it simple
     return any(t.strip() in _SHM_TLS for t in tls.split(","))
+
+
+def _shm_peer(peer: PeerInfo, tls: str | None) -> bool:
+    """Whether ``peer`` runs on this host and UCX may use shared memory to reach it."""
+    return peer.sections.get("_boot") == BOOT_ID and _shm_allowed(tls)
 
 
 def _parse_rkeys(rk: list[Any]) -> dict[int, tuple[int, bytes]]:
