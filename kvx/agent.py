@@ -100,8 +100,8 @@ class PreparedList:
         Per descriptor, the registration slot (region) that contains it.
     """
 
-    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "gens", "peer", "pinfo", "rroutes", "slots", "used",
-                 "wroutes")
+    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "froutes", "gens", "peer", "pinfo", "rroutes",
+                 "slots", "used", "wroutes")
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
@@ -118,6 +118,8 @@ class PreparedList:
         # made at the pair's first post
         self.rroutes: dict[PreparedList, Route] = {}
         self.wroutes: dict[PreparedList, Route] = {}
+        # the same for posts that name their backend, by (op, remote list, backend name)
+        self.froutes: dict[tuple[Op, PreparedList, str], Route] = {}
 
     def routes(self, op: Op) -> dict[PreparedList, Route]:
         """The routes of this (local) list for ``op``, by remote list."""
@@ -592,6 +594,10 @@ class Agent:
         r = routes.get(remote)
         if r is not None and (backend is None or r.backend.name == backend):
             return r
+        if backend is not None:
+            r = local.froutes.get((op, remote, backend))
+            if r is not None:
+                return r
         loopback = remote.peer is None
         cands = [self.backend(backend)] if backend else self.backends
         for b in cands:
@@ -603,6 +609,10 @@ class Agent:
                     if len(routes) >= 64:
                         routes.clear()
                     routes[remote] = r
+                else:
+                    if len(local.froutes) >= 64:
+                        local.froutes.clear()
+                    local.froutes[(op, remote, backend)] = r
                 return r
         raise BackendUnavailable(
             f"no backend moves {local.kind.name} -> {remote.kind.name}"

@@ -196,6 +196,12 @@ def test_registry_third_party_backend() -> None:
         assert a.write(pl, [0], pl, [1], backend="host").backend == "host"
         with pytest.raises(kvx.BackendUnavailable):
             a.write(pl, [0], pl, [1], backend="tcp")
+        # a pair's route for a named backend is made once and kept apart from the default one
+        forced = pl.froutes[(Op.WRITE, pl, "host")]
+        assert a.write(pl, [0], pl, [1], backend="host").backend == "host"
+        assert pl.froutes == {(Op.WRITE, pl, "host"): forced}
+        assert type(pl.wroutes[pl]) is NullRoute
+        assert a.write(pl, [0], pl, [1]).backend == "null" and Null.posts == 2
 
 
 def test_fast_path_keeps_every_check() -> None:

@@ -350,9 +350,13 @@ def _round_trip() -> None:
         a.write(loc, [0], rem, [0]).wait(10)
 
 
-def test_close_leaves_no_threads_or_fds(tcp_env: None) -> None:
+@pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
+def test_close_leaves_no_threads_or_fds(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Agents with ucx, connected and used, then closed: no thread and no file descriptor stays
-    (after one warm-up round, which lets UCX open what it keeps for the process)."""
+    (after one warm-up round, which lets UCX open what it keeps for the process); with shared
+    memory allowed, the same-node engine's listener, links and control tables go too."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     _round_trip()
     time.sleep(0.2)
     threads = {t.ident for t in threading.enumerate()}
