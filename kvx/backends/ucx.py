@@ -666,10 +666,8 @@ class UcxBackend(Backend):
         (another network namespace, CMA not permitted and no shared mappings...) UCX carries
         its host memory like any other."""
         hs = sec.get("host")
-        if self._hb is None or hs is None:
-            self._hb_drop(peer.name)
-            return
-        if not _shm_peer(peer, self._tls()):
+        if self._hb is None or hs is None or not _shm_peer(peer, self._tls()):
+            self._hb_drop(peer.name)  # (a link to an earlier incarnation of this name)
             return
         view = PeerInfo(peer.name, peer.agent_id, {_SameNodeHost.name: hs, "_boot": peer.sections.get("_boot"),
                                                    "_pid": peer.sections.get("_pid")})
