@@ -202,15 +202,19 @@ def test_same_node_listener_out_of_reach_falls_back_to_ucx(shm_env: None) -> Non
 
 
 def test_ucx_defaults_yield_to_environment_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kvx's one UCX default (RNDV_THRESH=inf, as NIXL sets it) applies only where neither the
-    environment nor UcxOptions.ucx names the setting."""
+    """kvx's UCX defaults (RNDV_THRESH=inf, as NIXL sets it; two RMA rails for puts of 512 KiB
+    and more) apply only where neither the environment nor UcxOptions.ucx names the setting."""
     from kvx.backends.ucx import UcxOptions
 
-    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
-    assert UcxOptions().worker_settings() == [("RNDV_THRESH", "inf")]
-    assert UcxOptions(ucx=(("TLS", "tcp"),)).worker_settings() == [("RNDV_THRESH", "inf"), ("TLS", "tcp")]
-    assert UcxOptions(ucx=(("rndv_thresh", "8k"),)).worker_settings() == [("rndv_thresh", "8k")]
-    monkeypatch.setenv("UCX_RNDV_THRESH", "auto")
+    names = ("RNDV_THRESH", "MAX_RMA_RAILS", "MIN_RMA_CHUNK_SIZE")
+    for n in names:
+        monkeypatch.delenv(f"UCX_{n}", raising=False)
+    ours = [("RNDV_THRESH", "inf"), ("MAX_RMA_RAILS", "2"), ("MIN_RMA_CHUNK_SIZE", "256K")]
+    assert UcxOptions().worker_settings() == ours
+    assert UcxOptions(ucx=(("TLS", "tcp"),)).worker_settings() == [*ours, ("TLS", "tcp")]
+    assert UcxOptions(ucx=(("rndv_thresh", "8k"),)).worker_settings() == [*ours[1:], ("rndv_thresh", "8k")]
+    for n in names:
+        monkeypatch.setenv(f"UCX_{n}", "1")
     assert UcxOptions().worker_settings() == []
 
 
