@@ -514,20 +514,19 @@ class UcxBackend(Backend):
         self._acks: dict[int, set[str]] = {}
         self._rid = 0
         self._stager: Any = None
+        from .ucx_staged import effective_tls
+
+        # the UCX_TLS this worker was made with (UCX read it at its creation)
+        self._tls: str | None = effective_tls(self.opts.ucx)
         # kvx's same-node engine for host memory (see the module docstring), where it may serve
         self._hb: _SameNodeHost | None = None
-        if self.opts.samenode == "host" and _shm_allowed(self._tls()):
+        if self.opts.samenode == "host" and _shm_allowed(self._tls):
             try:
                 self._hb = _SameNodeHost(ctx)
             except OSError as exc:
                 log.info("ucx: kvx's same-node path is unavailable (%s); UCX carries same-node host memory", exc)
         self._svc = threading.Thread(target=self._service, name=f"kvx-ucx-{ctx.agent_name}", daemon=True)
         self._svc.start()
-
-    def _tls(self) -> str | None:
-        from .ucx_staged import effective_tls
-
-        return effective_tls(self.opts.ucx)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -637,7 +636,7 @@ class UcxBackend(Backend):
             raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
         packed = _parse_rkeys(sec["rkeys"])
         try:
-            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer, self._tls()))
+            ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer, self._tls))
         except ValueError as exc:
             raise ProtocolError(f"malformed UCX address in {peer.name!r} metadata") from exc
         except OSError as exc:
@@ -672,7 +671,7 @@ class UcxBackend(Backend):
         (another network namespace, CMA not permitted and no shared mappings...) UCX carries
         its host memory like any other."""
         hs = sec.get("host")
-        if self._hb is None or hs is None or not _shm_peer(peer, self._tls()):
+        if self._hb is None or hs is None or not _shm_peer(peer, self._tls):
             self._hb_drop(peer.name)  # (a link to an earlier incarnation of this name)
             return
         view = PeerInfo(peer.name, peer.agent_id, {_SameNodeHost.name: hs, "_boot": peer.sections.get("_boot"),
@@ -883,7 +882,7 @@ class UcxBackend(Backend):
     def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
         from . import ucx_staged
 
-        if ucx_staged.wanted(self.opts.stage, ucx_staged.effective_tls(self.opts.ucx), local.kind, remote.kind):
+        if ucx_staged.wanted(self.opts.stage, self._tls, local.kind, remote.kind):
             return ucx_staged.StagedRoute(self, op, local, remote)
         hb, key = self._hb, _SameNodeHost.name
         if hb is not None and key in local.bdata and key in remote.bdata:
