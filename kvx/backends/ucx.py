@@ -143,7 +143,7 @@ def load() -> Any:
 #: UCX settings the backend changes from UCX's own defaults (``UCX_<NAME>`` in the environment or
 #: :attr:`UcxOptions.ucx` override them). ``RNDV_THRESH=inf`` (NIXL's UCX backend sets the
 #: same): with UCX's default threshold, puts where UCX emulates RMA over active messages (tcp)
-#: ran several times slower (docs/benchmarks.md, "ucx: what limited writes").
+#: ran several times slower (docs/history.md, "What limited writes").
 #: ``MAX_RMA_RAILS=2`` (UCX: 1; its rendezvous already takes 2) with ``MIN_RMA_CHUNK_SIZE=256K``
 #: (UCX: 8K): a put of 512 KiB or more is striped over two devices where two reach the peer (two
 #: NICs; on one host, ``lo`` and ``eth0``), smaller ones stay whole: 2 MiB writes over tcp ~1.2x
