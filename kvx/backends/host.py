@@ -61,6 +61,7 @@ from .base import (
     index_vector,
     indices,
     native_form,
+    paired_nbytes,
     validate,
 )
 
@@ -531,13 +532,7 @@ class HostBackend(SameNodeLink, Backend):
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
         li, ri = index_vector(lidx), index_vector(ridx)
-        if li.shape != ri.shape:
-            raise ValueError("index lists differ in length")
-        if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
-            raise IndexError("descriptor index out of range")
-        ln = lp.nbytes[li]
-        if not np.array_equal(ln, rp.nbytes[ri]):
-            raise ValueError("paired descriptors differ in length")
+        ln = paired_nbytes(li, ri, lp.nbytes, rp.nbytes)
         total = int(ln.sum())
         ar = np.arange(len(li), dtype=np.int64)
         raddr = rp.raw[ri].tobytes()  # type: ignore[index]
