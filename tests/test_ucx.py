@@ -345,6 +345,34 @@ def test_malformed_ucx_section_is_a_protocol_error(tcp_env: None) -> None:
         assert a.peers() == []
 
 
+@pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
+def test_malformed_host_entry_is_a_protocol_error(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same-node engine's entry of a peer's ucx section: not a dict, or a dict out of shape,
+    is a ProtocolError at add_peer, whether or not this agent would use it (tcp: no engine here,
+    shm: one); a well-formed entry connects."""
+    from kvx import wire
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with _agent("target") as t, _agent("a") as a:
+        info = wire.unpack(t.metadata())
+        sec = info["backends"]["ucx"]
+        assert ("host" in sec) == (env is SHM)
+        host = sec.get("host", {"uds": "kvx-none", "pid": 1, "uid": 0, "ctrl": 4096})
+
+        def meta(entry: Any) -> bytes:
+            fields = {k: v for k, v in info.items() if k not in ("v", "t")}
+            fields["backends"] = {"ucx": {**sec, "host": entry}}
+            return wire.pack("meta", **fields)
+
+        for bad in ("host", 7, None, [host], {**host, "pid": "1"}, {**host, "pid": 0},
+                    {k: v for k, v in host.items() if k != "ctrl"}):
+            with pytest.raises(kvx.ProtocolError, match="host section"):
+                a.add_peer(meta(bad))
+        assert a.peers() == []
+        assert a.add_peer(meta(host)) == "target"
+
+
 def _round_trip() -> None:
     with _agent("a") as a, _agent("b") as b:
         rb = b.register(np.zeros(4096, np.uint8))

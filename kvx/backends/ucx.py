@@ -635,6 +635,8 @@ class UcxBackend(Backend):
                 or not isinstance(sec.get("rkeys"), list)):
             raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
         packed = _parse_rkeys(sec["rkeys"])
+        if "host" in sec:  # the same-node engine's entry: checked whether this agent uses it or not
+            HostBackend.check_metadata(sec["host"], peer.name)
         try:
             ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer, self._tls))
         except ValueError as exc:
