@@ -373,6 +373,31 @@ def test_malformed_host_entry_is_a_protocol_error(env: dict[str, str], monkeypat
         assert a.add_peer(meta(host)) == "target"
 
 
+def test_ucx_options_through_agent_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UcxOptions pass through AgentConfig(options=...) as every backend's options do: its UCX
+    settings make the worker (tcp, where the environment allows shared memory only), its batch
+    mode picks the route; the timeouts stay the agent's."""
+    from kvx.backends.tcp import TcpOptions
+    from kvx.backends.ucx import UcxOptions, _UcxRoute
+
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    opts = UcxOptions(ucx=(("TLS", "tcp,self"),), batch="never")
+    with _agent("a", options={"ucx": opts}, handshake_timeout=7.0) as a, \
+            _agent("b", options={"ucx": opts}) as b:
+        be: Any = a.backend("ucx")
+        assert be.opts is opts
+        assert (be.peer_timeout, be.handshake_timeout) == (3.0, 7.0)
+        loc, rem, src, dst, _rb = _connected(a, b, 16, 4096)
+        transports = {t for t, _dev in be.w.ep_transports(be._peers["b"].ep)}
+        assert "tcp" in transports and not transports & {"posix", "sysv", "cma"}, transports
+        a.write(loc, np.arange(16), rem, np.arange(16)[::-1].copy()).wait(10)
+        route = loc.routes(Op.WRITE)[rem]
+        assert type(route) is _UcxRoute and not route._am  # batch="never": one put per block
+        assert np.array_equal(dst.reshape(16, -1)[::-1], src.reshape(16, -1))
+    with pytest.raises(kvx.UsageError, match="must be a UcxOptions"):
+        _agent("c", options={"ucx": TcpOptions()})
+
+
 def _round_trip() -> None:
     with _agent("a") as a, _agent("b") as b:
         rb = b.register(np.zeros(4096, np.uint8))
