@@ -249,6 +249,16 @@ class Agent:
         with self._lock:
             return dict(self._regions)
 
+    def regions(self) -> dict[int, tuple[Any, int]]:
+        """This agent's live registrations, a snapshot: ``{slot: (region, generation)}``.
+
+        ``region`` is what was registered at that slot: a :class:`kvx.Region` (its ``owner``
+        keeps the memory alive) or a storage region (FILE, OBJECT); ``generation`` is the one a
+        :class:`PreparedList` records for the slot (``gens``), so a caller can tell a
+        registration released and replaced since it prepared a list. Backends read the same map.
+        """
+        return self._region_map()
+
     def table(self) -> list[tuple[int, int, int, int, int, int]]:
         """Live regions as ``(kind, addr, nbytes, dev, slot, gen)`` rows."""
         with self._lock:

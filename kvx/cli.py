@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="single 4 KiB writes timed post to completion (default 2000; 0: no latency test)")
     b.add_argument("--json", default=None, help="write results as JSON to FILE ('-' for stdout only)")
     b.add_argument("--plot", default=None, help="write a PNG plot of bandwidth vs block size")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a live bar on a terminal, else one line per step)")
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("replay", help="replay a Mooncake trace through a TieredStore")

@@ -1173,7 +1173,7 @@ class TieredStore:
         cannot be read in place: not local host memory, or a registration already gone."""
         if dst is None or dst.peer is not None or dst.kind != kvx.MemoryKind.HOST:
             return None
-        regions = self.agent._region_map()
+        regions = self.agent.regions()
         owners = []
         for s in np.asarray(dst.used).tolist():
             entry = regions.get(int(s))

@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 import kvx
 from kvx import DescList, MemoryKind, UsageError, _native
 from kvx.backends.posix import PosixOptions
+from kvx.tiers.checksum import keep_digests
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
@@ -205,8 +206,7 @@ class HiCacheKVX(HiCacheStorage):
                     kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))
                 moved = None
                 if not self.cfg.direct_io:  # checksums taken by the posix copy itself
-                    posix = next(b for b in self.agent.backends if b.name == "posix")
-                    moved = posix.keep_digests(self._host)  # type: ignore[attr-defined]
+                    moved = keep_digests(self.agent, self._host)
                 view = _HostView(ranges, geom, moved)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
