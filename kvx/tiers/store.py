@@ -38,7 +38,7 @@ import kvx
 
 from ..errors import BackendUnavailable, BlockNotFound, KVXError, TierError, TierFull, UsageError
 from ..memory import DescList
-from .checksum import block_sum
+from .checksum import block_sum, keep_digests
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
@@ -1080,7 +1080,7 @@ class TieredStore:
             return hit[1], hit[2]
         try:
             twin = self.agent.prepare(dst.descs)
-            dig = self.agent.backend("posix").keep_digests(twin)  # type: ignore[attr-defined]
+            dig = keep_digests(self.agent, twin)
         except (KVXError, AttributeError):
             return None
         if twin.gens != dst.gens:  # a region of dst was registered anew since dst was prepared
