@@ -7,6 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
+from . import _args
 from .backends.base import DoneRequest
 from .errors import KVXError, TransferError, TransferTimeout
 
@@ -119,15 +120,19 @@ class Transfer:
         Parameters
         ----------
         timeout
-            Seconds to wait at most (default: until the transfer's own deadline).
+            Seconds to wait at most, from 0 to 1e7 (default: until the transfer's own deadline).
 
         Raises
         ------
+        ArgumentTypeError, ArgumentValueError
+            (both ``kvx.UsageError``) if ``timeout`` is not a number of seconds in that range.
         TransferTimeout
             If it is still pending after ``timeout`` (the transfer keeps going).
         TransferError
             If it failed or was cancelled.
         """
+        if timeout is not None:
+            timeout = _args.seconds(timeout, "wait timeout")
         if self._status is _DONE:
             return self
         return self._wait(timeout)

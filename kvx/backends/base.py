@@ -453,7 +453,8 @@ class Route(ABC):
         return lambda: post(li, ri, notify)
 
 
-BAD_INDEX = (IndexError, ValueError, TypeError)  # what index checks (numpy's and the native layer's) raise
+#: what index checks (numpy's and the native layer's) raise; OverflowError: an int past 64 bits
+BAD_INDEX = (IndexError, ValueError, TypeError, OverflowError)
 
 
 class CallRoute(Route):
