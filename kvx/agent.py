@@ -720,7 +720,10 @@ class Agent:
             Force a backend by name.
         """
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
-            r = local.rroutes.get(remote)
+            try:
+                r = local.rroutes.get(remote)
+            except TypeError:  # an unhashable ``remote``: the checks of _post name it
+                r = None
             ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
             if r is not None and not self.closed and local.epoch == ep and (
                     remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
@@ -734,7 +737,10 @@ class Agent:
               notify: bytes | None = None, backend: str | None = None) -> Transfer:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
-            r = local.wroutes.get(remote)
+            try:
+                r = local.wroutes.get(remote)
+            except TypeError:  # an unhashable ``remote``: the checks of _post name it
+                r = None
             ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
             if r is not None and not self.closed and local.epoch == ep and (
                     remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):

@@ -383,6 +383,13 @@ def _as_u64(a: Any, name: str, *, scalar: bool = False) -> np.ndarray:
         arr = np.asarray(a)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ArgumentTypeError(f"{name} is not an array of integers: {exc}") from None
+    if arr.dtype.kind in "fO" and isinstance(a, (list, tuple)) and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in a):
+        # Python ints on both sides of 2**63 (or past 2**64) come out of numpy as float64 or
+        # objects; such a list is Python objects already, so take its ints one by one
+        if not all(0 <= int(x) < 1 << 64 for x in a):
+            raise ArgumentValueError(f"{name} values must be from 0 to 2**64 - 1")
+        arr = np.array([int(x) for x in a], dtype=_U64)
     if arr.ndim != 1 and not (scalar and arr.ndim == 0):
         raise ArgumentValueError(f"{name} must be one-dimensional, not of shape {arr.shape}")
     if arr.dtype != _U64:
