@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import kvx
 from kvx import DescList, MemoryKind
+from kvx.backends.base import ThreadRequest
 from kvx.memory import _ALLOCS
 from kvx.tiers import DiskTier, HostTier, ObjectTier
 
@@ -48,6 +49,8 @@ class World:
         self.freg = self.agent.register(kvx.FileRegion(tmp / "slab.bin", 8 * BB))
         self.file = self.agent.prepare(DescList.blocks(self.freg, BB))
         self.done = self.agent.write(self.local, [0], self.local, [1]).wait(5)
+        # a transfer in flight until its request is finished (backends complete theirs this way)
+        self.pending = kvx.Transfer(ThreadRequest(BB), BB, "test", 600.0)
         # a tcp pair in this process: index checks of a route with a peer
         cfg = kvx.AgentConfig(backends=("tcp",), handshake_timeout=2.0, peer_timeout=2.0)
         self.t1, self.t2 = kvx.Agent("args-t1", cfg), kvx.Agent("args-t2", cfg)
@@ -167,6 +170,19 @@ def test_desclist_index_past_its_end() -> None:
     assert d[-1].addr.tolist() == [32] and d[np.int64(0)].addr.tolist() == [16] and len(d[[]]) == 0
 
 
+def test_wait_timeout_is_checked_before_waiting(world: World) -> None:
+    for bad in ("x", [1], True):
+        with pytest.raises(kvx.ArgumentTypeError, match="wait timeout"):
+            world.pending.wait(bad)  # type: ignore[arg-type]
+    for bad in (math.nan, -1, 2**70):
+        with pytest.raises(kvx.ArgumentValueError, match="wait timeout"):
+            world.pending.wait(bad)
+    with pytest.raises(kvx.TransferTimeout):
+        world.pending.wait(0.001)
+    # a finished transfer returns at once, timeout unread (Future.result does the same)
+    assert world.done.wait("x") is world.done  # type: ignore[arg-type]
+
+
 def test_post_index_past_64_bits(world: World) -> None:
     for lidx, ridx in ((2**64, 0), ([0], [2**70]), (2**63, [1])):
         with pytest.raises(kvx.UsageError):
@@ -270,7 +286,7 @@ def _calls(w: World) -> list[tuple[str, Callable[[Any], Any], Any]]:
         ("fetch_peer(port)", lambda v: A.fetch_peer("127.0.0.1", v, timeout=0.5), BAD_PORTS),
         ("fetch_peer(timeout)", lambda v: A.fetch_peer("127.0.0.1", 0, timeout=v), BAD),
         ("backend(name)", lambda v: A.backend(v), BAD),
-        ("Transfer.wait(timeout)", lambda v: w.done.wait(v), BAD),
+        ("Transfer.wait(timeout)", lambda v: w.pending.wait(v), BAD_SECONDS.filter(lambda v: v is not None)),
         ("AgentConfig(backends)", lambda v: kvx.AgentConfig(backends=v), BAD),
         ("AgentConfig(transfer_timeout)", lambda v: kvx.AgentConfig(transfer_timeout=v), BAD),
         ("AgentConfig(peer_timeout)", lambda v: kvx.AgentConfig(peer_timeout=v), BAD),
@@ -311,8 +327,9 @@ def test_every_argument_with_every_kind_of_wrong_value(world: World) -> None:
              object(), np.array([[0]]), {"a": 1}]
     for label, call, _ in _calls(world):
         for v in fixed:
-            if label.startswith("notifications") and isinstance(v, float) and v == 1.5:
-                continue  # valid: it would wait 1.5 s
+            waits = v is None or (isinstance(v, float) and v == 1.5)  # valid: 1.5 s, or the transfer's deadline
+            if waits and label.startswith(("notifications", "Transfer.wait")):
+                continue
             _kvx_error_only(lambda: call(v), f"{label} with {v!r:.80}")
 
 
