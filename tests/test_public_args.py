@@ -94,7 +94,7 @@ def test_alloc_host_past_64_bits() -> None:
     with pytest.raises(kvx.ArgumentValueError, match="alloc_host nbytes") as ei:
         kvx.alloc_host(2**70)
     assert isinstance(ei.value, kvx.UsageError) and isinstance(ei.value, ValueError)
-    assert dict(_ALLOCS) == before  # nothing was allocated
+    assert set(_ALLOCS) <= set(before)  # nothing was allocated
     with pytest.raises(kvx.ArgumentTypeError, match="alloc_host nbytes"):
         kvx.alloc_host(4096.0)  # type: ignore[arg-type]
     with pytest.raises(kvx.ArgumentTypeError, match="alloc_host pinned"):
