@@ -80,6 +80,9 @@ class _Target:
         self.refused = RefusalLog(log)
         #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
         self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
+        #: False: every request is checked through ``ctx.validate_local`` (an agent that adds its own
+        #: checks there, as a kvx.pool member does), none by the scalar path of a few descriptors
+        self.scalar_checks = True
 
     # ---- memory ----------------------------------------------------------------------------
     def register(self, region: Any, slot: int, gen: int) -> Any:
@@ -390,7 +393,7 @@ class _Target:
                     continue
                 a2: Any
                 n2: Any
-                if len(ab) <= 8 * SMALL_DESCS:
+                if self.scalar_checks and len(ab) <= 8 * SMALL_DESCS:
                     # scalar path: same checks against our live registrations, no numpy
                     why, total = self._pin_small(ab, nbb, pinned)
                     a2, n2 = ab, nbb

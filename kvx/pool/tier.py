@@ -1,0 +1,2 @@
+class PoolTier:  # placeholder replaced below
+    pass
