@@ -190,9 +190,9 @@ def trio(etcd_server: Etcd, request: Any) -> Iterator[tuple[Pool, Pool, Pool]]: 
     c = Pool("c", capacity=0, options=FAST, **kw)  # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 5
-        while c.members() != ["a", "b"] and time.monotonic() < deadline:
+        while any(p.members() != ["a", "b"] for p in (a, b, c)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert c.members() == ["a", "b"]
+        assert all(p.members() == ["a", "b"] for p in (a, b, c))
         yield a, b, c
     finally:
         for p in (c, b, a):
@@ -368,3 +368,34 @@ def test_member_processes_kill9_turns_into_misses_within_the_bound(etcd_server: 
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+# ---- the pool as the last tier of a store ------------------------------------------------
+@pytest.mark.services
+def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, Pool]) -> None:
+    from kvx.pool import PoolTier
+    from kvx.pool.tier import PooledStore
+    from kvx.tiers import HostTier, TieredStore
+
+    a, b, c = trio
+    s1 = TieredStore([HostTier(blocks=8), PoolTier(a)], block_bytes=BB, policy="lru")
+    s2 = TieredStore([HostTier(blocks=8), PoolTier(c)], block_bytes=BB, policy="lru")
+    try:
+        assert isinstance(s1, PooledStore) and s1.agent is a.agent
+        src, dst, ps, pd = _bufs(a, 24)
+        s3, d2, ps2, pd2 = _bufs(c, 24)
+        ks = _keys(24, b"tier")
+        s1.put(ks, ps, np.arange(24))
+        # instance 2 has nothing locally: the whole prefix comes from the pool
+        r = s2.lookup(ks)
+        assert r.hits == 24 and set(r.tiers) == {1}
+        assert s2.get(ks, pd2, np.arange(24)) == 24
+        assert np.array_equal(d2, src)
+        assert s2.pool_tier.hits == 24  # type: ignore[attr-defined]
+        # local tiers first: instance 1 serves its newest blocks from host memory, the rest from the pool
+        d2[:] = 0
+        with pytest.raises(kvx.BlockNotFound):
+            s2.get([*ks[:3], b"absent"], pd2, np.arange(4))
+    finally:
+        s2.close()
+        s1.close()

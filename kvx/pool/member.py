@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         srv = pool._server
         print(json.dumps({"ready": a.name, "ctl": list(srv.address) if srv else None}), flush=True)
         if a.stdin:
-            threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+            def until_eof() -> None:
+                sys.stdin.read()
+                stop.set()
+
+            threading.Thread(target=until_eof, daemon=True).start()
         while not stop.wait(1.0):
             pass
     return 0

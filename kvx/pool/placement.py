@@ -33,11 +33,16 @@ _S11 = np.uint64(11)
 
 
 def key_bytes(h: Any) -> bytes:
-    """A block hash as the bytes the pool stores it under (bytes as is, ints as 16 bytes)."""
+    """A block hash as the bytes the pool stores it under (bytes as is, ints as 16 bytes, str tagged)."""
     if isinstance(h, (bytes, bytearray, memoryview)):
         b = bytes(h)
         if not 0 < len(b) <= MAX_KEY:
             raise UsageError(f"a block hash must be 1..{MAX_KEY} bytes, not {len(b)}")
+        return b
+    if isinstance(h, str):  # (the tiers accept str keys too): tagged, so never equal to a bytes key's
+        b = b"\xffs" + h.encode()
+        if len(b) > MAX_KEY:
+            raise UsageError(f"a str block hash must encode to at most {MAX_KEY - 2} bytes")
         return b
     if isinstance(h, (int, np.integer)) and not isinstance(h, bool):
         try:

@@ -214,15 +214,17 @@ class Pool:
     block_bytes
         Size of every block (all members of a pool use the same).
     config
-        The agent's settings (``listen`` defaults to ``(options.host, 0)`` on a storing member;
-        ``strict`` members run the tcp backend only).
+        The agents' settings (the owner agent listens on ``(options.host, 0)`` unless ``listen``
+        is set, and runs the tcp backend only when ``strict``).
     options
         Pool settings (:class:`PoolConfig`).
 
     Attributes
     ----------
     agent
-        The agent through which blocks move: register and prepare ``src``/``dst`` with it.
+        The agent through which blocks move: register and prepare ``src``/``dst`` with it. A
+        storing member runs a second agent, ``"{name}/owner"``, that holds its arena and serves
+        it to peers (tcp only when ``strict``), so ``agent`` keeps every backend for local work.
     """
 
     def __init__(self, name: str, *, etcd: str, pool: str, capacity: int, block_bytes: int,
@@ -240,15 +242,12 @@ class Pool:
         self.capacity = capacity
         self.opts = opts = options if options is not None else PoolConfig()
         cfg = config if config is not None else AgentConfig()
+        ocfg = cfg  # the owner agent's: it holds the arena and serves it to peers
         if capacity:
-            if cfg.listen is None:
-                cfg = dataclasses.replace(cfg, listen=(opts.host, 0))
+            if ocfg.listen is None:
+                ocfg = dataclasses.replace(ocfg, listen=(opts.host, 0))
             if opts.strict:
-                if not cfg.backends:
-                    cfg = dataclasses.replace(cfg, backends=("tcp",))
-                elif set(cfg.backends) != {"tcp"}:
-                    raise UsageError("a strict pool member serves its arena through tcp only "
-                                     "(PoolConfig(strict=False) allows one-sided paths)")
+                ocfg = dataclasses.replace(ocfg, backends=("tcp",))
         self.closed = False
         self._lock = threading.RLock()
         self._conns: dict[str, _Conn] = {}
@@ -260,21 +259,23 @@ class Pool:
         self._members: Membership | None = None
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self.agent: Agent = _GuardedAgent(name, cfg)
+        self._oagent: _GuardedAgent | None = None
+        self.agent: Agent = Agent(name, dataclasses.replace(cfg, listen=None) if capacity else cfg)
         try:
             if capacity:
                 nslots = capacity // block_bytes
+                self._oagent = oa = _GuardedAgent(f"{name}/owner", ocfg)
                 self._arena = alloc_host(nslots * block_bytes)
-                self._reg = self.agent.register(self._arena)
+                self._reg = oa.register(self._arena)
                 base = int(self._reg.descs.addr[0])
                 self.owner = Owner(nslots, block_bytes, base, opts.policy, opts.grant_ttl, opts.lease_ttl,
                                    opts.max_batch)
                 if opts.strict:
-                    self.agent.guard = self.owner.guard  # type: ignore[attr-defined]
-                    tcp = self.agent.backend("tcp")
+                    oa.guard = self.owner.guard
+                    tcp = oa.backend("tcp")
                     tcp.scalar_checks = False  # type: ignore[attr-defined]  # every request through the guard
-                self._server = ControlServer(self.owner, opts.host, 0, cfg.auth_token, self.agent.id, name,
-                                             cfg.handshake_timeout)
+                self._server = ControlServer(self.owner, opts.host, 0, ocfg.auth_token, oa.id, name,
+                                             ocfg.handshake_timeout)
                 self._reaper = threading.Thread(target=self._reap, name=f"kvx-pool-reap-{name}", daemon=True)
                 self._reaper.start()
             self._members = Membership(etcd, pool, opts.namespace, opts.ttl, opts.refresh,
@@ -282,8 +283,8 @@ class Pool:
             if capacity:
                 assert self._server is not None and self.owner is not None
                 ctl = (opts.advertise or self._server.address[0], self._server.address[1])
-                self._members.join(Member(name, self.agent.id, nslots * block_bytes, block_bytes, ctl,
-                                          self.agent.metadata(), base, nslots))
+                self._members.join(Member(name, oa.id, nslots * block_bytes, block_bytes, ctl,
+                                          oa.metadata(), base, nslots))
             self._on_members(self._members.view())
         except BaseException:
             self.close()
@@ -340,14 +341,15 @@ class Pool:
                 ch.start()
                 sock = None
                 try:
-                    self.agent.remove_peer(m.name)
-                    if self.agent.add_peer(m.meta) != m.name:
+                    peer = f"{m.name}/owner"
+                    self.agent.remove_peer(peer)
+                    if self.agent.add_peer(m.meta) != peer:
                         raise ProtocolError(f"pool member {m.name!r} published another agent's metadata")
                     bb = m.block_bytes
                     descs = DescList.from_arrays(kind=MemoryKind.HOST,
                                                  addr=m.arena + np.arange(m.nslots, dtype=np.uint64) * np.uint64(bb),
                                                  nbytes=np.full(m.nslots, bb, dtype=np.uint64), dev=0)
-                    arena = self.agent.prepare(descs, peer=m.name)
+                    arena = self.agent.prepare(descs, peer=peer)
                 except BaseException:
                     ch.close()
                     raise
@@ -367,7 +369,7 @@ class Pool:
     def _close_conn(self, c: _Conn) -> None:
         c.chan.close()
         try:
-            self.agent.remove_peer(c.member.name)
+            self.agent.remove_peer(f"{c.member.name}/owner")
         except KVXError:
             log.debug("pool: removing peer %s", c.member.name, exc_info=True)
 
@@ -414,7 +416,8 @@ class Pool:
 
     def _send(self, m: Member, t: str, **fields: Any) -> Any:
         """Send one request to ``m`` (the local owner answers at once); None if unreachable."""
-        if m.name == self.name and self.owner is not None and m.id == self.agent.id:
+        if self._local(m):
+            assert self.owner is not None
             try:
                 rt, rf = self.owner.handle(LOCAL, {"t": t, **fields})
             except ProtocolError as exc:
@@ -443,7 +446,7 @@ class Pool:
             return None
 
     def _local(self, m: Member) -> bool:
-        return m.name == self.name and self.owner is not None and m.id == self.agent.id
+        return m.name == self.name and self._oagent is not None and m.id == self._oagent.id
 
     # ---- put ----------------------------------------------------------------------------------
     def put(self, hashes: Sequence[Any], src: PreparedList, idx: Any) -> int:
@@ -716,6 +719,8 @@ class Pool:
         for c in conns:
             c.chan.close()
         self.agent.close()
+        if self._oagent is not None:
+            self._oagent.close()
 
     def __enter__(self) -> "Pool":
         return self

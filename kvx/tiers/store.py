@@ -153,6 +153,14 @@ class TieredStore:
     slots besides its capacity, for blocks on their way down.
     """
 
+    def __new__(cls, tiers: Sequence[Any] = (), *args: Any, **kw: Any) -> "TieredStore":
+        # a kvx.pool.PoolTier as the last tier: the store that asks the pool for what it misses
+        if cls is TieredStore and isinstance(tiers, Sequence) and tiers and getattr(tiers[-1], "remote", False):
+            from ..pool.tier import PooledStore
+
+            return super().__new__(PooledStore)
+        return super().__new__(cls)
+
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
                  verify_host: bool = False, writeback_depth: int = 64, writeback_batch: int = 64,
