@@ -51,6 +51,8 @@ class PoolTier:
     medium = "pool"
     #: not a slot tier of this node: the store asks it through the calls below
     remote = True
+    #: the store class ``TieredStore([..., PoolTier(pool)])`` builds (set below)
+    store_class: type
 
     def __init__(self, pool: Pool, write_through: bool = True) -> None:
         if not isinstance(pool, Pool):
@@ -173,3 +175,6 @@ class PooledStore(TieredStore):
         except AttributeError:  # pragma: no cover - another stats shape
             pass
         return st
+
+
+PoolTier.store_class = PooledStore

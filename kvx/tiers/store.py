@@ -154,11 +154,12 @@ class TieredStore:
     """
 
     def __new__(cls, tiers: Sequence[Any] = (), *args: Any, **kw: Any) -> "TieredStore":
-        # a kvx.pool.PoolTier as the last tier: the store that asks the pool for what it misses
-        if cls is TieredStore and isinstance(tiers, Sequence) and tiers and getattr(tiers[-1], "remote", False):
-            from ..pool.tier import PooledStore
-
-            return super().__new__(PooledStore)
+        # a remote last tier (kvx.pool.PoolTier) names the store class that asks it for what the
+        # local tiers miss (kvx.pool.tier.PooledStore)
+        if cls is TieredStore and isinstance(tiers, Sequence) and tiers:
+            sub = getattr(tiers[-1], "store_class", None)
+            if isinstance(sub, type) and issubclass(sub, TieredStore):
+                return super().__new__(sub)
         return super().__new__(cls)
 
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
