@@ -92,6 +92,9 @@ class PoolConfig:
         the arena only within slots it holds a grant or lease on. ``False`` also allows one-sided
         paths (same-node shared mappings, UCX), which map the whole arena: integrity then rests
         on the checksums alone.
+    prefault
+        Touch every page of the arena when joining, so that its memory is committed at start
+        (a member that cannot have it fails now, not under load) and no put pays page faults.
     """
 
     replicas: int = 1
@@ -107,6 +110,7 @@ class PoolConfig:
     retry: float = 2.0
     max_batch: int = 4096
     strict: bool = True
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 8:
@@ -266,6 +270,8 @@ class Pool:
                 nslots = capacity // block_bytes
                 self._oagent = oa = _GuardedAgent(f"{name}/owner", ocfg)
                 self._arena = alloc_host(nslots * block_bytes)
+                if opts.prefault:
+                    self._arena[::4096] = 0
                 self._reg = oa.register(self._arena)
                 base = int(self._reg.descs.addr[0])
                 self.owner = Owner(nslots, block_bytes, base, opts.policy, opts.grant_ttl, opts.lease_ttl,
