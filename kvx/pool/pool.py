@@ -8,8 +8,9 @@ once, in three rounds of messages:
 - ``put``: grant (slots for the blocks not held yet) -> one kvx write per owner into the granted
   slots of its registered arena -> commit (with the blocks' checksums);
 - ``get``: lookup with a short lease on the slots -> one one-sided kvx read per owner, for the
-  blocks of the common prefix only -> checksum check of every block read -> release (which also
-  says whether the lease held throughout);
+  blocks of the common prefix only -> checksum check of every block read (against the checksum
+  committed with it: a lease that ran out mid-read and let the slot be reused fails it) ->
+  release, not waited for;
 - ``lookup``: the lookup round without lease and data.
 
 Failure is a miss, never wrong bytes: an owner that is dead, cut off, slow past ``timeout``,
@@ -21,6 +22,7 @@ not one per call, until its membership lease runs out in etcd.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import logging
@@ -638,7 +640,7 @@ class Pool:
         reads = []
         for j, pos, slots, sums, lid in found:
             m = mem[j]
-            take = int(np.searchsorted(pos, end))
+            take = bisect.bisect_left(pos.tolist(), end)
             x: Any = None
             ok = True
             if take:
@@ -656,7 +658,6 @@ class Pool:
                     log.info("pool: read from %s failed: %s", m.name, exc)
                     ok = False
             reads.append((j, pos, take, sums, lid, x, ok))
-        rels = []
         for j, pos, take, sums, lid, x, ok in reads:
             m = mem[j]
             if x is not None:
@@ -675,16 +676,26 @@ class Pool:
                     self._stats["corrupt"] += 1
                     log.warning("pool: a block from %s failed its checksum (a miss)", m.name)
                     end = min(end, int(pos[bad]))
-            rels.append((j, pos, take, self._send(m, "release", lid=lid) if lid is not None else None))
-        deadline = time.monotonic() + self.opts.timeout
-        for j, pos, take, call in rels:
-            if call is None:
-                continue
-            rep = self._answer(mem[j], call, deadline)
-            if take and (rep is None or rep.get("t") != "released" or rep.get("ok") is not True):
-                self._stats["lease_lost"] += 1
-                end = min(end, int(pos[0]))
+            if lid is not None:
+                self._release(m, lid)
         return end
+
+    def _release(self, m: Member, lid: bytes) -> None:
+        """End a lease without waiting for the answer: the bytes were already checked against
+        the checksums committed with them, which is what makes a lease that ran out mid-read (its
+        slot reused) a miss; the release only lets the owner evict the blocks sooner."""
+        if self._local(m):
+            assert self.owner is not None
+            self.owner.release(LOCAL, lid)
+            return
+        with self._lock:
+            c = self._conns.get(m.name)
+        if c is None or not c.chan.alive:
+            return  # the owner drops the lease at its deadline
+        try:
+            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid))
+        except KVXError:
+            pass
 
     def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int]) -> int:
         """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none)."""
@@ -696,7 +707,7 @@ class Pool:
 
     # ---- the rest ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters of this client (puts, gets, hits, misses, refused, corrupt, lease_lost, ...)
+        """Counters of this client (puts, gets, hits, misses, refused, corrupt, ...)
         and, on a storing member, of its owner (under ``"owner"``)."""
         out: dict[str, Any] = dict(self._stats)
         out["members"] = len(self.members())
