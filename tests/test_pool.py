@@ -295,6 +295,9 @@ def test_wrong_token_cannot_reach_members(etcd_server: Etcd) -> None:  # noqa: F
         assert x.put(_keys(2), ps, range(2)) == 0
         assert x.get(_keys(2), pd, range(2)) == 0
         assert m.owner.stats.grants == 0  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5  # the refusal is counted by the listener's thread
+        while not m._server.refused.counts.get("connections") and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
         assert m._server.refused.counts.get("connections", 0) >= 1  # type: ignore[union-attr]
 
 
