@@ -402,3 +402,17 @@ def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, P
     finally:
         s2.close()
         s1.close()
+
+
+@pytest.mark.services
+def test_pool_moves_blocks_with_a_given_agent(trio: tuple[Pool, Pool, Pool], etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    with kvx.Agent("engine") as eng:
+        with Pool("eng", etcd=etcd_server.endpoint, pool=c._members.prefix.split("/")[3],  # type: ignore[union-attr]
+                  capacity=0, block_bytes=BB, options=FAST, agent=eng) as p:
+            assert p.agent is eng
+            src, dst, ps, pd = _bufs(p, 8)
+            assert p.put(_keys(8, b"eng"), ps, range(8)) == 8
+            assert c.lookup(_keys(8, b"eng")) == 8
+            assert p.get(_keys(8, b"eng"), pd, range(8)) == 8 and np.array_equal(src, dst)
+        assert not eng.closed and not eng.peers()

@@ -224,6 +224,10 @@ class Pool:
         is set, and runs the tcp backend only when ``strict``).
     options
         Pool settings (:class:`PoolConfig`).
+    agent
+        Move blocks with this agent (an engine's own, e.g. the one its connector registered the
+        KV cache with) instead of a new one; it must run the tcp backend. The pool adds its
+        members as peers of it and leaves it open at :meth:`close`.
 
     Attributes
     ----------
@@ -234,7 +238,8 @@ class Pool:
     """
 
     def __init__(self, name: str, *, etcd: str, pool: str, capacity: int, block_bytes: int,
-                 config: AgentConfig | None = None, options: PoolConfig | None = None) -> None:
+                 config: AgentConfig | None = None, options: PoolConfig | None = None,
+                 agent: Agent | None = None) -> None:
         check_name(name, "member name")
         for what, v in (("capacity", capacity), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -266,7 +271,11 @@ class Pool:
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._oagent: _GuardedAgent | None = None
-        self.agent: Agent = Agent(name, dataclasses.replace(cfg, listen=None) if capacity else cfg)
+        if agent is not None and (not isinstance(agent, Agent) or agent.closed):
+            raise UsageError("agent must be an open kvx.Agent")
+        self._own_agent = agent is None
+        self.agent: Agent = agent if agent is not None else Agent(
+            name, dataclasses.replace(cfg, listen=None) if capacity else cfg)
         try:
             if capacity:
                 nslots = capacity // block_bytes
@@ -735,7 +744,14 @@ class Pool:
             self._conns.clear()
         for c in conns:
             c.chan.close()
-        self.agent.close()
+        if self._own_agent:
+            self.agent.close()
+        else:
+            for c in conns:
+                try:
+                    self.agent.remove_peer(f"{c.member.name}/owner")
+                except KVXError:
+                    pass
         if self._oagent is not None:
             self._oagent.close()
 
