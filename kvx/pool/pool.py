@@ -496,7 +496,7 @@ class Pool:
         groups = self._groups(col, np.arange(len(keys)))
         calls = [self._send(mem[j], "grant", keys=[keys[p] for p in pos], parents=[parents[p] for p in pos])
                  for j, pos in groups]
-        writes: list[tuple[int, np.ndarray, list[int], bytes, Any]] = []
+        posted: list[tuple[int, np.ndarray, list[int], bytes, Any, bool]] = []
         for (j, pos), call in zip(groups, calls):
             m = mem[j]
             rep = self._answer(m, call, deadline)
@@ -517,29 +517,10 @@ class Pool:
                 log.debug("pool: %s refused %d blocks: %s", m.name, nref, rep["why"][:200])
             self._stats["busy"] += int((c == BUSY).sum())
             g = c >= 0
-            if g.any():
+            if g.any():  # one write per owner, posted as soon as its grant is in
                 slots = [int(s) for s in c[g]]
-                writes.append((j, pos[g], slots, rep["gid"], None))
-        # one write per owner, all posted before any is waited on
-        posted = []
-        for j, pos, slots, gid, _ in writes:
-            m = mem[j]
-            x: Any = None
-            ok = True
-            try:
-                if self._local(m):
-                    for a, s in zip(src.descs.addr[ia[pos]], slots):
-                        ctypes.memmove(m.arena + s * self.block_bytes, int(a), self.block_bytes)
-                else:
-                    c2 = self._conn(m)
-                    if c2 is None:
-                        ok = False
-                    else:
-                        x = self.agent.write(src, ia[pos], c2.arena, slots)
-            except KVXError as exc:
-                log.info("pool: write to %s failed: %s", m.name, exc)
-                ok = False
-            posted.append((j, pos, slots, gid, x, ok))
+                x, ok = self._write(m, src, ia[pos[g]], slots)
+                posted.append((j, pos[g], slots, rep["gid"], x, ok))
         commits = []
         for j, pos, slots, gid, x, ok in posted:
             m = mem[j]
@@ -614,7 +595,7 @@ class Pool:
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(start, n))
         calls = [self._send(mem[j], "lookup", keys=[keys[p] for p in pos], lease=lease) for j, pos in groups]
-        found = []
+        reads: list[tuple[int, np.ndarray, list[int], Any, Any, bool]] = []
         end = n
         for (j, pos), call in zip(groups, calls):
             m = mem[j]
@@ -641,33 +622,18 @@ class Pool:
             del gens
             if k < len(pos):
                 end = min(end, int(pos[k]))
-            found.append((j, pos[:k], slots, sums, lid if lease and k else None))
+            if not lease:
+                continue
+            assert dst is not None and ia is not None
+            # the read is posted as soon as this owner answered (the others' answers may still
+            # shorten the prefix: what is read past it is not looked at)
+            take = bisect.bisect_left(pos[:k].tolist(), end)
+            x, ok = self._read(m, dst, ia[pos[:take]], slots[:take]) if take else (None, True)
+            reads.append((j, pos[:k], sums, lid if k else None, x, ok))
         if not lease:
             return end
         assert dst is not None and ia is not None
-        # reads of the blocks inside the common prefix, every owner's posted before any wait
-        reads = []
-        for j, pos, slots, sums, lid in found:
-            m = mem[j]
-            take = bisect.bisect_left(pos.tolist(), end)
-            x: Any = None
-            ok = True
-            if take:
-                try:
-                    if self._local(m):
-                        for a, s in zip(dst.descs.addr[ia[pos[:take]]], slots[:take]):
-                            ctypes.memmove(int(a), m.arena + s * self.block_bytes, self.block_bytes)
-                    else:
-                        c = self._conn(m)
-                        if c is None:
-                            ok = False
-                        else:
-                            x = self.agent.read(dst, ia[pos[:take]], c.arena, slots[:take])
-                except KVXError as exc:
-                    log.info("pool: read from %s failed: %s", m.name, exc)
-                    ok = False
-            reads.append((j, pos, take, sums, lid, x, ok))
-        for j, pos, take, sums, lid, x, ok in reads:
+        for j, pos, sums, lid, x, ok in reads:
             m = mem[j]
             if x is not None:
                 try:
@@ -677,6 +643,7 @@ class Pool:
                     x.cancel()
                     ok = False
                     self._fail(m.name)
+            take = bisect.bisect_left(pos.tolist(), end)
             if not ok:
                 end = min(end, int(pos[0]))
             elif take:
@@ -688,6 +655,36 @@ class Pool:
             if lid is not None:
                 self._release(m, lid)
         return end
+
+    def _write(self, m: Member, src: PreparedList, sidx: np.ndarray, slots: list[int]) -> tuple[Any, bool]:
+        """Post the write of ``src[sidx]`` into ``slots`` of ``m``: (transfer or None, posted)."""
+        try:
+            if self._local(m):
+                for a, s in zip(src.descs.addr[sidx], slots):
+                    ctypes.memmove(m.arena + s * self.block_bytes, int(a), self.block_bytes)
+                return None, True
+            c = self._conn(m)
+            if c is None:
+                return None, False
+            return self.agent.write(src, sidx, c.arena, slots), True
+        except KVXError as exc:
+            log.info("pool: write to %s failed: %s", m.name, exc)
+            return None, False
+
+    def _read(self, m: Member, dst: PreparedList, didx: np.ndarray, slots: list[int]) -> tuple[Any, bool]:
+        """Post the read of ``slots`` of ``m`` into ``dst[didx]``: (transfer or None, posted)."""
+        try:
+            if self._local(m):
+                for a, s in zip(dst.descs.addr[didx], slots):
+                    ctypes.memmove(int(a), m.arena + s * self.block_bytes, self.block_bytes)
+                return None, True
+            c = self._conn(m)
+            if c is None:
+                return None, False
+            return self.agent.read(dst, didx, c.arena, slots), True
+        except KVXError as exc:
+            log.info("pool: read from %s failed: %s", m.name, exc)
+            return None, False
 
     def _release(self, m: Member, lid: bytes) -> None:
         """End a lease without waiting for the answer: the bytes were already checked against
