@@ -82,7 +82,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         sizes = None if a.block_sizes == _sizes("4K,32K,256K,2M") else a.block_sizes
         compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
-        return pool.cmd(sizes, max(a.iters, 30), compare, a.json, a.quiet)
+        return pool.cmd(sizes, max(a.iters, 30), compare, a.json, a.quiet, a.rounds)
 
     opts = bench_options(a)
     hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")

@@ -177,9 +177,22 @@ def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members:
     return rows
 
 
+def _median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (op, block): the median GB/s and p50/p99 over rounds, with the per-round GB/s."""
+    out = []
+    for r0 in rounds[0]:
+        same = [r for rs in rounds for r in rs if r["op"] == r0["op"] and r["block"] == r0["block"]]
+        out.append({**r0, "gbps": float(np.median([r["gbps"] for r in same])),
+                    "p50_ms": float(np.median([r["p50_ms"] for r in same])),
+                    "p99_ms": float(np.median([r["p99_ms"] for r in same])),
+                    "gbps_rounds": [round(r["gbps"], 3) for r in same]})
+    return out
+
+
 def cmd(block_sizes: list[int] | None, iters: int, compare: list[str], json_path: str | None,
-        quiet: bool = False) -> int:
-    """The ``kvx bench --backend pool`` command."""
+        quiet: bool = False, rounds: int = 1) -> int:
+    """The ``kvx bench --backend pool`` command: kvx and Mooncake Store alternately ``rounds``
+    times (medians reported: the machine may be shared)."""
     sizes = block_sizes or DEFAULT_SIZES
     for c in compare:
         if c != "mooncake-store":
@@ -191,23 +204,29 @@ def cmd(block_sizes: list[int] | None, iters: int, compare: list[str], json_path
         why = mooncake_store_available()
         if why is not None:
             raise UsageError(f"--compare mooncake-store: {why}")
-    kv = run_pool(sizes, iters=iters)
-    if compare:
-        from ..compare.mooncake_store import run_mooncake_store
+    kvr, mcr = [], []
+    for _ in range(max(1, rounds)):
+        kvr.append(run_pool(sizes, iters=iters))
+        if compare:
+            from ..compare.mooncake_store import run_mooncake_store
 
-        mc_rows = run_mooncake_store(sizes, iters=iters)
+            mcr.append(run_mooncake_store(sizes, iters=iters))
+    kv = _median_rows(kvr)
+    mc_rows = _median_rows(mcr) if mcr else []
     rows = []
     for r in kv:
         row = {"op": r["op"], "block": r["block"], "batch": r["batch"], "iters": r["iters"], "kvx_gbps": r["gbps"],
-               "kvx_p50_ms": r["p50_ms"], "kvx_p99_ms": r["p99_ms"]}
+               "kvx_p50_ms": r["p50_ms"], "kvx_p99_ms": r["p99_ms"], "kvx_gbps_rounds": r["gbps_rounds"]}
         m = next((x for x in mc_rows if x["op"] == r["op"] and x["block"] == r["block"]), None)
         if m is not None:
             row.update({"mooncake_gbps": m["gbps"], "mooncake_p50_ms": m["p50_ms"], "mooncake_p99_ms": m["p99_ms"],
+                        "mooncake_gbps_rounds": m["gbps_rounds"],
                         "ratio": r["gbps"] / m["gbps"] if m["gbps"] else None})
         rows.append(row)
     hdr = {"machine": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "workload": "4 members x 1 GiB, 1 client, 128-block batches, registered buffers, loopback tcp"}
+           "workload": "4 members x 1 GiB, 1 client, 128-block batches, registered buffers, loopback tcp",
+           "rounds": max(1, rounds), "iters": iters}
     print("| op | block | kvx GB/s | kvx p99 ms | mooncake GB/s | mooncake p99 ms | kvx/mooncake |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
