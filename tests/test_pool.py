@@ -416,3 +416,10 @@ def test_pool_moves_blocks_with_a_given_agent(trio: tuple[Pool, Pool, Pool], etc
             assert c.lookup(_keys(8, b"eng")) == 8
             assert p.get(_keys(8, b"eng"), pd, range(8)) == 8 and np.array_equal(src, dst)
         assert not eng.closed and not eng.peers()
+
+
+def test_cli_pool_bench_refuses_other_comparisons(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvx.cli import main
+
+    assert main(["bench", "--backend", "pool", "--compare", "nixl"]) == 2
+    assert "mooncake-store only" in capsys.readouterr().err
