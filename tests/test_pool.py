@@ -423,3 +423,28 @@ def test_cli_pool_bench_refuses_other_comparisons(capsys: pytest.CaptureFixture[
 
     assert main(["bench", "--backend", "pool", "--compare", "nixl"]) == 2
     assert "mooncake-store only" in capsys.readouterr().err
+
+
+@pytest.mark.services
+def test_replicas_serve_when_an_owner_is_gone(etcd_server: Etcd) -> None:  # noqa: F811
+    opts = PoolConfig(refresh=0.1, ttl=2, timeout=3.0, retry=0.5, policy="lru", replicas=2)
+    kw = {"etcd": etcd_server.endpoint, "pool": "rep", "block_bytes": BB, "options": opts}
+    a = Pool("a", capacity=64 * BB, **kw)  # type: ignore[arg-type]
+    b = Pool("b", capacity=64 * BB, **kw)  # type: ignore[arg-type]
+    c = Pool("c", capacity=0, **kw)  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 5
+        while any(p.members() != ["a", "b"] for p in (a, b, c)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        src, dst, ps, pd = _bufs(c, 16)
+        ks = _keys(16, b"rep")
+        assert c.put(ks, ps, range(16)) == 16
+        assert a.stats()["owner"]["blocks"] == b.stats()["owner"]["blocks"] == 16  # every block twice
+        a.close()  # its lease is revoked: gone from the list at the next refresh
+        deadline = time.monotonic() + 5
+        while c.members() != ["b"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.get(ks, pd, range(16)) == 16 and np.array_equal(src, dst)
+    finally:
+        for p in (c, b, a):
+            p.close()
