@@ -140,6 +140,28 @@ def test_owner_guard_lets_the_data_plane_into_open_slots_only() -> None:
     assert o.guard(MemoryKind.HOST, a2[:1], n2[:1], slots[:1]).tolist() == [-1]  # committed: closed again
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(0, 15), max_size=16),
+       st.lists(st.tuples(st.integers(-2 * BB, 18 * BB), st.integers(1, 3 * BB)), min_size=1, max_size=12))
+def test_owner_guard_fuzzed_against_a_reference(open_slots: set[int], descs: list[tuple[int, int]]) -> None:
+    o = _owner(16)
+    for s in open_slots:
+        o.open[s] = 1
+    addr = np.array([max(0, o.base + a) for a, _ in descs], dtype=np.uint64)
+    nb = np.array([n for _, n in descs], dtype=np.uint64)
+    slots = np.arange(1, len(descs) + 1, dtype=np.int64)
+    out = o.guard(MemoryKind.HOST, addr, nb, slots)
+    for i, (a, n) in enumerate(zip(addr.tolist(), nb.tolist())):
+        lo, hi = o.base, o.base + 16 * BB
+        if a + n <= lo or a >= hi:
+            assert out[i] == slots[i]  # not the arena: left to the agent's own check
+            continue
+        first = (max(a, lo) - lo) // BB
+        last = (min(a + n, hi) - 1 - lo) // BB
+        ok = all(s in open_slots for s in range(first, last + 1))
+        assert out[i] == (slots[i] if ok else -1), (a - lo, n, sorted(open_slots))
+
+
 _bkey = st.binary(min_size=0, max_size=70)
 _val = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 65), _bkey, st.text(max_size=8),
                  st.lists(st.one_of(_bkey, st.integers(-3, 20), st.none()), max_size=12))
