@@ -170,7 +170,7 @@ _msg = st.fixed_dictionaries({"t": st.sampled_from(["grant", "commit", "lookup",
                                                          "lid")})
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_msg, min_size=1, max_size=12), st.integers(0, 3), st.sampled_from(["lru", "s3fifo", "adaptive"]))
 def test_owner_fuzzed_requests_are_served_or_refused_and_never_break_it(msgs: list[dict[str, Any]], seed: int,
                                                                         policy: str) -> None:
@@ -371,6 +371,15 @@ def test_wrong_token_cannot_reach_members(etcd_server: Etcd) -> None:  # noqa: F
         while not m._server.refused.counts.get("connections") and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.05)
         assert m._server.refused.counts.get("connections", 0) >= 1  # type: ignore[union-attr]
+
+
+@pytest.mark.services
+def test_a_live_members_name_cannot_be_taken(trio: tuple[Pool, Pool, Pool], etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    pool = c._members.prefix.split("/")[3]  # type: ignore[union-attr]
+    with pytest.raises(kvx.UsageError, match="in use"):
+        Pool("a", etcd=etcd_server.endpoint, pool=pool, capacity=16 * BB, block_bytes=BB, options=FAST)
+    assert c.members() == ["a", "b"] and a.lookup(_keys(1)) == 0  # the first "a" is untouched
 
 
 @pytest.mark.services

@@ -134,12 +134,29 @@ class Membership:
 
     # ---- own record ----------------------------------------------------------------------
     def join(self, member: Member) -> None:
-        """Publish ``member`` under a lease kept alive until :meth:`close`."""
+        """Publish ``member`` under a lease kept alive until :meth:`close`.
+
+        Raises
+        ------
+        UsageError
+            If a live member holds the name (the key is created atomically; a record left by a
+            dead incarnation is waited for until it runs out, ``ttl`` seconds at most).
+        """
         data = encode_record(member)
+        deadline = time.monotonic() + self.ttl + 1
         with self._lock:
+            lease = self._client.lease(self.ttl)
+            # a record left by a dead incarnation of this member runs out within ttl seconds
+            while not self._client.create(self.prefix + member.name, data, lease=lease):
+                if time.monotonic() >= deadline:
+                    try:
+                        lease.revoke()
+                    except Exception:  # it expires anyway
+                        pass
+                    raise UsageError(f"pool member name {member.name!r} is in use by a live member")
+                time.sleep(0.2)
             self._record = (member.name, data)
-            self._lease = self._client.lease(self.ttl)
-            self._client.put(self.prefix + member.name, data, lease=self._lease)
+            self._lease = lease
         self.read()
 
     def _keepalive(self) -> None:

@@ -299,7 +299,11 @@ class Pool:
                                        timeout=opts.timeout, on_change=self._on_members)
             if capacity:
                 assert self._server is not None and self.owner is not None
-                ctl = (opts.advertise or self._server.address[0], self._server.address[1])
+                host = opts.advertise or self._server.address[0]
+                if host in ("0.0.0.0", "::", ""):
+                    raise UsageError("a member listening on every address needs PoolConfig(advertise=...): "
+                                     "the address peers dial")
+                ctl = (host, self._server.address[1])
                 self._members.join(Member(name, oa.id, nslots * block_bytes, block_bytes, ctl,
                                           oa.metadata(), base, nslots))
             self._on_members(self._members.view())
