@@ -529,3 +529,41 @@ def test_replicas_serve_when_an_owner_is_gone(etcd_server: Etcd) -> None:  # noq
     finally:
         for p in (c, b, a):
             p.close()
+
+
+@pytest.mark.services
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(frames=st.lists(st.one_of(st.binary(max_size=64), _msg.map(lambda m: {**m, "rid": 1})), min_size=1,
+                       max_size=6))
+def test_control_channel_survives_fuzzed_frames(trio: tuple[Pool, Pool, Pool], frames: list[Any]) -> None:
+    """Authenticated garbage on a control connection: refused or dropped, the owner's books stay
+    exact and the next honest client is served."""
+    import socket as _socket
+
+    from kvx import wire
+    from kvx.net import client_handshake
+    from kvx.pool.server import SVC
+
+    a, b, c = trio
+    srv = a._server
+    assert srv is not None
+    s = _socket.create_connection(srv.address, timeout=5)
+    try:
+        client_handshake(s, None, "fuzzer", "fuzzer", SVC, 5.0)
+        for f in frames:
+            try:
+                body = f if isinstance(f, bytes) else wire.pack(str(f.get("t")), **{k: v for k, v in f.items()
+                                                                                  if k not in ("t", "v")})
+            except OverflowError:  # not encodable as msgpack: nothing to send
+                continue
+            try:
+                s.sendall(wire.frame_header(1, len(body)) + body)
+            except OSError:
+                break  # dropped: fine
+    finally:
+        s.close()
+    a.owner.check()  # type: ignore[union-attr]
+    src, dst, ps, pd = _bufs(c, 2)
+    ks = _keys(2, b"after-fuzz")
+    assert c.put(ks, ps, range(2)) == 2 and c.get(ks, pd, range(2)) == 2
