@@ -58,6 +58,10 @@ def test_placement_is_deterministic_weighted_and_moves_only_what_it_must() -> No
     pl = Placement(names[1:], [1.0] * 7)
     left = np.asarray(pl.names)[pl.owners(k)[:, 0]]
     assert np.array_equal(left != before, before == "m0")
+    # a key's digest is its own: the same alone and in any batch
+    ks = [b"a", b"chk-0-2", b"x" * 64, b"a\0", (5).to_bytes(16, "little")]
+    assert key64(ks).tolist() == [int(key64([x])[0]) for x in ks]
+    assert len(set(key64(ks).tolist())) == len(ks)
     # replicas are distinct and the first is the single owner
     r = pa.owners(k[:1000], 3)
     assert r.shape == (1000, 3) and np.array_equal(r[:, 0], a[:1000])

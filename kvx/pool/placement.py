@@ -58,8 +58,9 @@ def key64(keys: Sequence[bytes]) -> np.ndarray:
     """64-bit digests of normalised keys (at most :data:`MAX_KEY` bytes each), as a uint64 array.
 
     Vectorised: the keys are zero-padded to a common width of 8-byte words and folded word by
-    word through splitmix64's finaliser, seeded with their lengths (so ``b"a"`` and ``b"a\\0"``
-    differ). Every member and client computes the same digests.
+    word through splitmix64's finaliser (each key its own words only), seeded with their lengths
+    (so ``b"a"`` and ``b"a\\0"`` differ). A key's digest does not depend on the other keys of the
+    batch; every member and client computes the same digests.
     """
     n = len(keys)
     if n == 0:
@@ -67,10 +68,11 @@ def key64(keys: Sequence[bytes]) -> np.ndarray:
     lens = np.fromiter(map(len, keys), dtype=np.int64, count=n)
     words = int(-(-int(lens.max()) // 8))
     buf = np.frombuffer(b"".join(k.ljust(words * 8, b"\0") for k in keys), dtype="<u8").reshape(n, words)
+    nw = (lens + 7) // 8  # each key folds its own words only: a digest never depends on the batch
     h = _mix(lens.astype(np.uint64) ^ _SEED)
     with np.errstate(over="ignore"):
         for i in range(words):
-            h = _mix((h + _GOLD) ^ buf[:, i].astype(np.uint64))
+            h = np.where(i < nw, _mix((h + _GOLD) ^ buf[:, i].astype(np.uint64)), h)
     return h
 
 
