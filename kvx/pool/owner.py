@@ -352,11 +352,12 @@ class Owner:
         if not inside.any():
             return slots
         bb = self.block_bytes
-        first = (np.maximum(a[inside], self.base) - self.base) // bb
-        last = (np.minimum(end[inside], hi) - 1 - self.base) // bb
-        with self._lock:
-            cs = np.concatenate(([0], np.cumsum(self.open > 0)))
-        ok = (cs[last.astype(np.int64) + 1] - cs[first.astype(np.int64)]) == (last - first + 1).astype(np.int64)
+        first = ((np.maximum(a[inside], self.base) - self.base) // bb).astype(np.int64)
+        last = ((np.minimum(end[inside], hi) - 1 - self.base) // bb).astype(np.int64)
+        lo = int(first.min())
+        with self._lock:  # open slots counted over the window the request touches only
+            cs = np.concatenate(([0], np.cumsum(self.open[lo:int(last.max()) + 1] > 0)))
+        ok = (cs[last - lo + 1] - cs[first - lo]) == (last - first + 1)
         if ok.all():
             return slots
         out = slots.copy()
