@@ -362,6 +362,35 @@ def test_data_plane_refuses_slots_not_granted_or_leased(trio: tuple[Pool, Pool, 
 
 
 @pytest.mark.services
+def test_data_plane_binds_grants_and_leases_to_their_client(trio: tuple[Pool, Pool, Pool],
+                                                            etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    pool = c._members.prefix.split("/")[3]  # type: ignore[union-attr]
+    with Pool("x", etcd=etcd_server.endpoint, pool=pool, capacity=0, block_bytes=BB, options=FAST) as x:
+        src, dst, ps, pd = _bufs(c, 2)
+        xs, xd, xps, xpd = _bufs(x, 2, seed=5)
+        m = next(mm for mm in c._place[1] if mm.name == "a")  # type: ignore[index]
+        cc, xc = c._conn(m), x._conn(m)
+        assert cc is not None and xc is not None
+        rep = cc.chan.request("grant", 5.0, keys=[b"mine"], parents=[None])[0]
+        slot = rep["codes"][0]
+        before = bytes(a._arena[slot * BB:(slot + 1) * BB])
+        with pytest.raises(kvx.RemoteError):  # x holds no grant on c's slot
+            x.agent.write(xps, [0], xc.arena, [slot]).wait(5)
+        assert bytes(a._arena[slot * BB:(slot + 1) * BB]) == before
+        c.agent.write(ps, [0], cc.arena, [slot]).wait(5)  # c does
+        assert cc.chan.request("commit", 5.0, gid=rep["gid"], slots=[slot], sums=[0], ok=True)[0]["n"] == 1
+        found = cc.chan.request("lookup", 5.0, keys=[b"mine"], lease=True)[0]
+        assert found["n"] == 1
+        with pytest.raises(kvx.RemoteError):  # the lease is c's, not x's
+            x.agent.read(xpd, [0], xc.arena, [slot]).wait(5)
+        c.agent.read(pd, [0], cc.arena, [slot]).wait(5)
+        assert np.array_equal(dst[:BB], src[:BB])
+        cc.chan.request("release", 5.0, lid=found["lid"])
+        a.owner.check()  # type: ignore[union-attr]
+
+
+@pytest.mark.services
 def test_wrong_token_cannot_reach_members(etcd_server: Etcd) -> None:  # noqa: F811
     kw = {"etcd": etcd_server.endpoint, "pool": "tok", "block_bytes": BB, "options": FAST}
     with Pool("m", capacity=16 * BB, config=kvx.AgentConfig(auth_token="s3cret"), **kw) as m, \

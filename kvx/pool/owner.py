@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.tcp.target import SERVING
 from ..errors import ProtocolError, TierFull
 from ..memory import MemoryKind
 from ..tiers.policies import EvictionPolicy, make_policy
@@ -150,6 +151,10 @@ class Owner:
         self.open = np.zeros(self.nslots, dtype=np.int32)
         self.free: list[int] = list(range(self.nslots - 1, -1, -1))
         self.pending: dict[bytes, int] = {}  # key -> slot granted, not committed yet
+        #: slot -> the agent id of the client a grant on it went to (the only one that may write it)
+        self.writer: dict[int, str] = {}
+        #: slot -> {agent id: leases} of the clients that may read it
+        self.lessees: dict[int, dict[str, int]] = {}
         self.grants: dict[bytes, _Grant] = {}
         self.leases: dict[bytes, _Lease] = {}
         self.stats = OwnerStats()
@@ -193,6 +198,7 @@ class Owner:
                 s = self.free.pop()
                 self.gen[s] += 1
                 self.open[s] += 1
+                self.writer[s] = _cid(client)
                 self.pending[k] = s
                 codes.append(s)
                 slots.append(s)
@@ -245,6 +251,7 @@ class Owner:
                 return 0
             for k, p, s, c in zip(g.keys, g.parents, g.slots, sums):
                 self.open[s] -= 1
+                del self.writer[s]
                 del self.pending[k]
                 self.index[k] = s
                 self.key_of[s] = k
@@ -256,6 +263,7 @@ class Owner:
     def _abort(self, g: _Grant) -> None:
         for k, s in zip(g.keys, g.slots):
             self.open[s] -= 1
+            self.writer.pop(s, None)
             self.pending.pop(k, None)
             self.gen[s] += 1
             self.free.append(s)
@@ -284,21 +292,31 @@ class Owner:
             lid = None
             if lease and n:
                 lid = os.urandom(16)
+                cid = _cid(client)
                 for s in slots:
-                    self._pin(s)
+                    self._pin(s, cid)
                 self.leases[lid] = _Lease(client, slots, gens, time.monotonic() + self.lease_ttl)
                 self.stats.leases += 1
         return n, slots, gens, sums, lid
 
-    def _pin(self, s: int) -> None:
+    def _pin(self, s: int, cid: str) -> None:
         if self.readers[s] == 0:
             k = self.key_of[s]
             if k is not None:
                 self.policy.set_evictable(k, False)
         self.readers[s] += 1
         self.open[s] += 1
+        by = self.lessees.setdefault(s, {})
+        by[cid] = by.get(cid, 0) + 1
 
-    def _unpin(self, s: int) -> None:
+    def _unpin(self, s: int, cid: str) -> None:
+        by = self.lessees[s]
+        if by[cid] == 1:
+            del by[cid]
+            if not by:
+                del self.lessees[s]
+        else:
+            by[cid] -= 1
         self.readers[s] -= 1
         self.open[s] -= 1
         if self.readers[s] == 0:
@@ -313,8 +331,9 @@ class Owner:
             if ls is None or ls.client is not client:
                 return False
             del self.leases[lid]
+            cid = _cid(client)
             for s in ls.slots:
-                self._unpin(s)
+                self._unpin(s, cid)
             return all(int(self.gen[s]) == g for s, g in zip(ls.slots, ls.gens))
 
     # ---- housekeeping ------------------------------------------------------------------------
@@ -326,8 +345,9 @@ class Owner:
                 self._abort(self.grants.pop(gid))
                 self.stats.grants_expired += 1
             for lid in [x for x, v in self.leases.items() if v.deadline <= now]:
-                for s in self.leases.pop(lid).slots:
-                    self._unpin(s)
+                ls = self.leases.pop(lid)
+                for s in ls.slots:
+                    self._unpin(s, _cid(ls.client))
                 self.stats.leases_expired += 1
 
     def drop_client(self, client: Any) -> None:
@@ -337,7 +357,7 @@ class Owner:
                 self._abort(self.grants.pop(gid))
             for lid in [x for x, v in self.leases.items() if v.client is client]:
                 for s in self.leases.pop(lid).slots:
-                    self._unpin(s)
+                    self._unpin(s, _cid(client))
 
     def guard(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The data plane's check: ``slots`` (the agent's region slot per descriptor, -1 refused)
@@ -358,6 +378,17 @@ class Owner:
         with self._lock:  # open slots counted over the window the request touches only
             cs = np.concatenate(([0], np.cumsum(self.open[lo:int(last.max()) + 1] > 0)))
         ok = (cs[last - lo + 1] - cs[first - lo]) == (last - first + 1)
+        pid, op = getattr(SERVING, "peer_id", None), getattr(SERVING, "op", None)
+        if ok.all() and pid is not None and op in ("w", "r"):
+            # served by a tcp target thread: the slots must be granted (a write) or leased (a
+            # read) to the very agent asking
+            with self._lock:
+                writer, lessees = self.writer, self.lessees
+                for i, (f, la) in enumerate(zip(first.tolist(), last.tolist())):
+                    for sl in range(f, la + 1):
+                        if (writer.get(sl) != pid) if op == "w" else (pid not in lessees.get(sl, ())):
+                            ok[i] = False
+                            break
         if ok.all():
             return slots
         out = slots.copy()
@@ -422,7 +453,19 @@ class Owner:
                 for s in ls.slots:
                     want[s] += 1
             assert (want == self.open).all(), "open counts disagree with grants and leases"
+            assert set(self.writer) == {sl for g in self.grants.values() for sl in g.slots}
+            for sl, by in self.lessees.items():
+                assert sum(by.values()) == self.readers[sl] and all(v > 0 for v in by.values())
+            assert set(self.lessees) == set(np.flatnonzero(self.readers).tolist())
             assert (self.readers >= 0).all()
             for k, s in self.index.items():
                 assert self.key_of[s] == k
 
+
+def _cid(client: Any) -> str:
+    """The agent id a client proved (a control connection's), or the client's own name (local
+    calls, tests)."""
+    extra = getattr(client, "extra", None)
+    if isinstance(extra, dict) and isinstance(extra.get("peer_id"), str):
+        return str(extra["peer_id"])
+    return str(client)

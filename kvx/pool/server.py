@@ -75,6 +75,7 @@ class ControlServer:
                 pass
             return
         ch = Channel(s, CTL_MAX, self._on_message, self._on_close, name=str(hello["name"])[:64])
+        ch.extra["peer_id"] = hello["id"]  # the agent id it proved: its data connections' too
         with self._lock:
             if self._closed:
                 s.close()
