@@ -13,8 +13,9 @@ agent. Clients reach a slot only through the owner:
   may have let the slot be reused: the reader then counts the blocks as misses).
 
 The data plane checks the same state: :meth:`Owner.guard` lets a target-side descriptor into the
-arena only while its slots are granted or leased, so a forged slot id or a replayed grant is
-refused by the target before a byte moves (``PoolConfig.strict``). Grants and leases that outlive
+arena only while its slots are granted (a write) or leased (a read) to the agent asking, so a
+forged slot id, a replayed grant or another client's slot is refused by the target before a byte
+moves (``PoolConfig.strict``). Grants and leases that outlive
 their deadline, or whose client disconnects, are undone by the owner itself: nothing waits
 forever on a client.
 """
