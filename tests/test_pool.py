@@ -426,6 +426,7 @@ def test_full_owner_refuses_with_a_reason_and_never_blocks(etcd_server: Etcd) ->
         t = time.monotonic()
         assert m.put(ks[4:], ps, range(4, 8)) == 0
         assert time.monotonic() - t < 1.0 and m.stats()["refused"] == 4
+        assert "full" in m.stats()["last_refusal"]
         m.owner.release("reader", lid)  # type: ignore[union-attr, arg-type]
         assert m.put(ks[4:], ps, range(4, 8)) == 4  # now it evicts
         assert m.stats()["owner"]["evicted"] == 4

@@ -265,6 +265,8 @@ class Pool:
         self._suspect: dict[str, float] = {}
         self._place: tuple[Placement, list[Member]] | None = None
         self._stats: dict[str, int] = defaultdict(int)
+        #: why an owner last refused blocks of a put ("member: reason"), or ""
+        self.last_refusal = ""
         self.owner: Owner | None = None
         self._server: ControlServer | None = None
         self._members: Membership | None = None
@@ -518,6 +520,7 @@ class Pool:
             nref = int((c == REFUSED).sum())
             if nref:
                 self._stats["refused"] += nref
+                self.last_refusal = f"{m.name}: {rep['why'][:200]}"
                 log.debug("pool: %s refused %d blocks: %s", m.name, nref, rep["why"][:200])
             self._stats["busy"] += int((c == BUSY).sum())
             g = c >= 0
@@ -721,6 +724,8 @@ class Pool:
         and, on a storing member, of its owner (under ``"owner"``)."""
         out: dict[str, Any] = dict(self._stats)
         out["members"] = len(self.members())
+        if self.last_refusal:
+            out["last_refusal"] = self.last_refusal
         if self.owner is not None:
             o = self.owner
             out["owner"] = {**dataclasses.asdict(o.stats), "blocks": len(o.index), "slots": o.nslots,
