@@ -205,3 +205,9 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) services
 	@mkdir -p $(OUT)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) benchmarks/soak.py --json $(OUT)/soak.json
+
+# The pool under chaos (issue 30): sixteen members in network namespaces, clients putting and
+# getting while one member is killed -9, another's link is cut and a new one joins (root, etcd).
+.PHONY: soak-pool
+soak-pool: $(STAMP) services
+	$(PY) -m pytest -q -s -m slow tests/test_pool_chaos.py

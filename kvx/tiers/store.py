@@ -153,6 +153,15 @@ class TieredStore:
     slots besides its capacity, for blocks on their way down.
     """
 
+    def __new__(cls, tiers: Sequence[Any] = (), *args: Any, **kw: Any) -> "TieredStore":
+        # a remote last tier (kvx.pool.PoolTier) names the store class that asks it for what the
+        # local tiers miss (kvx.pool.tier.PooledStore)
+        if cls is TieredStore and isinstance(tiers, Sequence) and tiers:
+            sub = getattr(tiers[-1], "store_class", None)
+            if isinstance(sub, type) and issubclass(sub, TieredStore):
+                return super().__new__(sub)
+        return super().__new__(cls)
+
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
                  verify_host: bool = False, writeback_depth: int = 64, writeback_batch: int = 64,
