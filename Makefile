@@ -126,6 +126,15 @@ bench-prepare: $(STAMP)
 bench-tiers: $(STAMP)
 	$(PY) benchmarks/bench_tiers.py
 
+# issue 26: the tiers stress loop beside a CPU hog, STRESS_SECONDS per run (default 600): one thread
+# doing everything, then one putting while another gets; zero wrong bytes and zero drops, or exit 1
+.PHONY: stress-tiers
+STRESS_SECONDS ?= 600
+stress-tiers: $(STAMP)
+	@mkdir -p $(OUT)
+	$(PY) -m kvx.testing.tier_stress --seconds $(STRESS_SECONDS) --seeds 15,1 --threads 1 --hog --json $(OUT)/stress-1t.json
+	$(PY) -m kvx.testing.tier_stress --seconds $(STRESS_SECONDS) --seeds 15,2 --threads 2 --hog --json $(OUT)/stress-2t.json
+
 bench-all: bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare
 
 # issue 15: no regression against REF (default 27cdcfb, the code before the refactor), side by side in one run:
