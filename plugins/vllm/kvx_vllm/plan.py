@@ -325,13 +325,14 @@ class PeerTables:
         """Pieces per super block, summed over layers."""
         return sum(len(t) for t in self.templates)
 
-    def indices(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """Indices into ``(local_descs, remote_descs)`` for a request.
+    def indices(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Indices into ``(local_descs, remote_descs)`` for a request, and the remote blocks read.
 
         ``groups[g]`` is ``(local new block ids, their block positions, all remote block ids)`` of KV
         cache group ``g``.
         """
-        lout, rout = [], []
+        lout, rout, used = [], [], []
         pairs: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         for lg, rg, tp, lo, ro in zip(self.layers, self.remote, self.templates, self.loffs, self.roffs):
             if lg.group >= len(groups):
@@ -351,6 +352,7 @@ class PeerTables:
             ok = (lb >= 0) & (rb >= 0)
             lout.append((lo + lb * len(tp) + p)[ok])
             rout.append((ro + rb * len(tp) + p)[ok])
+            used.append(rb[ok])
         if not lout:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return np.concatenate(lout), np.concatenate(rout)
+            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(lout), np.concatenate(rout), np.unique(np.concatenate(used))

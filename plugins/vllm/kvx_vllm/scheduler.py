@@ -92,6 +92,7 @@ class KVXScheduler:
         # ask the workers what their stores hold at the first step (the events of what a disk
         # tier recovered at start-up are drained by vLLM's warm-up runs before any real step)
         self._announce = True
+        self._lease = 0
 
     # ------------------------------------------------------------------------------------------
     # handshake
@@ -157,7 +158,7 @@ class KVXScheduler:
                 return
             remote = _as_groups(params["remote_block_ids"])
             local: list[list[int]] = [[] for _ in remote]
-            remote_sel: list[list[int]] = [[] for _ in remote]
+            pos: list[list[int]] = [[] for _ in remote]
             if num_external_tokens > 0:
                 all_ids = blocks.get_block_ids()
                 unhashed = blocks.get_unhashed_block_ids_all_groups()
@@ -165,11 +166,11 @@ class KVXScheduler:
                     if g >= len(remote):
                         break
                     newset = set(new)
-                    for pos, bid in enumerate(ids):
-                        if bid in newset and pos < len(remote[g]):
+                    for p, bid in enumerate(ids):
+                        if bid in newset:
                             local[g].append(bid)
-                            remote_sel[g].append(remote[g][pos])
-            self._recv.append(RecvSpec(rid, local, remote_sel, dict(params)))
+                            pos[g].append(p)
+            self._recv.append(RecvSpec(rid, local, remote, dict(params), pos))
             # a second call (after the load) must not pull again
             params["do_remote_prefill"] = False
             return
@@ -213,8 +214,9 @@ class KVXScheduler:
         if self.offload and request.status != RequestStatus.FINISHED_ERROR:
             delay = self._plan_save(request, groups)
         if self.pd and params and params.get("do_remote_decode") and finished_ok and any(groups):
-            out = self._remote_params(request, groups)
-            self._send.append(SendSpec(rid, self.cfg.lease_s))
+            lease = self._next_lease()
+            out = self._remote_params(request, groups, lease)
+            self._send.append(SendSpec(rid, self.cfg.lease_s, lease, [b for g in groups for b in g]))
             delay = True
         return delay, out
 
@@ -237,7 +239,13 @@ class KVXScheduler:
         self._saving.add(request.request_id)
         return True
 
-    def _remote_params(self, request: "Request", groups: list[list[int]]) -> dict[str, Any]:
+    def _next_lease(self) -> int:
+        """A lease id larger than every one this engine gave before (also across restarts: it
+        starts from the clock), even (the prefill workers keep odd ones for nothing)."""
+        self._lease = max(self._lease + 2, (time.time_ns() // 1000) * 2)
+        return self._lease
+
+    def _remote_params(self, request: "Request", groups: list[list[int]], lease: int) -> dict[str, Any]:
         agents: dict[str, list[Any]] = {}
         for rank, w in sorted(self.workers.items()):
             agents[str(rank)] = [w.agent_name, w.host, w.port, w.layout, w.compat]
@@ -257,6 +265,7 @@ class KVXScheduler:
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
             "kvx_version": PARAMS_VERSION,
+            "kvx_lease": lease,
             "kvx_compat": self.compat,
         }
 

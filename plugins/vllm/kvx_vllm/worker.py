@@ -42,6 +42,7 @@ from .metadata import (
     RecvSpec,
     SaveSpec,
 )
+from .plan import LayerGeom, PeerTables, layer_geometry, read_plan
 from .util import compat_info, compat_mismatch
 
 if TYPE_CHECKING:
@@ -54,6 +55,25 @@ __all__ = ["KVXWorker", "layer_layouts", "block_table"]
 log = logging.getLogger(__name__)
 
 _U64 = np.uint64
+
+
+def _note(rid: str, n: int) -> bytes:
+    """The notification a decode worker sends a prefill worker: request id and how many decode
+    workers will send it (the prefill worker frees the blocks once all have)."""
+    return f"{rid}\n{n}".encode()
+
+
+def _parse_note(m: bytes) -> tuple[str, int] | None:
+    try:
+        text = m.decode()
+    except UnicodeDecodeError:
+        return None
+    rid, sep, n = text.rpartition("\n")
+    if not sep:
+        return text, 1
+    if not n.isdigit() or not 0 < int(n) <= 4096:
+        return None
+    return rid, int(n)
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -105,16 +125,15 @@ def block_table(layouts: list[LayerLayout], kind: kvx.MemoryKind, dev: int = 0
 
 
 class _Peer:
-    """A prefill worker this decode worker pulls from."""
+    """A prefill worker this decode worker pulls from: its layers, generation words, and the
+    descriptor lists of each head range read from it (built once)."""
 
-    __slots__ = ("layouts", "name", "offsets", "table")
+    __slots__ = ("dev", "gen", "geoms", "kind", "name", "tables")
 
-    def __init__(self, name: str, table: kvx.PreparedList, offsets: dict[str, int],
-                 layouts: dict[str, LayerLayout]) -> None:
-        self.name = name
-        self.table = table
-        self.offsets = offsets
-        self.layouts = layouts
+    def __init__(self, name: str, geoms: list[LayerGeom], kind: kvx.MemoryKind, dev: int,
+                 gen: kvx.PreparedList | None) -> None:
+        self.name, self.geoms, self.kind, self.dev, self.gen = name, geoms, kind, dev, gen
+        self.tables: dict[tuple[int, int, int], tuple[PeerTables, kvx.PreparedList, kvx.PreparedList]] = {}
 
 
 class _GroupStore:
@@ -193,34 +212,121 @@ class _GroupStore:
         self.reg.release()
 
 
-class _Posted:
-    """A pull posted from the engine's thread: ``done``/``result`` like a Future, polled."""
+class _Pull:
+    """One request's pull: a kvx read per prefill rank it reads (posted at once), then, once all
+    are done, a read of those blocks' generation words from each (carrying the notification that
+    lets the prefill free them), then the check that no block was released meanwhile; prefill
+    ranks it does not read are only notified. ``done``/``result`` poll it like a Future."""
 
-    __slots__ = ("deadline", "local", "spec", "t0", "worker", "x")
+    __slots__ = (
+        "deadline",
+        "error",
+        "gens",
+        "local",
+        "notify_only",
+        "payload",
+        "phase",
+        "reads",
+        "slots",
+        "spec",
+        "t0",
+        "worker",
+    )
 
-    def __init__(self, x: Any, local: list[int], timeout: float, worker: "KVXWorker",
-                 spec: RecvSpec | None = None) -> None:
-        self.x, self.local, self.worker, self.spec = x, local, worker, spec
+    def __init__(self, worker: "KVXWorker", spec: RecvSpec, reads: list[tuple[_Peer, Any, np.ndarray]],
+                 notify_only: list[str], payload: dict[str, bytes]) -> None:
+        self.worker, self.spec, self.payload, self.notify_only = worker, spec, payload, notify_only
+        self.local = [b for g in spec.local_block_ids for b in g]
         self.t0 = time.monotonic()
-        self.deadline = self.t0 + timeout
+        self.deadline = self.t0 + worker.cfg.load_timeout_s
+        self.error: BaseException | None = None
+        self.gens: list[tuple[Any, np.ndarray, int]] = []  # (transfer, remote blocks, first slot)
+        self.slots = 0
+        self.reads: list[tuple[_Peer, Any, np.ndarray]] = reads
+        self.phase = 0  # 0: data, 1: generations, 2: done
 
-    def done(self) -> bool:
-        if self.x is None or self.x.done():
-            return True
-        if time.monotonic() > self.deadline:
-            self.x.cancel()
-            return True
-        return False
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        for _p, x, _b in self.reads:
+            if x is not None and not x.done():
+                x.cancel()
+        for x, _b, _s in self.gens:
+            if not x.done():
+                x.cancel()
+        self.phase = 2
+        self.worker._notify_all([p.name for p, _x, _b in self.reads] + self.notify_only, self.payload)
+
+    def done(self, block: bool = False) -> bool:
+        w = self.worker
+        while self.phase < 2:
+            xs = [x for _p, x, _b in self.reads] if self.phase == 0 else [g[0] for g in self.gens]
+            if time.monotonic() > self.deadline:
+                self._fail(kvx.TransferTimeout(f"pull not done within {w.cfg.load_timeout_s} s"))
+                break
+            if block:
+                for x in xs:
+                    x.wait(max(0.001, self.deadline - time.monotonic()))
+            if not all(x.done() for x in xs):
+                return False
+            bad = next((x for x in xs if x.status is not kvx.Status.DONE), None)
+            if bad is not None:
+                self._fail(bad.error or kvx.TransferError("pull failed"))
+                break
+            if self.phase == 0:
+                try:
+                    self._post_gens()
+                except Exception as exc:
+                    self._fail(exc)
+                    break
+                self.phase = 1
+            else:
+                self._check_gens()
+                self.phase = 2
+        return True
+
+    def _post_gens(self) -> None:
+        w = self.worker
+        lease = int(self.spec.params.get("kvx_lease", 0))
+        for peer, _x, rblocks in self.reads:
+            if peer.gen is None or not lease:
+                raise kvx.ProtocolError(f"prefill worker {peer.name} publishes no block generations")
+            first = w._slots(rblocks.size)
+            self.gens.append((w.agent.read(w._gen_local, first + np.arange(rblocks.size), peer.gen, rblocks,
+                                           notify=self.payload[peer.name]), rblocks, first))
+        w._notify_all(self.notify_only, self.payload)
+
+    def _check_gens(self) -> None:
+        lease = int(self.spec.params["kvx_lease"])
+        for (x, rblocks, first), (peer, _x, _b) in zip(self.gens, self.reads):
+            got = self.worker._gen_view[first:first + rblocks.size]
+            if (got >= lease).any():
+                n = int((got >= lease).sum())
+                self.error = kvx.TransferError(
+                    f"{n} of {rblocks.size} blocks were released by prefill worker {peer.name} before the "
+                    f"pull finished (lease {self.spec.params.get('kvx_lease')} expired); their bytes may "
+                    "belong to another request")
+                return
 
     def result(self) -> list[int]:
-        """The blocks that failed (none when the transfer is done)."""
-        if self.x is None:
-            return self.local
-        if self.x.status is kvx.Status.DONE:
+        """The blocks that failed (none when the pull succeeded)."""
+        if self.error is None:
             self.worker._count(pulls=1, pulled_blocks=len(self.local), pull_s=time.monotonic() - self.t0)
             return []
-        assert self.spec is not None
-        self.worker._pull_failed(self.spec, self.x.error or kvx.TransferTimeout("pull timed out"))
+        self.worker._pull_failed(self.spec, self.error)
+        return self.local
+
+
+class _Failed:
+    """A pull that failed before anything was posted."""
+
+    def __init__(self, local: list[int]) -> None:
+        self.local = local
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[int]:
         return self.local
 
 
@@ -278,8 +384,19 @@ class KVXWorker:
         self._recv: dict[str, Future[list[int]]] = {}  # req -> future of failed block ids
         self._recv_blocks: dict[str, list[int]] = {}
         self._saves: dict[str, Future[Any]] = {}
-        self._sending: dict[str, float] = {}  # req -> lease deadline
-        self._early: dict[str, float] = {}  # notifications that came before their send spec
+        # prefill side: req -> [lease deadline, lease id, block ids, ranks heard from, ranks expected]
+        self._sending: dict[str, list[Any]] = {}
+        # notifications that came before their send spec: req -> [time, peers heard from, expected]
+        self._early: dict[str, list[Any]] = {}
+        self._gen_reg: kvx.Registration | None = None
+        self._gen_view = np.zeros(0, dtype=_U64)  # prefill: block -> generation; decode: scratch
+        self._gen_cnt = np.zeros(0, dtype=np.int64)  # prefill: leases holding each block
+        self._gen_max = np.zeros(0, dtype=_U64)  # prefill: largest lease id of the holding
+        self._gen_local: Any = None  # decode: the scratch slots, prepared
+        self._gen_next = 0
+        self._gen_lock = threading.Lock()
+        self.geoms: list[LayerGeom] = []
+        self._plans: dict[int, tuple[list[tuple[int, int, int, int]], dict[int, int]]] = {}
         self._done_send: set[str] = set()
         self._finished_seen: set[str] = set()
         self._invalid: set[int] = set()
@@ -291,11 +408,38 @@ class KVXWorker:
                                         "loaded_blocks": 0, "saved_blocks": 0}
 
     # ------------------------------------------------------------------------------------------
+    def _spec_of(self, name: str) -> Any:
+        g = self.group_of.get(name, 0)
+        spec = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        return per_layer[name] if isinstance(per_layer, dict) and name in per_layer else spec
+
+    def _geometries(self, kv_caches: dict[str, "torch.Tensor"]) -> list[LayerGeom]:
+        out: list[LayerGeom] = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name in sorted(kv_caches, key=_natural_key):
+            t = kv_caches[name]
+            if isinstance(t, (list, tuple)):
+                raise NotImplementedError(f"layer {name}: state tuples (Mamba) are not supported by kvx_vllm yet")
+            key = (int(t.data_ptr()), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            spec = self._spec_of(name)
+            mla = type(spec).__name__.startswith("MLA") or bool(self.compat.get("mla"))
+            out.append(layer_geometry(name, t, self.group_of.get(name, 0), int(spec.block_size),
+                                      int(getattr(spec, "num_kv_heads", 1)), int(spec.head_size), mla))
+        return out
+
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        """Register the KV caches' storage with kvx and build the block table."""
-        self.layouts = layer_layouts(kv_caches, self.group_of)
-        if not self.layouts:
+        """Register the KV caches' storage with kvx, describe every layer's cells for transfers
+        (:mod:`kvx_vllm.plan`) and, for offloading, build the block table of pages."""
+        if not kv_caches:
             raise ValueError("no KV cache layer to register")
+        if self.pd:
+            self.geoms = self._geometries(kv_caches)
+        if self.offload:
+            self.layouts = layer_layouts(kv_caches, self.group_of)
         t0 = next(iter(kv_caches.values()))
         kind = kvx.MemoryKind.CUDA if t0.device.type == "cuda" else kvx.MemoryKind.HOST
         dev = int(t0.device.index or 0) if kind == kvx.MemoryKind.CUDA else 0
@@ -306,26 +450,46 @@ class KVXWorker:
         regions = [kvx.RawRegion(a, n, kind, dev) for a, n in sorted(storages.items())]
         self._regs.append(self.agent.register(regions))
         self._kv_refs = list(kv_caches.values())  # keep the memory alive while registered
-        descs, self.offsets = block_table(self.layouts, kind, dev)
-        self.table = self.agent.prepare(descs)
+        if self.layouts:
+            descs, self.offsets = block_table(self.layouts, kind, dev)
+            self.table = self.agent.prepare(descs)
         self.kind, self.dev = kind, dev
-        self.compat = {**compat_info(self.vllm_config), "pages": {lay.name: lay.page for lay in self.layouts}}
+        nb = max([g.num_blocks for g in self.geoms] or [0])
+        if self.serves and nb:
+            # one generation word per block (published in the handshake): a decode worker reads
+            # it after its pull to learn whether the block was released meanwhile
+            buf = kvx.alloc_host(8 * nb)
+            self._gen_view = np.frombuffer(buf, dtype=_U64, count=nb)
+            self._gen_view[:] = 0
+            self._gen_cnt = np.zeros(nb, dtype=np.int64)
+            self._gen_max = np.zeros(nb, dtype=_U64)
+            self._gen_buf = buf
+            self._gen_reg = self.agent.register(buf)
+        elif self.pd and not self.serves:
+            n = 1 << 16
+            buf = kvx.alloc_host(8 * n)
+            self._gen_view = np.frombuffer(buf, dtype=_U64, count=n)
+            self._gen_buf = buf
+            self._gen_reg = self.agent.register(buf)
+            base = _U64(int(self._gen_reg.descs.addr[0]))
+            self._gen_local = self.agent.prepare(kvx.DescList.from_arrays(
+                kind=kvx.MemoryKind.HOST, addr=base + np.arange(n, dtype=_U64) * _U64(8),
+                nbytes=np.full(n, 8, dtype=_U64)))
         if self.offload:
             for g in self.groups:
                 layers = [lay for lay in self.layouts if lay.group == g]
                 if layers:
                     self._stores[g] = _GroupStore(self, g, layers)
-        log.info("kvx_vllm: registered %d layers (%d blocks each, %d bytes a page) with %s",
-                 len(self.layouts), self.layouts[0].num_blocks, self.layouts[0].page, self.agent)
+        log.info("kvx_vllm: registered %d layers with %s", len(kv_caches), self.agent)
 
     def handshake_metadata(self) -> KVXHandshakeMetadata | None:
         """What the scheduler puts into kv_transfer_params so decode instances can pull."""
-        if not self.serves or not self.layouts:
+        if not self.serves or not self.geoms or self._gen_reg is None:
             return None
         return KVXHandshakeMetadata(agent_name=self.agent.name, host=self.host, port=self.port,
-                                    tp_rank=self.tp_rank, layout=[lay.to_list() for lay in self.layouts],
-                                    compat={"pages": {lay.name: lay.page for lay in self.layouts},
-                                            "kind": int(self.kind), "dev": self.dev})
+                                    tp_rank=self.tp_rank, layout=[g.to_list() for g in self.geoms],
+                                    compat={"kind": int(self.kind), "dev": self.dev,
+                                            "gen": [int(self._gen_reg.descs.addr[0]), int(self._gen_view.size)]})
 
     # ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVXConnectorMetadata) -> None:
@@ -351,30 +515,45 @@ class KVXWorker:
             self._saves[spec.req_id] = self._store_pool.submit(self._save, spec)
         now = time.monotonic()
         for send in meta.send:
-            if self._early.pop(send.req_id, None) is not None:
-                self._done_send.add(send.req_id)
-            else:
-                self._sending[send.req_id] = now + send.lease_s
+            ids = np.asarray(send.block_ids, dtype=np.int64)
+            ids = ids[(ids >= 0) & (ids < self._gen_cnt.size)]
+            self._gen_cnt[ids] += 1
+            self._gen_max[ids] = np.maximum(self._gen_max[ids], _U64(send.lease))
+            st = [now + send.lease_s, send.lease, ids, set(), 1 << 30]
+            early = self._early.pop(send.req_id, None)
+            if early is not None:
+                st[3], st[4] = early[1], early[2]
+            self._sending[send.req_id] = st
+            if len(st[3]) >= st[4]:
+                self._release(send.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
         self._finished_seen |= finished_req_ids
         now = time.monotonic()
-        for _peer, msgs in self.agent.notifications().items():
+        for peer, msgs in self.agent.notifications().items():
             for m in msgs:
-                rid = m.decode(errors="replace")
-                if self._sending.pop(rid, None) is not None:
-                    self._done_send.add(rid)
-                else:
-                    self._early[rid] = now
-        for rid, deadline in list(self._sending.items()):
-            if deadline <= now:
-                del self._sending[rid]
-                self._done_send.add(rid)
+                parsed = _parse_note(m)
+                if parsed is None:
+                    log.warning("kvx_vllm: malformed notification from %s ignored", peer)
+                    continue
+                rid, n = parsed
+                st = self._sending.get(rid)
+                if st is None:
+                    st = self._early.setdefault(rid, [now, set(), n])
+                    st[1].add(peer)
+                    continue
+                st[3].add(peer)
+                st[4] = n
+                if len(st[3]) >= n:
+                    self._release(rid)
+        for rid, st in list(self._sending.items()):
+            if st[0] <= now:
+                self._release(rid)
                 log.warning("kvx_vllm: request %s: no decode instance read its blocks within the %.0f s "
                             "lease; freeing them", rid, self.cfg.lease_s)
-        for rid, t in list(self._early.items()):
-            if now - t > 2 * self.cfg.lease_s:
+        for rid, st in list(self._early.items()):
+            if now - st[0] > 2 * self.cfg.lease_s:
                 del self._early[rid]
         for rid, fut in list(self._saves.items()):
             if fut.done():
@@ -437,8 +616,39 @@ class KVXWorker:
                 self.stats[k] += v
 
     # ------------------------------------------------------------------------------------------
-    def _peer(self, name: str, host: str, port: int, layout: list[Any], winfo: dict[str, Any]) -> _Peer:
-        """The prefill worker ``name``, connected once however many pulls ask for it at once.
+    def _release(self, rid: str) -> None:
+        """End a request's lease: blocks no other lease holds get the largest lease id they were
+        held under as their generation, before vLLM may reuse them."""
+        st = self._sending.pop(rid)
+        ids = st[2]
+        self._gen_cnt[ids] -= 1
+        free = ids[self._gen_cnt[ids] <= 0]
+        self._gen_cnt[free] = 0
+        self._gen_view[free] = self._gen_max[free]
+        self._gen_max[free] = 0
+        self._done_send.add(rid)
+
+    def _slots(self, n: int) -> int:
+        """``n`` consecutive generation scratch slots (a ring; a pull holds them for milliseconds)."""
+        size = self._gen_view.size
+        if n > size:
+            raise kvx.UsageError(f"a pull of {n} blocks from one worker exceeds the {size} generation slots")
+        with self._gen_lock:
+            if self._gen_next + n > size:
+                self._gen_next = 0
+            first = self._gen_next
+            self._gen_next += n
+        return first
+
+    def _notify_all(self, peers: list[str], payload: dict[str, bytes]) -> None:
+        for name in peers:
+            try:
+                self.agent.notify(name, payload[name])
+            except Exception as exc:
+                log.warning("kvx_vllm: notifying %s failed: %s", name, exc)
+
+    def _peer(self, entry: list[Any]) -> _Peer:
+        """The prefill worker of ``entry``, connected once however many pulls ask for it at once.
 
         A burst of requests to a fresh decode instance starts several pulls from the same prefill
         worker together; the first connects (side channel, ``add_peer``, ``prepare``) while the
@@ -446,6 +656,7 @@ class KVXWorker:
         """
         from kvx.discovery import fetch_metadata
 
+        name, host, port, layout, winfo = entry
         with self._peer_lock:
             p = self._peers.get(name)
             if p is not None:
@@ -456,18 +667,35 @@ class KVXWorker:
                 p = self._peers.get(name)
             if p is not None:
                 return p
-            meta = fetch_metadata(host, int(port), timeout=min(10.0, self.cfg.load_timeout_s))
+            winfo = winfo if isinstance(winfo, dict) else {}
+            meta = fetch_metadata(host, int(port), timeout=min(30.0, self.cfg.load_timeout_s))
             pname = self.agent.add_peer(meta)
             if pname != name:
                 raise kvx.ProtocolError(f"the side channel at {host}:{port} serves agent {pname!r}, not {name!r}")
-            layouts = [LayerLayout.from_list(v) for v in layout]
-            descs, offsets = block_table(layouts, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))),
-                                         int(winfo.get("dev", 0)))
-            table = self.agent.prepare(descs, peer=pname)
-            p = _Peer(pname, table, offsets, {lay.name: lay for lay in layouts})
+            if not isinstance(layout, list) or len(layout) > 1 << 16:
+                raise kvx.ProtocolError("malformed layer list from the prefill instance")
+            geoms = [LayerGeom.from_list(v) for v in layout]
+            gen = None
+            g = winfo.get("gen")
+            if isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) and 0 < x < 1 << 62 for x in g):
+                gen = self.agent.prepare(kvx.DescList.from_arrays(
+                    kind=kvx.MemoryKind.HOST, addr=_U64(g[0]) + np.arange(g[1], dtype=_U64) * _U64(8),
+                    nbytes=np.full(g[1], 8, dtype=_U64)), peer=pname)
+            p = _Peer(pname, geoms, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))), int(winfo.get("dev", 0)),
+                      gen)
             with self._peer_lock:
                 self._peers[name] = p
             return p
+
+    def _tables(self, peer: _Peer, lh0: int, rh0: int, nh: int) -> tuple[PeerTables, Any, Any]:
+        key = (lh0, rh0, nh)
+        t = peer.tables.get(key)
+        if t is None:
+            tabs = PeerTables(self.geoms, peer.geoms, lh0, rh0, nh, self.kind, self.dev, peer.kind, peer.dev)
+            t = (tabs, self.agent.prepare(tabs.local_descs), self.agent.prepare(tabs.remote_descs, peer=peer.name))
+            with self._peer_lock:
+                peer.tables[key] = t
+        return t
 
     def _forget_peer(self, name: str) -> None:
         with self._peer_lock:
@@ -477,97 +705,124 @@ class KVXWorker:
         except kvx.KVXError:
             log.debug("removing peer %s", name, exc_info=True)
 
-    def _check_params(self, spec: RecvSpec) -> tuple[list[Any], bytes]:
-        """Check a request's kv_transfer_params; returns its prefill worker's entry and the
-        notification payload."""
+    def _check_params(self, spec: RecvSpec
+                      ) -> tuple[list[tuple[list[Any], int, int, int]], list[list[Any]], dict[str, bytes]]:
+        """Check a request's kv_transfer_params; returns what to read (prefill worker entry and
+        head range), the workers only to notify, and the notification payload (which carries how
+        many decode workers each prefill worker hears from)."""
         params = spec.params
         if params.get("kvx_version") != PARAMS_VERSION:
             raise kvx.ProtocolError(f"kv_transfer_params of version {params.get('kvx_version')!r}, "
                                     f"expected {PARAMS_VERSION}")
-        why = compat_mismatch({k: v for k, v in self.compat.items() if k != "pages"}, params.get("kvx_compat"),
-                              self.cfg.check_model_name)
+        why = compat_mismatch(self.compat, params.get("kvx_compat"), self.cfg.check_model_name)
         if why:
             raise kvx.ProtocolError(f"prefill instance is incompatible: {why}")
-        entry = params["remote_agents"].get(str(self.tp_rank))
-        if entry is None:
-            raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {self.tp_rank}")
-        pages = (entry[4] or {}).get("pages", {})
-        if pages != self.compat.get("pages"):
-            raise kvx.ProtocolError(f"KV page layout differs: prefill {pages}, decode {self.compat.get('pages')}")
-        return list(entry), str(params["remote_request_id"]).encode()
+        theirs = params["kvx_compat"]
+        tp_remote = int(theirs["tp_size"])
+        agents = params.get("remote_agents")
+        if not isinstance(agents, dict):
+            raise kvx.ProtocolError("remote_agents must be a dict")
+        plan = self._plans.get(tp_remote)
+        if plan is None:
+            heads = 1 if self.compat.get("mla") else int(self.compat["num_kv_heads"])
+            plan = self._plans[tp_remote] = read_plan(heads, int(self.compat["tp_size"]), self.tp_rank, tp_remote)
+        reads, notify = plan
 
-    def _indices(self, spec: RecvSpec, peer: _Peer) -> tuple[np.ndarray, np.ndarray] | None:
-        """Indices into the local and the peer's block tables (None: nothing to pull)."""
-        lidx, ridx = [], []
-        for g, (lids, rids) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            if not lids:
-                continue
-            lb = np.asarray(lids, dtype=np.int64)
-            rb = np.asarray(rids, dtype=np.int64)
-            for lay in self.layouts:
-                if lay.group != g:
-                    continue
-                rl = peer.layouts.get(lay.name)
-                if rl is None:
-                    raise kvx.ProtocolError(f"the prefill instance has no layer {lay.name!r}")
-                if rb.size and int(rb.max()) >= rl.num_blocks:
-                    raise kvx.ProtocolError("remote block id out of range")
-                lidx.append(self.offsets[lay.name] + lb)
-                ridx.append(peer.offsets[lay.name] + rb)
-        if not lidx:
-            return None
-        return np.concatenate(lidx), np.concatenate(ridx)
+        def entry(r: int) -> list[Any]:
+            e = agents.get(str(r))
+            if not isinstance(e, (list, tuple)) or len(e) != 5:
+                raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {r}")
+            return list(e)
+
+        read_ranks = {r for r, *_ in reads}
+        rid = str(params["remote_request_id"])
+        # each prefill worker learns how many decode workers it will hear from for the request
+        payload = {str(entry(r)[0]): _note(rid, n) for r, n in notify.items()}
+        return ([(entry(r), lh0, rh0, nh) for r, lh0, rh0, nh in reads],
+                [entry(r) for r in sorted(notify) if r not in read_ranks], payload)
+
+    def _groups(self, spec: RecvSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        pos = spec.local_pos or [list(range(len(g))) for g in spec.local_block_ids]
+        return [(np.asarray(lids, dtype=np.int64), np.asarray(lp, dtype=np.int64), np.asarray(rids, dtype=np.int64))
+                for lids, lp, rids in zip(spec.local_block_ids, pos, spec.remote_block_ids)]
+
+    def _post(self, spec: RecvSpec, reads: list[tuple[list[Any], int, int, int]], notify: list[list[Any]],
+              payload: dict[str, bytes], connect: bool) -> "_Pull | None":
+        """Post a request's reads (None: a prefill worker is not connected and ``connect`` is off)."""
+        groups = self._groups(spec)
+        posted: list[tuple[_Peer, Any, np.ndarray]] = []
+        peers = []
+        for e, lh0, rh0, nh in reads:
+            with self._peer_lock:
+                peer = self._peers.get(e[0])
+            if peer is None:
+                if not connect:
+                    return None
+                peer = self._peer(e)
+            peers.append((peer, lh0, rh0, nh))
+        others = []
+        for e in notify:
+            with self._peer_lock:
+                peer = self._peers.get(e[0])
+            if peer is None:
+                if not connect:
+                    return None
+                peer = self._peer(e)
+            others.append(peer.name)
+        pull = _Pull(self, spec, posted, others, payload)
+        try:
+            for peer, lh0, rh0, nh in peers:
+                tabs, local, remote = self._tables(peer, lh0, rh0, nh)
+                li, ri, rblocks = tabs.indices(groups)
+                posted.append((peer, self.agent.read(local, li, remote, ri), rblocks))
+        except Exception as exc:
+            pull._fail(exc)
+        return pull
 
     def _pull_failed(self, spec: RecvSpec, exc: BaseException) -> None:
         params = spec.params
         log.error("kvx_vllm: pulling request %s from %s failed: %s", spec.req_id, params.get("remote_host"), exc)
         self._count(pull_failures=1)
-        entry = (params.get("remote_agents") or {}).get(str(self.tp_rank))
-        if isinstance(exc, (kvx.PeerDisconnected, kvx.TransferError)) and entry:
-            self._forget_peer(entry[0])
+        if isinstance(exc, kvx.PeerDisconnected):
+            for e in (params.get("remote_agents") or {}).values():
+                if isinstance(e, (list, tuple)) and e and isinstance(e[0], str):
+                    self._forget_peer(e[0])
 
-    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | _Posted":
-        """Post the pull of a request whose prefill worker is connected already, here and now (a
-        nonblocking kvx read that ``get_transfer_results`` polls: no thread hand-off); a worker
-        not connected yet is connected on a pool thread, which then pulls."""
+    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | _Pull | _Failed":
+        """Post the pull of a request whose prefill workers are connected already, here and now
+        (nonblocking kvx reads that ``get_transfer_results`` polls: no thread hand-off); one whose
+        workers are not all connected yet is connected on a pool thread, which then pulls."""
         local = [b for g in spec.local_block_ids for b in g]
         try:
-            entry, payload = self._check_params(spec)
-            with self._peer_lock:
-                peer = self._peers.get(entry[0])
-            if peer is None:
-                return self._pull_pool.submit(self._pull, spec)
-            idx = self._indices(spec, peer)
-            if idx is None:
-                return self._pull_pool.submit(self._pull, spec)
-            assert self.table is not None
-            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
+            reads, notify, payload = self._check_params(spec)
+            pull = self._post(spec, reads, notify, payload, connect=False)
         except Exception as exc:
             self._pull_failed(spec, exc)
-            return _Posted(None, local, 0.0, self)
-        return _Posted(x, local, self.cfg.load_timeout_s, self, spec)
+            return _Failed(local)
+        if pull is None:
+            return self._pull_pool.submit(self._pull, spec)
+        return pull
 
     def _pull(self, spec: RecvSpec) -> list[int]:
-        """Pull one request's blocks from its prefill worker (connecting it first if needed);
-        returns the blocks that failed."""
+        """Pull one request's blocks (connecting its prefill workers first if needed) and wait;
+        returns the blocks that failed. With no local blocks, only notify."""
         local = [b for g in spec.local_block_ids for b in g]
         try:
-            entry, payload = self._check_params(spec)
-            name, host, port, layout, wcompat = entry
-            peer = self._peer(name, host, port, layout, wcompat or {})
-            idx = self._indices(spec, peer)
-            if idx is None:
-                self.agent.notify(peer.name, payload)
+            reads, notify, payload = self._check_params(spec)
+            if not local:
+                peers = [self._peer(e).name for e, *_ in reads] + [self._peer(e).name for e in notify]
+                self._notify_all(peers, payload)
                 return []
-            assert self.table is not None
-            t0 = time.monotonic()
-            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
-            x.wait(self.cfg.load_timeout_s)
-            self._count(pulls=1, pulled_blocks=len(local), pull_s=time.monotonic() - t0)
-            return []
+            pull = self._post(spec, reads, notify, payload, connect=True)
+            assert pull is not None
         except Exception as exc:
             self._pull_failed(spec, exc)
             return local
+        pull.done(block=True)
+        pull.done(block=True)
+        if not pull.done(block=True):
+            pull._fail(kvx.TransferTimeout("pull not done"))
+        return pull.result()
 
     def _load(self, spec: LoadSpec) -> list[int]:
         assert self.table is not None
@@ -610,4 +865,7 @@ class KVXWorker:
         for r in self._regs:
             r.release()
         self._regs.clear()
+        if self._gen_reg is not None:
+            self._gen_reg.release()
+            self._gen_reg = None
         self.agent.close()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvx_vllm.plan import LayerGeom, PeerTables, heads_of, layer_geometry, plan_mismatch, read_plan
 
 import kvx
-from kvx_vllm.plan import LayerGeom, PeerTables, heads_of, layer_geometry, plan_mismatch, read_plan
 
 D = 8
 LAYERS = 2
@@ -107,7 +107,7 @@ def run_case(tp_p: int, tp_d: int, total: int, lay_p: str, lay_d: str, bs_p: int
             for p, lh0, rh0, nh in reads:
                 peer = d.agent.add_peer(pre[p].agent.metadata())
                 tabs = PeerTables(d.geoms, pre[p].geoms, lh0, rh0, nh, kvx.MemoryKind.HOST, 0, kvx.MemoryKind.HOST, 0)
-                li, ri = tabs.indices([(lids_all[lpos], lpos, rids)])
+                li, ri, _ = tabs.indices([(lids_all[lpos], lpos, rids)])
                 local = d.agent.prepare(tabs.local_descs)
                 remote = d.agent.prepare(tabs.remote_descs, peer=peer)
                 d.agent.read(local, li, remote, ri).wait(10)
@@ -216,7 +216,7 @@ def test_no_python_loop_per_block() -> None:
     tabs = PeerTables(g(4, 1100), g(8, 1100), 0, 4, 4, h, 0, h, 0)
     ids = np.arange(1024)
     t0 = time.perf_counter()
-    li, ri = tabs.indices([(ids, ids, ids)])
+    li, ri, _ = tabs.indices([(ids, ids, ids)])
     dt = time.perf_counter() - t0
     assert li.size == ri.size == 32 * 1024 * 32
     assert dt < 1.0
