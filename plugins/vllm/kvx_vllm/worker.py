@@ -357,7 +357,8 @@ class KVXWorker:
         if self.serves:
             port = cfg.side_channel_port + tp_rank if cfg.side_channel_port else 0
             listen = (cfg.side_channel_host, port)
-        self.agent = kvx.Agent(name, kvx.AgentConfig(backends=tuple(cfg.backends), listen=listen))
+        self.agent = kvx.Agent(name, kvx.AgentConfig(backends=tuple(cfg.backends), listen=listen,
+                                                     handshake_timeout=cfg.handshake_timeout_s))
         self.side: Any = None
         self.host = ""
         self.port = 0
@@ -668,7 +669,7 @@ class KVXWorker:
             if p is not None:
                 return p
             winfo = winfo if isinstance(winfo, dict) else {}
-            meta = fetch_metadata(host, int(port), timeout=min(30.0, self.cfg.load_timeout_s))
+            meta = fetch_metadata(host, int(port), timeout=min(self.cfg.handshake_timeout_s, self.cfg.load_timeout_s))
             pname = self.agent.add_peer(meta)
             if pname != name:
                 raise kvx.ProtocolError(f"the side channel at {host}:{port} serves agent {pname!r}, not {name!r}")

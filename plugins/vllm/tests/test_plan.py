@@ -38,14 +38,14 @@ def make_cache(layout: str, blocks: int, heads: int, bs: int) -> tuple[torch.Ten
     raise ValueError(layout)
 
 
-def cell_view(layout: str, t: torch.Tensor) -> torch.Tensor:
-    """The cache as [blocks, planes, block_size, heads, D] (a view, indexing only)."""
+def cell_view(layout: str, t: torch.Tensor, d: int = D) -> torch.Tensor:
+    """The cache as [blocks, planes, block_size, heads, d] (a view, indexing only)."""
     if layout == "HND":
         b, h, n, _ = t.shape
-        return t.view(b, h, n, 2, D).permute(0, 3, 2, 1, 4)
+        return t.view(b, h, n, 2, d).permute(0, 3, 2, 1, 4)
     if layout == "NHD":
         b, n, h, _ = t.shape
-        return t.view(b, n, h, 2, D).permute(0, 3, 1, 2, 4)
+        return t.view(b, n, h, 2, d).permute(0, 3, 1, 2, 4)
     if layout == "NHD5":
         return t.permute(1, 0, 2, 3, 4)
     return t[:, None, :, None, :]
