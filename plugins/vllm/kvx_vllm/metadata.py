@@ -5,11 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # pragma: no cover - the worker driven without vLLM (bench_tp_gpu.py)
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+        def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+            raise NotImplementedError
 
 __all__ = [
     "KVXConnectorMetadata",

@@ -25,7 +25,6 @@ from vllm.v1.request import RequestStatus
 
 from .config import KVXConnectorConfig
 from .metadata import (
-    PARAMS_VERSION,
     KVXConnectorMetadata,
     KVXHandshakeMetadata,
     KVXWorkerMetadata,
@@ -34,7 +33,7 @@ from .metadata import (
     SaveSpec,
     SendSpec,
 )
-from .util import compat_info
+from .util import compat_info, remote_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -246,28 +245,14 @@ class KVXScheduler:
         return self._lease
 
     def _remote_params(self, request: "Request", groups: list[list[int]], lease: int) -> dict[str, Any]:
-        agents: dict[str, list[Any]] = {}
-        for rank, w in sorted(self.workers.items()):
-            agents[str(rank)] = [w.agent_name, w.host, w.port, w.layout, w.compat]
         w0 = self.workers.get(0)
         if w0 is None:
             log.warning("no handshake metadata from the workers yet: decode instances cannot pull "
                         "request %s", request.request_id)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": groups,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": w0.host if w0 else self.cfg.advertised_host(),
-            "remote_port": w0.port if w0 else self.cfg.side_channel_port,
-            "remote_agents": agents,
-            "remote_num_tokens": request.num_computed_tokens,
-            "tp_size": self.tp_size,
-            "kvx_version": PARAMS_VERSION,
-            "kvx_lease": lease,
-            "kvx_compat": self.compat,
-        }
+        return remote_params(engine_id=self.engine_id, request_id=request.request_id, block_ids=groups,
+                             workers=self.workers, num_tokens=request.num_computed_tokens, tp_size=self.tp_size,
+                             lease=lease, compat=self.compat, host=w0.host if w0 else self.cfg.advertised_host(),
+                             port=w0.port if w0 else self.cfg.side_channel_port)
 
     # ------------------------------------------------------------------------------------------
     def update_connector_output(self, output: "KVConnectorOutput") -> None:

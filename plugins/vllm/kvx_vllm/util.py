@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["compat_info", "compat_mismatch"]
+__all__ = ["compat_info", "compat_mismatch", "remote_params"]
 
 
 def compat_info(vllm_config: "VllmConfig") -> dict[str, Any]:
@@ -68,3 +68,28 @@ def compat_mismatch(ours: dict[str, Any], theirs: Any, check_model_name: bool = 
         if why:
             return why
     return None
+
+
+def remote_params(*, engine_id: str, request_id: str, block_ids: list[list[int]], workers: dict[int, Any],
+                  num_tokens: int, tp_size: int, lease: int, compat: dict[str, Any], host: str, port: int
+                  ) -> dict[str, Any]:
+    """The kv_transfer_params a prefill instance returns for a finished request (``workers``:
+    tp rank -> :class:`~kvx_vllm.metadata.KVXHandshakeMetadata`)."""
+    from .metadata import PARAMS_VERSION
+
+    agents = {str(r): [w.agent_name, w.host, w.port, w.layout, w.compat] for r, w in sorted(workers.items())}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": block_ids,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_agents": agents,
+        "remote_num_tokens": num_tokens,
+        "tp_size": tp_size,
+        "kvx_version": PARAMS_VERSION,
+        "kvx_lease": lease,
+        "kvx_compat": compat,
+    }

@@ -26,6 +26,11 @@ import numpy as np
 import pytest
 import torch
 import vllm_utils as U
+from kvx_vllm.config import KVXConnectorConfig
+from kvx_vllm.metadata import KVXConnectorMetadata, RecvSpec, SendSpec
+from kvx_vllm.plan import heads_of
+from kvx_vllm.scheduler import KVXScheduler
+from kvx_vllm.worker import KVXWorker
 from test_plan import cell_view
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.kv_cache_interface import (
@@ -35,12 +40,6 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-
-from kvx_vllm.config import KVXConnectorConfig
-from kvx_vllm.metadata import KVXConnectorMetadata, RecvSpec, SendSpec
-from kvx_vllm.plan import heads_of
-from kvx_vllm.scheduler import KVXScheduler
-from kvx_vllm.worker import KVXWorker
 
 NB = 48
 _MLA_MODEL: ModelConfig | None = None
