@@ -506,9 +506,9 @@ class KVXWorker:
             fut = self._start_pull(spec) if ids else self._pull_pool.submit(self._pull, spec)
             if ids:
                 self._recv[spec.req_id] = fut  # type: ignore[assignment]
-        for spec in meta.load:
-            self._recv_blocks[spec.req_id] = [b for g in spec.block_ids for b in g]
-            self._recv[spec.req_id] = self._store_pool.submit(self._load, spec)
+        for lspec in meta.load:
+            self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
+            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
 
     def wait_for_save(self, meta: KVXConnectorMetadata) -> None:
         """Queue this step's offload saves; start the leases of blocks kept for decode."""
@@ -520,7 +520,7 @@ class KVXWorker:
             ids = ids[(ids >= 0) & (ids < self._gen_cnt.size)]
             self._gen_cnt[ids] += 1
             self._gen_max[ids] = np.maximum(self._gen_max[ids], _U64(send.lease))
-            st = [now + send.lease_s, send.lease, ids, set(), 1 << 30]
+            st: list[Any] = [now + send.lease_s, send.lease, ids, set(), 1 << 30]
             early = self._early.pop(send.req_id, None)
             if early is not None:
                 st[3], st[4] = early[1], early[2]
