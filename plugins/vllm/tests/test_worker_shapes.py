@@ -268,9 +268,35 @@ def test_expired_lease_fails_the_load(sides: Any) -> None:
     assert all(len(f) == 1 for f in failed)
 
 
-def test_incompatible_prefill_is_refused_with_both_values(sides: Any) -> None:
+def test_incompatible_prefill_is_refused_with_both_values(sides: Any, caplog: pytest.LogCaptureFixture) -> None:
     """Block sizes that do not divide: the load fails, and the log names both sizes."""
     pre = sides("kv_producer", "llama", 1, 24, "HND")
     dec = sides("kv_consumer", "llama", 1, 16, "HND")
-    failed, errors, _freed = transfer(pre, dec, 40)
-    assert errors[0]
+    with caplog.at_level("ERROR", logger="kvx_vllm.worker"):
+        failed, errors, _freed = transfer(pre, dec, 40)
+    assert errors[0] == set(range(1, NB)) & errors[0] and len(errors[0]) == 3
+    assert "block sizes do not divide one another: prefill 24, decode 16" in caplog.text
+
+
+def test_compat_refuses_what_cannot_work_and_names_both_values() -> None:
+    """compat_info of a real VllmConfig against a prefill record changed in one field each."""
+    from kvx_vllm.util import compat_info, compat_mismatch
+
+    ours = compat_info(U.create_vllm_config("kv_consumer"))
+    ours["tp_size"] = 2
+    assert compat_mismatch(ours, dict(ours)) is None
+    ok = [{"tp_size": 1}, {"tp_size": 4}, {"block_size": 32}, {"block_size": 8}, {"tp_size": 1, "block_size": 64}]
+    for change in ok:
+        assert compat_mismatch(ours, {**ours, **change}) is None, change
+    bad = {"model": "other-model", "dtype": "bfloat16", "head_size": 128, "num_layers": 3, "num_kv_heads": 4,
+           "cache_dtype": "fp8", "mla": True, "architectures": ["MistralForCausalLM"]}
+    for k, v in bad.items():
+        why = compat_mismatch(ours, {**ours, k: v})
+        assert why and k in why and repr(v) in why and repr(ours[k]) in why, (k, why)
+    assert compat_mismatch(ours, {**ours, "model": "other"}, check_model_name=False) is None
+    why = compat_mismatch(ours, {**ours, "block_size": 24})
+    assert why and "prefill 24" in why and "decode 16" in why
+    why = compat_mismatch(ours, {**ours, "tp_size": 3})
+    assert why and "2 KV heads" in why and "prefill tp_size 3" in why
+    ours3 = {**ours, "tp_size": 3}
+    assert "decode tp_size 3" in (compat_mismatch(ours3, {**ours, "tp_size": 1}) or "")
