@@ -136,7 +136,8 @@ class SendSpec:
 class KVXConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers.
 
-    ``announce`` asks the workers to report every block their offload stores hold (the
+    ``heartbeat`` lists queued remote-prefill requests (decode side) whose prefill workers
+    should extend their leases. ``announce`` asks the workers to report every block their offload stores hold (the
     scheduler's first step, and the first after ``reset_cache``): a disk tier recovered at
     start-up becomes known to the scheduler that way.
     """
@@ -146,6 +147,8 @@ class KVXConnectorMetadata(KVConnectorMetadata):
     save: list[SaveSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
     announce: bool = False
+    #: decode side: kv_transfer_params of queued requests whose prefill leases need a heartbeat
+    heartbeat: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -92,6 +92,8 @@ class KVXScheduler:
         # tier recovered at start-up are drained by vLLM's warm-up runs before any real step)
         self._announce = True
         self._lease = 0
+        # decode side: request id -> [kv_transfer_params, last heartbeat] while it waits for blocks
+        self._waiting: dict[str, list[Any]] = {}
 
     # ------------------------------------------------------------------------------------------
     # handshake
@@ -128,6 +130,8 @@ class KVXScheduler:
                             "computing it locally", request.request_id, REQUIRED_REMOTE_KEYS)
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            # queued until its blocks are allocated: heartbeats keep the prefill's lease alive
+            self._waiting.setdefault(request.request_id, [params, time.monotonic()])
             return (count, True) if count > 0 else (0, False)
         self._planned.pop(request.request_id, None)
         if not self.offload or request.skip_reading_prefix_cache:
@@ -152,6 +156,7 @@ class KVXScheduler:
         """Record the blocks allocated for a load planned by ``get_num_new_matched_tokens``."""
         params = request.kv_transfer_params
         rid = request.request_id
+        self._waiting.pop(rid, None)
         if self.pd and params and params.get("do_remote_prefill"):
             if not all(k in params for k in REQUIRED_REMOTE_KEYS):
                 return
@@ -188,7 +193,7 @@ class KVXScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
         """This step's work for the workers; resets the step state."""
         meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send,
-                                    announce=self._announce and self.offload)
+                                    announce=self._announce and self.offload, heartbeat=self._heartbeats())
         self._recv, self._load, self._save, self._send = [], [], [], []
         self._announce = False
         return meta
@@ -200,6 +205,7 @@ class KVXScheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         self._planned.pop(rid, None)
+        self._waiting.pop(rid, None)
         if self.pd and params and params.get("do_remote_prefill"):
             # aborted before it was scheduled: tell the prefill instance to free its blocks
             if all(k in params for k in REQUIRED_REMOTE_KEYS):
@@ -238,6 +244,22 @@ class KVXScheduler:
         self._saving.add(request.request_id)
         return True
 
+    def _heartbeats(self) -> list[dict[str, Any]]:
+        """kv_transfer_params of queued remote-prefill requests due a heartbeat (a third of
+        their prefill's lease since the last one)."""
+        if not self._waiting:
+            return []
+        now = time.monotonic()
+        out = []
+        for st in self._waiting.values():
+            params, last = st
+            lease_s = params.get("kvx_lease_s")
+            every = float(lease_s) / 3 if isinstance(lease_s, (int, float)) and lease_s > 0 else 10.0
+            if now - last >= every:
+                st[1] = now
+                out.append(params)
+        return out
+
     def _next_lease(self) -> int:
         """A lease id larger than every one this engine gave before (also across restarts: it
         starts from the clock), even (the prefill workers keep odd ones for nothing)."""
@@ -252,7 +274,7 @@ class KVXScheduler:
         return remote_params(engine_id=self.engine_id, request_id=request.request_id, block_ids=groups,
                              workers=self.workers, num_tokens=request.num_computed_tokens, tp_size=self.tp_size,
                              lease=lease, compat=self.compat, host=w0.host if w0 else self.cfg.advertised_host(),
-                             port=w0.port if w0 else self.cfg.side_channel_port)
+                             port=w0.port if w0 else self.cfg.side_channel_port, lease_s=self.cfg.lease_s)
 
     # ------------------------------------------------------------------------------------------
     def update_connector_output(self, output: "KVConnectorOutput") -> None:

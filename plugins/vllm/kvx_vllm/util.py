@@ -71,8 +71,8 @@ def compat_mismatch(ours: dict[str, Any], theirs: Any, check_model_name: bool = 
 
 
 def remote_params(*, engine_id: str, request_id: str, block_ids: list[list[int]], workers: dict[int, Any],
-                  num_tokens: int, tp_size: int, lease: int, compat: dict[str, Any], host: str, port: int
-                  ) -> dict[str, Any]:
+                  num_tokens: int, tp_size: int, lease: int, compat: dict[str, Any], host: str, port: int,
+                  lease_s: float = 0.0) -> dict[str, Any]:
     """The kv_transfer_params a prefill instance returns for a finished request (``workers``:
     tp rank -> :class:`~kvx_vllm.metadata.KVXHandshakeMetadata`)."""
     from .metadata import PARAMS_VERSION
@@ -91,5 +91,6 @@ def remote_params(*, engine_id: str, request_id: str, block_ids: list[list[int]]
         "tp_size": tp_size,
         "kvx_version": PARAMS_VERSION,
         "kvx_lease": lease,
+        "kvx_lease_s": lease_s,
         "kvx_compat": compat,
     }

@@ -63,7 +63,12 @@ def _note(rid: str, n: int) -> bytes:
     return f"{rid}\n{n}".encode()
 
 
+#: a lease extended by heartbeats ends at the latest this many leases after it started
+_MAX_HOLD = 10
+
+
 def _parse_note(m: bytes) -> tuple[str, int] | None:
+    """``(request id, decode workers to wait for)``; 0 is a heartbeat."""
     try:
         text = m.decode()
     except UnicodeDecodeError:
@@ -71,7 +76,7 @@ def _parse_note(m: bytes) -> tuple[str, int] | None:
     rid, sep, n = text.rpartition("\n")
     if not sep:
         return text, 1
-    if not n.isdigit() or not 0 < int(n) <= 4096:
+    if not n.isdigit() or not 0 <= int(n) <= 4096:
         return None
     return rid, int(n)
 
@@ -506,6 +511,8 @@ class KVXWorker:
             fut = self._start_pull(spec) if ids else self._pull_pool.submit(self._pull, spec)
             if ids:
                 self._recv[spec.req_id] = fut  # type: ignore[assignment]
+        for params in meta.heartbeat:
+            self._pull_pool.submit(self._heartbeat, params)
         for lspec in meta.load:
             self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
             self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
@@ -520,7 +527,9 @@ class KVXWorker:
             ids = ids[(ids >= 0) & (ids < self._gen_cnt.size)]
             self._gen_cnt[ids] += 1
             self._gen_max[ids] = np.maximum(self._gen_max[ids], _U64(send.lease))
-            st: list[Any] = [now + send.lease_s, send.lease, ids, set(), 1 << 30]
+            # [deadline, lease id, blocks, decode peers heard from, expected, lease_s, latest deadline]
+            st: list[Any] = [now + send.lease_s, send.lease, ids, set(), 1 << 30, send.lease_s,
+                             now + _MAX_HOLD * send.lease_s]
             early = self._early.pop(send.req_id, None)
             if early is not None:
                 st[3], st[4] = early[1], early[2]
@@ -540,6 +549,10 @@ class KVXWorker:
                     continue
                 rid, n = parsed
                 st = self._sending.get(rid)
+                if n == 0:  # a heartbeat: the decode instance still wants the blocks
+                    if st is not None:
+                        st[0] = min(max(st[0], now + float(st[5])), st[6])
+                    continue
                 if st is None:
                     st = self._early.setdefault(rid, [now, set(), n])
                     st[1].add(peer)
@@ -628,6 +641,17 @@ class KVXWorker:
         self._gen_view[free] = self._gen_max[free]
         self._gen_max[free] = 0
         self._done_send.add(rid)
+
+    def _heartbeat(self, params: dict[str, Any]) -> None:
+        """Tell every prefill worker of a queued request to extend its lease."""
+        try:
+            spec = RecvSpec(str(params.get("remote_request_id")), [], [], params)
+            reads, notify, payload = self._check_params(spec)
+            rid = str(params["remote_request_id"])
+            for e in [e for e, *_ in reads] + notify:
+                self.agent.notify(self._peer(e).name, _note(rid, 0))
+        except Exception as exc:
+            log.warning("kvx_vllm: heartbeat for %s failed: %s", params.get("remote_request_id"), exc)
 
     def _slots(self, n: int) -> int:
         """``n`` consecutive generation scratch slots (a ring; a pull holds them for milliseconds)."""

@@ -133,7 +133,8 @@ def request_kv(side: Side, tokens: int) -> dict[str, torch.Tensor]:
 
 
 def transfer(pre: Side, dec: Side, tokens: int, cached: int = 0, lease_s: float = 30.0,
-             expire_first: bool = False) -> tuple[list[set[str]], list[set[int]], list[bool]]:
+             expire_first: bool = False, hold_s: float = 0.0, heartbeats: bool = False, wait_free: bool = True
+             ) -> tuple[list[set[str]], list[set[int]], list[bool]]:
     """Fill ``pre``'s blocks with a request's KV, pull it into ``dec`` (its first ``cached``
     blocks are a local prefix hit); returns per decode rank (failed requests, load-error blocks)
     and per prefill rank whether it freed the request."""
@@ -156,12 +157,31 @@ def transfer(pre: Side, dec: Side, tokens: int, cached: int = 0, lease_s: float 
     sched.set_worker_metadata({r: w.handshake_metadata() for r, w in enumerate(pre.workers)})
     rid = f"req-{tokens}-{time.monotonic_ns()}"
     lease = sched._next_lease()
+    sched.cfg = KVXConnectorConfig.from_extra({"lease_s": lease_s})
     params = sched._remote_params(SimpleNamespace(request_id=rid, num_computed_tokens=tokens), rids, lease)
     params = json.loads(json.dumps(params))  # as it travels through a proxy
     send = SendSpec(rid, lease_s, lease, [b for g in rids for b in g])
     for w in pre.workers:
         w.wait_for_save(KVXConnectorMetadata(send=[send]))
     freed = [False] * pre.tp
+    if hold_s:
+        # the decode request waits in its engine's queue: the decode scheduler half asks its
+        # workers for heartbeats (or not), the prefill workers keep stepping
+        dsched = KVXScheduler(dec.vc, dec.kcc, dec.cfg)
+        req = SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(tokens)))
+        if heartbeats:
+            assert dsched.get_num_new_matched_tokens(req, 0) == (tokens, True)  # type: ignore[arg-type]
+        end = time.monotonic() + hold_s
+        beats = 0
+        while time.monotonic() < end:
+            meta = dsched.build_connector_meta(None)  # type: ignore[arg-type]
+            beats += len(meta.heartbeat)
+            for w in dec.workers:
+                w.start_load_kv(meta)
+            for r, w in enumerate(pre.workers):
+                freed[r] = freed[r] or rid in w.get_transfer_results({rid})[0]
+            time.sleep(0.02)
+        assert beats >= (3 if heartbeats else 0) and (beats > 0) == heartbeats
     if expire_first:
         time.sleep(lease_s + 0.05)
         for r, w in enumerate(pre.workers):
@@ -176,7 +196,7 @@ def transfer(pre: Side, dec: Side, tokens: int, cached: int = 0, lease_s: float 
     failed: list[set[str]] = [set() for _ in range(dec.tp)]
     errors: list[set[int]] = [set() for _ in range(dec.tp)]
     end = time.monotonic() + 30
-    while not (all(done) and all(freed)) and time.monotonic() < end:
+    while not (all(done) and (all(freed) or not wait_free)) and time.monotonic() < end:
         for r, w in enumerate(dec.workers):
             _s, recving, fail = w.get_transfer_results(set())
             if rid in recving:
@@ -273,7 +293,7 @@ def test_incompatible_prefill_is_refused_with_both_values(sides: Any, caplog: py
     pre = sides("kv_producer", "llama", 1, 24, "HND")
     dec = sides("kv_consumer", "llama", 1, 16, "HND")
     with caplog.at_level("ERROR", logger="kvx_vllm.worker"):
-        failed, errors, _freed = transfer(pre, dec, 40)
+        failed, errors, _freed = transfer(pre, dec, 40, wait_free=False)  # the lease frees them
     assert errors[0] == set(range(1, NB)) & errors[0] and len(errors[0]) == 3
     assert "block sizes do not divide one another: prefill 24, decode 16" in caplog.text
 
@@ -300,3 +320,15 @@ def test_compat_refuses_what_cannot_work_and_names_both_values() -> None:
     assert why and "2 KV heads" in why and "prefill tp_size 3" in why
     ours3 = {**ours, "tp_size": 3}
     assert "decode tp_size 3" in (compat_mismatch(ours3, {**ours, "tp_size": 1}) or "")
+
+
+def test_heartbeats_keep_the_lease(sides: Any) -> None:
+    """A lease of 0.6 s; the decode request waits 1.5 s in its queue while its scheduler half
+    sends heartbeats (every lease/3): the prefill keeps the blocks and the pull succeeds. The same
+    wait without heartbeats: the lease runs out and the load fails."""
+    pre = sides("kv_producer", "llama", 2, 16, "HND")
+    dec = sides("kv_consumer", "llama", 1, 16, "HND")
+    failed, errors, freed = transfer(pre, dec, 60, lease_s=0.6, hold_s=1.5, heartbeats=True)
+    assert not any(failed) and not any(errors) and all(freed)
+    failed, errors, _freed = transfer(pre, dec, 61, lease_s=0.6, hold_s=1.5, heartbeats=False)
+    assert errors[0] and len(errors[0]) == 4
