@@ -271,7 +271,10 @@ class _Pull:
                 break
             if block:
                 for x in xs:
-                    x.wait(max(0.001, self.deadline - time.monotonic()))
+                    try:
+                        x.wait(max(0.001, self.deadline - time.monotonic()))
+                    except kvx.KVXError:
+                        pass  # its status says what happened (checked below)
             if not all(x.done() for x in xs):
                 return False
             bad = next((x for x in xs if x.status is not kvx.Status.DONE), None)
@@ -784,6 +787,8 @@ class KVXWorker:
                 if not connect:
                     return None
                 peer = self._peer(e)
+            if not connect and (lh0, rh0, nh) not in peer.tables:
+                return None  # its descriptor lists are built on a pool thread, not the engine's
             peers.append((peer, lh0, rh0, nh))
         others = []
         for e in notify:
@@ -843,10 +848,8 @@ class KVXWorker:
         except Exception as exc:
             self._pull_failed(spec, exc)
             return local
-        pull.done(block=True)
-        pull.done(block=True)
-        if not pull.done(block=True):
-            pull._fail(kvx.TransferTimeout("pull not done"))
+        while not pull.done(block=True):  # done() fails the pull itself past its deadline
+            pass
         return pull.result()
 
     def _load(self, spec: LoadSpec) -> list[int]:
