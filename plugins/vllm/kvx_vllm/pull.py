@@ -87,7 +87,7 @@ class Pull:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + worker.cfg.load_timeout_s
         self.error: BaseException | None = None
-        self.gens: list[tuple[Any, np.ndarray, int]] = []  # (transfer, remote blocks, first slot)
+        self.gens: list[tuple[Any, np.ndarray, int, Peer]] = []  # (transfer, remote blocks, first slot, peer)
         self.slots = 0
         self.reads: list[tuple[Peer, Any, np.ndarray]] = reads
         self.phase = 0  # 0: data, 1: generations, 2: done
@@ -98,7 +98,7 @@ class Pull:
         for _p, x, _b in self.reads:
             if x is not None and not x.done():
                 x.cancel()
-        for x, _b, _s in self.gens:
+        for x, _b, _s, _p in self.gens:
             if not x.done():
                 x.cancel()
         self.phase = 2
@@ -107,7 +107,7 @@ class Pull:
     def done(self, block: bool = False) -> bool:
         w = self.worker
         while self.phase < 2:
-            xs = [x for _p, x, _b in self.reads] if self.phase == 0 else [g[0] for g in self.gens]
+            xs = [x for _p, x, _b in self.reads if x is not None] if self.phase == 0 else [g[0] for g in self.gens]
             if time.monotonic() > self.deadline:
                 self._fail(kvx.TransferTimeout(f"pull not done within {w.cfg.load_timeout_s} s"))
                 break
@@ -141,14 +141,17 @@ class Pull:
         for peer, _x, rblocks in self.reads:
             if peer.gen is None or not lease:
                 raise kvx.ProtocolError(f"prefill worker {peer.name} publishes no block generations")
+            if not rblocks.size:  # nothing was read from it: only tell it
+                w._notify_all([peer.name], self.payload)
+                continue
             first = w._slots(rblocks.size)
             self.gens.append((w.agent.read(w._gen_local, first + np.arange(rblocks.size), peer.gen, rblocks,
-                                           notify=self.payload[peer.name]), rblocks, first))
+                                           notify=self.payload[peer.name]), rblocks, first, peer))
         w._notify_all(self.notify_only, self.payload)
 
     def _check_gens(self) -> None:
         lease = int(self.spec.params["kvx_lease"])
-        for (x, rblocks, first), (peer, _x, _b) in zip(self.gens, self.reads):
+        for _x, rblocks, first, peer in self.gens:
             got = self.worker._gen_view[first:first + rblocks.size]
             if (got >= lease).any():
                 n = int((got >= lease).sum())

@@ -652,7 +652,7 @@ class KVXWorker:
             for peer, lh0, rh0, nh in peers:
                 tabs, local, remote = self._tables(peer, lh0, rh0, nh)
                 li, ri, rblocks = tabs.indices(groups)
-                posted.append((peer, self.agent.read(local, li, remote, ri), rblocks))
+                posted.append((peer, self.agent.read(local, li, remote, ri) if li.size else None, rblocks))
         except Exception as exc:
             pull._fail(exc)
         return pull
