@@ -553,7 +553,9 @@ class KVXWorker:
             geoms = [LayerGeom.from_list(v) for v in layout]
             gen = None
             g = winfo.get("gen")
-            if isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) and 0 < x < 1 << 62 for x in g):
+            most = max([geo.num_blocks for geo in geoms] or [0])
+            if (isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) for x in g)
+                    and 0 < g[0] < 1 << 62 and 0 < g[1] <= most):
                 gen = self.agent.prepare(kvx.DescList.from_arrays(
                     kind=kvx.MemoryKind.HOST, addr=_U64(g[0]) + np.arange(g[1], dtype=_U64) * _U64(8),
                     nbytes=np.full(g[1], 8, dtype=_U64)), peer=pname)
