@@ -12,7 +12,12 @@ It answers one JSON line per command line (prompts are token ids, sampling is gr
   prefill side frees a request's blocks once its decode instance has read them) or ``timeout``;
 - ``{"cmd": "spoil", "on": true}``: from now on, blocks this (decode) engine pulls are
   overwritten with noise after they arrive and before the model reads them (negative control);
+- ``{"cmd": "lease", "seconds": s}``: the (prefill) connector's lease for requests finishing from now on;
 - ``{"cmd": "reset_prefix_cache"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
+
+``tp`` > 1 runs ``tensor_parallel_size`` worker processes (``VLLM_CPU_OMP_THREADS_BIND`` lists a
+core per rank, ``"0|1"``); ``stats`` then has no worker counters (they live in the workers) but
+still ``external``: the prompt tokens the scheduler took from the connector.
 
 Every answer carries ``free`` and ``initial``: free KV blocks now and when the engine started.
 """
@@ -50,6 +55,11 @@ def main() -> None:
                               dtype=opts.get("dtype", "float32"),
                               seed=0, max_num_seqs=int(opts.get("max_num_seqs", 32)),
                               max_num_batched_tokens=int(opts.get("max_num_batched_tokens", 8192)))
+    tp = int(opts.get("tp", 1))
+    if tp > 1:
+        # worker processes of their own (vllm-cpu binds each to the cores VLLM_CPU_OMP_THREADS_BIND
+        # lists for it, "0|1"); the worker-side connectors live there, not in this process
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     role = opts.get("role")
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -69,7 +79,7 @@ def main() -> None:
     spoil = {"on": False}
     pull_times: dict[str, list[float]] = {}  # request id -> [start, end] of its pull (decode side)
     worker_conn = None
-    if role:
+    if role and tp == 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker_conn = get_kv_transfer_group()
@@ -77,6 +87,20 @@ def main() -> None:
         if kvw is not None:
             _patch_spoil(kvw, spoil)
         _time_pulls(worker_conn, pull_times)
+
+    external = {"tokens": 0, "requests": 0}
+    sched_conn = core.scheduler.connector if role else None
+    if sched_conn is not None:
+        # prompt tokens the scheduler took from the connector (a decode engine's pulled tokens)
+        after_alloc = sched_conn.update_state_after_alloc
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            if num_external_tokens > 0:
+                external["tokens"] += int(num_external_tokens)
+                external["requests"] += 1
+            after_alloc(request, blocks, num_external_tokens)
+
+        sched_conn.update_state_after_alloc = update_state_after_alloc
 
     def state() -> dict[str, Any]:
         return {"free": pool.get_num_free_blocks(), "initial": initial}
@@ -115,6 +139,13 @@ def main() -> None:
         elif c == "spoil":
             spoil["on"] = bool(cmd.get("on", True))
             _reply(state())
+        elif c == "lease":
+            # the scheduler-side connector's lease for requests finished from now on
+            import dataclasses
+
+            ks = getattr(core.scheduler.connector, "scheduler", None)
+            ks.cfg = dataclasses.replace(ks.cfg, lease_s=float(cmd["seconds"]))
+            _reply(state())
         elif c == "reset_prefix_cache":
             ok = llm.reset_prefix_cache()
             _reply({"ok": bool(ok), **state()})
@@ -124,7 +155,7 @@ def main() -> None:
             ks = getattr(core.scheduler.connector, "scheduler", None)
             known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
             done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
-            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers,
+            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "external": external,
                     "scheduler_known_blocks": known, "pull_s": done, **state()})
         elif c == "quit":
             del llm

@@ -43,6 +43,10 @@ class KVXConnectorConfig:
         unclaimed blocks are freed afterwards.
     load_timeout_s
         Bound on one request's pull (handshake plus transfer) on the decode side.
+    handshake_timeout_s
+        Bound on connecting to a peer worker (side channel, authentication, data connections),
+        on both sides. Generous by default: engines that share cores with busy workers (TP > 1
+        on a small machine) answer a handshake late, not never.
     backends
         kvx backend names in preference order (default: every available one).
     pd
@@ -65,6 +69,7 @@ class KVXConnectorConfig:
     advertise_host: str = ""
     lease_s: float = 120.0
     load_timeout_s: float = 60.0
+    handshake_timeout_s: float = 30.0
     backends: tuple[str, ...] = ()
     pd: bool | None = None
     offload: bool | None = None
@@ -92,7 +97,7 @@ class KVXConnectorConfig:
                                  f"(known: {', '.join(sorted(known))}, offload_host_gb, offload_disk_gb)")
             if k in ("side_channel_port", "offload_host_bytes", "offload_disk_bytes", "staging_blocks"):
                 kw[k] = int(v)
-            elif k in ("lease_s", "load_timeout_s"):
+            elif k in ("lease_s", "load_timeout_s", "handshake_timeout_s"):
                 kw[k] = float(v)
             elif k in ("pd", "offload"):
                 kw[k] = None if v is None else _bool(v)
@@ -103,8 +108,8 @@ class KVXConnectorConfig:
             else:
                 kw[k] = str(v)
         cfg = cls(**kw)
-        if cfg.lease_s <= 0 or cfg.load_timeout_s <= 0:
-            raise ValueError("lease_s and load_timeout_s must be positive")
+        if cfg.lease_s <= 0 or cfg.load_timeout_s <= 0 or cfg.handshake_timeout_s <= 0:
+            raise ValueError("lease_s, load_timeout_s and handshake_timeout_s must be positive")
         if cfg.offload_disk_path and cfg.offload_disk_bytes <= 0:
             raise ValueError("offload_disk_path needs offload_disk_gb (or offload_disk_bytes)")
         return cfg

@@ -5,11 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # pragma: no cover - the worker driven without vLLM (bench_tp_gpu.py)
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+        def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+            raise NotImplementedError
 
 __all__ = [
     "KVXConnectorMetadata",
@@ -23,7 +37,7 @@ __all__ = [
 ]
 
 #: Version of the kv_transfer_params this connector writes; a decode instance refuses others.
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +67,11 @@ class LayerLayout:
 
 @dataclass
 class KVXHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """One worker's kvx endpoint, sent to its scheduler once the KV caches are registered."""
+    """One worker's kvx endpoint, sent to its scheduler once the KV caches are registered.
+
+    ``layout`` lists the layers' :class:`kvx_vllm.plan.LayerGeom`; ``compat`` holds the memory
+    kind and device, and ``gen``: ``[address, count]`` of the blocks' generation words.
+    """
 
     agent_name: str
     host: str
@@ -67,14 +85,18 @@ class KVXHandshakeMetadata(KVConnectorHandshakeMetadata):
 class RecvSpec:
     """Decode side: pull ``remote_block_ids`` of a prefill instance into ``local_block_ids``.
 
-    Block id lists are per KV cache group. Empty local lists only notify the prefill instance
-    (its blocks are not needed: a full local prefix hit, or the request was aborted).
+    Block id lists are per KV cache group: ``local_block_ids[g]`` are the blocks to fill, at
+    block positions ``local_pos[g]`` of the request; ``remote_block_ids[g]`` are all the prefill
+    instance's blocks of the request, in order (its block size may differ). Empty local lists only
+    notify the prefill instance (its blocks are not needed: a full local prefix hit, or the
+    request was aborted).
     """
 
     req_id: str
     local_block_ids: list[list[int]]
     remote_block_ids: list[list[int]]
     params: dict[str, Any]
+    local_pos: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -97,17 +119,25 @@ class SaveSpec:
 
 @dataclass(slots=True)
 class SendSpec:
-    """Prefill side: keep a finished request's blocks for a decode instance until ``lease_s``."""
+    """Prefill side: keep a finished request's blocks for a decode instance until ``lease_s``.
+
+    ``lease`` is the request's lease id (increasing per engine, even); ``block_ids`` its blocks
+    (all groups). A block whose last lease ends gets the largest lease id it was held under
+    written to its generation word, which decode instances read after their pull.
+    """
 
     req_id: str
     lease_s: float
+    lease: int = 0
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class KVXConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers.
 
-    ``announce`` asks the workers to report every block their offload stores hold (the
+    ``heartbeat`` lists queued remote-prefill requests (decode side) whose prefill workers
+    should extend their leases. ``announce`` asks the workers to report every block their offload stores hold (the
     scheduler's first step, and the first after ``reset_cache``): a disk tier recovered at
     start-up becomes known to the scheduler that way.
     """
@@ -117,6 +147,8 @@ class KVXConnectorMetadata(KVConnectorMetadata):
     save: list[SaveSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
     announce: bool = False
+    #: decode side: kv_transfer_params of queued requests whose prefill leases need a heartbeat
+    heartbeat: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

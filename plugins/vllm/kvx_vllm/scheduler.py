@@ -25,7 +25,6 @@ from vllm.v1.request import RequestStatus
 
 from .config import KVXConnectorConfig
 from .metadata import (
-    PARAMS_VERSION,
     KVXConnectorMetadata,
     KVXHandshakeMetadata,
     KVXWorkerMetadata,
@@ -34,7 +33,7 @@ from .metadata import (
     SaveSpec,
     SendSpec,
 )
-from .util import compat_info
+from .util import compat_info, remote_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +91,9 @@ class KVXScheduler:
         # ask the workers what their stores hold at the first step (the events of what a disk
         # tier recovered at start-up are drained by vLLM's warm-up runs before any real step)
         self._announce = True
+        self._lease = 0
+        # decode side: request id -> [kv_transfer_params, last heartbeat] while it waits for blocks
+        self._waiting: dict[str, list[Any]] = {}
 
     # ------------------------------------------------------------------------------------------
     # handshake
@@ -128,6 +130,8 @@ class KVXScheduler:
                             "computing it locally", request.request_id, REQUIRED_REMOTE_KEYS)
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            # queued until its blocks are allocated: heartbeats keep the prefill's lease alive
+            self._waiting.setdefault(request.request_id, [params, time.monotonic()])
             return (count, True) if count > 0 else (0, False)
         self._planned.pop(request.request_id, None)
         if not self.offload or request.skip_reading_prefix_cache:
@@ -152,12 +156,13 @@ class KVXScheduler:
         """Record the blocks allocated for a load planned by ``get_num_new_matched_tokens``."""
         params = request.kv_transfer_params
         rid = request.request_id
+        self._waiting.pop(rid, None)
         if self.pd and params and params.get("do_remote_prefill"):
             if not all(k in params for k in REQUIRED_REMOTE_KEYS):
                 return
             remote = _as_groups(params["remote_block_ids"])
             local: list[list[int]] = [[] for _ in remote]
-            remote_sel: list[list[int]] = [[] for _ in remote]
+            pos: list[list[int]] = [[] for _ in remote]
             if num_external_tokens > 0:
                 all_ids = blocks.get_block_ids()
                 unhashed = blocks.get_unhashed_block_ids_all_groups()
@@ -165,11 +170,11 @@ class KVXScheduler:
                     if g >= len(remote):
                         break
                     newset = set(new)
-                    for pos, bid in enumerate(ids):
-                        if bid in newset and pos < len(remote[g]):
+                    for p, bid in enumerate(ids):
+                        if bid in newset:
                             local[g].append(bid)
-                            remote_sel[g].append(remote[g][pos])
-            self._recv.append(RecvSpec(rid, local, remote_sel, dict(params)))
+                            pos[g].append(p)
+            self._recv.append(RecvSpec(rid, local, remote, dict(params), pos))
             # a second call (after the load) must not pull again
             params["do_remote_prefill"] = False
             return
@@ -188,7 +193,7 @@ class KVXScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
         """This step's work for the workers; resets the step state."""
         meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send,
-                                    announce=self._announce and self.offload)
+                                    announce=self._announce and self.offload, heartbeat=self._heartbeats())
         self._recv, self._load, self._save, self._send = [], [], [], []
         self._announce = False
         return meta
@@ -200,6 +205,7 @@ class KVXScheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         self._planned.pop(rid, None)
+        self._waiting.pop(rid, None)
         if self.pd and params and params.get("do_remote_prefill"):
             # aborted before it was scheduled: tell the prefill instance to free its blocks
             if all(k in params for k in REQUIRED_REMOTE_KEYS):
@@ -213,8 +219,9 @@ class KVXScheduler:
         if self.offload and request.status != RequestStatus.FINISHED_ERROR:
             delay = self._plan_save(request, groups)
         if self.pd and params and params.get("do_remote_decode") and finished_ok and any(groups):
-            out = self._remote_params(request, groups)
-            self._send.append(SendSpec(rid, self.cfg.lease_s))
+            lease = self._next_lease()
+            out = self._remote_params(request, groups, lease)
+            self._send.append(SendSpec(rid, self.cfg.lease_s, lease, [b for g in groups for b in g]))
             delay = True
         return delay, out
 
@@ -237,28 +244,37 @@ class KVXScheduler:
         self._saving.add(request.request_id)
         return True
 
-    def _remote_params(self, request: "Request", groups: list[list[int]]) -> dict[str, Any]:
-        agents: dict[str, list[Any]] = {}
-        for rank, w in sorted(self.workers.items()):
-            agents[str(rank)] = [w.agent_name, w.host, w.port, w.layout, w.compat]
+    def _heartbeats(self) -> list[dict[str, Any]]:
+        """kv_transfer_params of queued remote-prefill requests due a heartbeat (a third of
+        their prefill's lease since the last one)."""
+        if not self._waiting:
+            return []
+        now = time.monotonic()
+        out = []
+        for st in self._waiting.values():
+            params, last = st
+            lease_s = params.get("kvx_lease_s")
+            every = float(lease_s) / 3 if isinstance(lease_s, (int, float)) and lease_s > 0 else 10.0
+            if now - last >= every:
+                st[1] = now
+                out.append(params)
+        return out
+
+    def _next_lease(self) -> int:
+        """A lease id larger than every one this engine gave before (also across restarts: it
+        starts from the clock), even (the prefill workers keep odd ones for nothing)."""
+        self._lease = max(self._lease + 2, (time.time_ns() // 1000) * 2)
+        return self._lease
+
+    def _remote_params(self, request: "Request", groups: list[list[int]], lease: int) -> dict[str, Any]:
         w0 = self.workers.get(0)
         if w0 is None:
             log.warning("no handshake metadata from the workers yet: decode instances cannot pull "
                         "request %s", request.request_id)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": groups,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": w0.host if w0 else self.cfg.advertised_host(),
-            "remote_port": w0.port if w0 else self.cfg.side_channel_port,
-            "remote_agents": agents,
-            "remote_num_tokens": request.num_computed_tokens,
-            "tp_size": self.tp_size,
-            "kvx_version": PARAMS_VERSION,
-            "kvx_compat": self.compat,
-        }
+        return remote_params(engine_id=self.engine_id, request_id=request.request_id, block_ids=groups,
+                             workers=self.workers, num_tokens=request.num_computed_tokens, tp_size=self.tp_size,
+                             lease=lease, compat=self.compat, host=w0.host if w0 else self.cfg.advertised_host(),
+                             port=w0.port if w0 else self.cfg.side_channel_port, lease_s=self.cfg.lease_s)
 
     # ------------------------------------------------------------------------------------------
     def update_connector_output(self, output: "KVConnectorOutput") -> None:

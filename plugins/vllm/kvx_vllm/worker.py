@@ -1,16 +1,20 @@
 """The worker-side half of :class:`kvx_vllm.KVXConnector`: moves the bytes with kvx.
 
 Every attention layer's cache is registered once with a kvx :class:`~kvx.Agent` (its backing
-storage, so views and packed allocations work) and described as one block table: descriptor
-``offset[layer] + block`` is that layer's page of ``block``. A request's blocks, all layers
-included, then move in one kvx transfer:
+storage, so views and packed allocations work) and described by its cells' strides
+(:mod:`kvx_vllm.plan`):
 
-- pull (decode side): ``agent.read(local_table, idx, remote_table, ridx, notify=request_id)``
-  against the prefill worker, whose metadata comes from its side channel
-  (:func:`kvx.discovery.fetch_metadata`); the notification tells it to free the blocks;
-- offload: the pages of a block are gathered by one loopback transfer into a staging slot of
-  ``sum(page)`` bytes, stored in a :class:`kvx.tiers.TieredStore` under the block's hash (and
-  KV cache group), and scattered back the same way on a hit.
+- pull (decode side): for each prefill rank holding some of this rank's KV heads, one
+  ``agent.read`` of those heads of the request's blocks, all layers included, with descriptor
+  lists built once per (prefill rank, head range); then the blocks' generation words, a read that
+  carries the notification freeing the blocks (:mod:`kvx_vllm.pull`). Prefill workers' metadata
+  comes from their side channels (:func:`kvx.discovery.fetch_metadata`);
+- serve (prefill side): a finished request's blocks are held under a lease id until every decode
+  rank that reads (or only notifies) this rank has notified, or the lease runs out; then their
+  generation words are written, before vLLM may reuse them;
+- offload: the pages of a block (block-outermost layouts) are gathered by one loopback transfer
+  into a staging slot of ``sum(page)`` bytes, stored in a :class:`kvx.tiers.TieredStore` under the
+  block's hash (and KV cache group), and scattered back the same way on a hit.
 
 Transfers run on background threads; the forward pass never waits for them.
 """
@@ -42,6 +46,8 @@ from .metadata import (
     RecvSpec,
     SaveSpec,
 )
+from .plan import LayerGeom, PeerTables, layer_geometry, read_plan
+from .pull import MAX_HOLD, Failed, Peer, Pull, note, parse_note
 from .util import compat_info, compat_mismatch
 
 if TYPE_CHECKING:
@@ -102,19 +108,6 @@ def block_table(layouts: list[LayerLayout], kind: kvx.MemoryKind, dev: int = 0
         n += lay.num_blocks
     return (kvx.DescList.from_arrays(kind=kind, addr=np.concatenate(addrs), nbytes=np.concatenate(lens), dev=dev),
             offsets)
-
-
-class _Peer:
-    """A prefill worker this decode worker pulls from."""
-
-    __slots__ = ("layouts", "name", "offsets", "table")
-
-    def __init__(self, name: str, table: kvx.PreparedList, offsets: dict[str, int],
-                 layouts: dict[str, LayerLayout]) -> None:
-        self.name = name
-        self.table = table
-        self.offsets = offsets
-        self.layouts = layouts
 
 
 class _GroupStore:
@@ -193,37 +186,6 @@ class _GroupStore:
         self.reg.release()
 
 
-class _Posted:
-    """A pull posted from the engine's thread: ``done``/``result`` like a Future, polled."""
-
-    __slots__ = ("deadline", "local", "spec", "t0", "worker", "x")
-
-    def __init__(self, x: Any, local: list[int], timeout: float, worker: "KVXWorker",
-                 spec: RecvSpec | None = None) -> None:
-        self.x, self.local, self.worker, self.spec = x, local, worker, spec
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + timeout
-
-    def done(self) -> bool:
-        if self.x is None or self.x.done():
-            return True
-        if time.monotonic() > self.deadline:
-            self.x.cancel()
-            return True
-        return False
-
-    def result(self) -> list[int]:
-        """The blocks that failed (none when the transfer is done)."""
-        if self.x is None:
-            return self.local
-        if self.x.status is kvx.Status.DONE:
-            self.worker._count(pulls=1, pulled_blocks=len(self.local), pull_s=time.monotonic() - self.t0)
-            return []
-        assert self.spec is not None
-        self.worker._pull_failed(self.spec, self.x.error or kvx.TransferTimeout("pull timed out"))
-        return self.local
-
-
 class KVXWorker:
     """Worker-side state of the connector (one per worker process)."""
 
@@ -251,7 +213,8 @@ class KVXWorker:
         if self.serves:
             port = cfg.side_channel_port + tp_rank if cfg.side_channel_port else 0
             listen = (cfg.side_channel_host, port)
-        self.agent = kvx.Agent(name, kvx.AgentConfig(backends=tuple(cfg.backends), listen=listen))
+        self.agent = kvx.Agent(name, kvx.AgentConfig(backends=tuple(cfg.backends), listen=listen,
+                                                     handshake_timeout=cfg.handshake_timeout_s))
         self.side: Any = None
         self.host = ""
         self.port = 0
@@ -270,7 +233,7 @@ class KVXWorker:
         self.table: kvx.PreparedList | None = None
         self._regs: list[kvx.Registration] = []
         self._stores: dict[int, _GroupStore] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._peer_lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}  # peer name -> held while connecting it
         self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvx-vllm-pull")
@@ -278,8 +241,19 @@ class KVXWorker:
         self._recv: dict[str, Future[list[int]]] = {}  # req -> future of failed block ids
         self._recv_blocks: dict[str, list[int]] = {}
         self._saves: dict[str, Future[Any]] = {}
-        self._sending: dict[str, float] = {}  # req -> lease deadline
-        self._early: dict[str, float] = {}  # notifications that came before their send spec
+        # prefill side: req -> [lease deadline, lease id, block ids, ranks heard from, ranks expected]
+        self._sending: dict[str, list[Any]] = {}
+        # notifications that came before their send spec: req -> [time, peers heard from, expected]
+        self._early: dict[str, list[Any]] = {}
+        self._gen_reg: kvx.Registration | None = None
+        self._gen_view = np.zeros(0, dtype=_U64)  # prefill: block -> generation; decode: scratch
+        self._gen_cnt = np.zeros(0, dtype=np.int64)  # prefill: leases holding each block
+        self._gen_max = np.zeros(0, dtype=_U64)  # prefill: largest lease id of the holding
+        self._gen_local: Any = None  # decode: the scratch slots, prepared
+        self._gen_next = 0
+        self._gen_lock = threading.Lock()
+        self.geoms: list[LayerGeom] = []
+        self._plans: dict[int, tuple[list[tuple[int, int, int, int]], dict[int, int]]] = {}
         self._done_send: set[str] = set()
         self._finished_seen: set[str] = set()
         self._invalid: set[int] = set()
@@ -291,11 +265,38 @@ class KVXWorker:
                                         "loaded_blocks": 0, "saved_blocks": 0}
 
     # ------------------------------------------------------------------------------------------
+    def _spec_of(self, name: str) -> Any:
+        g = self.group_of.get(name, 0)
+        spec = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        return per_layer[name] if isinstance(per_layer, dict) and name in per_layer else spec
+
+    def _geometries(self, kv_caches: dict[str, "torch.Tensor"]) -> list[LayerGeom]:
+        out: list[LayerGeom] = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name in sorted(kv_caches, key=_natural_key):
+            t = kv_caches[name]
+            if isinstance(t, (list, tuple)):
+                raise NotImplementedError(f"layer {name}: state tuples (Mamba) are not supported by kvx_vllm yet")
+            key = (int(t.data_ptr()), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            spec = self._spec_of(name)
+            mla = type(spec).__name__.startswith("MLA") or bool(self.compat.get("mla"))
+            out.append(layer_geometry(name, t, self.group_of.get(name, 0), int(spec.block_size),
+                                      int(getattr(spec, "num_kv_heads", 1)), int(spec.head_size), mla))
+        return out
+
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        """Register the KV caches' storage with kvx and build the block table."""
-        self.layouts = layer_layouts(kv_caches, self.group_of)
-        if not self.layouts:
+        """Register the KV caches' storage with kvx, describe every layer's cells for transfers
+        (:mod:`kvx_vllm.plan`) and, for offloading, build the block table of pages."""
+        if not kv_caches:
             raise ValueError("no KV cache layer to register")
+        if self.pd:
+            self.geoms = self._geometries(kv_caches)
+        if self.offload:
+            self.layouts = layer_layouts(kv_caches, self.group_of)
         t0 = next(iter(kv_caches.values()))
         kind = kvx.MemoryKind.CUDA if t0.device.type == "cuda" else kvx.MemoryKind.HOST
         dev = int(t0.device.index or 0) if kind == kvx.MemoryKind.CUDA else 0
@@ -306,26 +307,46 @@ class KVXWorker:
         regions = [kvx.RawRegion(a, n, kind, dev) for a, n in sorted(storages.items())]
         self._regs.append(self.agent.register(regions))
         self._kv_refs = list(kv_caches.values())  # keep the memory alive while registered
-        descs, self.offsets = block_table(self.layouts, kind, dev)
-        self.table = self.agent.prepare(descs)
+        if self.layouts:
+            descs, self.offsets = block_table(self.layouts, kind, dev)
+            self.table = self.agent.prepare(descs)
         self.kind, self.dev = kind, dev
-        self.compat = {**compat_info(self.vllm_config), "pages": {lay.name: lay.page for lay in self.layouts}}
+        nb = max([g.num_blocks for g in self.geoms] or [0])
+        if self.serves and nb:
+            # one generation word per block (published in the handshake): a decode worker reads
+            # it after its pull to learn whether the block was released meanwhile
+            buf = kvx.alloc_host(8 * nb)
+            self._gen_view = np.frombuffer(buf, dtype=_U64, count=nb)
+            self._gen_view[:] = 0
+            self._gen_cnt = np.zeros(nb, dtype=np.int64)
+            self._gen_max = np.zeros(nb, dtype=_U64)
+            self._gen_buf = buf
+            self._gen_reg = self.agent.register(buf)
+        elif self.pd and not self.serves:
+            n = 1 << 16
+            buf = kvx.alloc_host(8 * n)
+            self._gen_view = np.frombuffer(buf, dtype=_U64, count=n)
+            self._gen_buf = buf
+            self._gen_reg = self.agent.register(buf)
+            base = _U64(int(self._gen_reg.descs.addr[0]))
+            self._gen_local = self.agent.prepare(kvx.DescList.from_arrays(
+                kind=kvx.MemoryKind.HOST, addr=base + np.arange(n, dtype=_U64) * _U64(8),
+                nbytes=np.full(n, 8, dtype=_U64)))
         if self.offload:
             for g in self.groups:
                 layers = [lay for lay in self.layouts if lay.group == g]
                 if layers:
                     self._stores[g] = _GroupStore(self, g, layers)
-        log.info("kvx_vllm: registered %d layers (%d blocks each, %d bytes a page) with %s",
-                 len(self.layouts), self.layouts[0].num_blocks, self.layouts[0].page, self.agent)
+        log.info("kvx_vllm: registered %d layers with %s", len(kv_caches), self.agent)
 
     def handshake_metadata(self) -> KVXHandshakeMetadata | None:
         """What the scheduler puts into kv_transfer_params so decode instances can pull."""
-        if not self.serves or not self.layouts:
+        if not self.serves or not self.geoms or self._gen_reg is None:
             return None
         return KVXHandshakeMetadata(agent_name=self.agent.name, host=self.host, port=self.port,
-                                    tp_rank=self.tp_rank, layout=[lay.to_list() for lay in self.layouts],
-                                    compat={"pages": {lay.name: lay.page for lay in self.layouts},
-                                            "kind": int(self.kind), "dev": self.dev})
+                                    tp_rank=self.tp_rank, layout=[g.to_list() for g in self.geoms],
+                                    compat={"kind": int(self.kind), "dev": self.dev,
+                                            "gen": [int(self._gen_reg.descs.addr[0]), int(self._gen_view.size)]})
 
     # ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVXConnectorMetadata) -> None:
@@ -341,9 +362,11 @@ class KVXWorker:
             fut = self._start_pull(spec) if ids else self._pull_pool.submit(self._pull, spec)
             if ids:
                 self._recv[spec.req_id] = fut  # type: ignore[assignment]
-        for spec in meta.load:
-            self._recv_blocks[spec.req_id] = [b for g in spec.block_ids for b in g]
-            self._recv[spec.req_id] = self._store_pool.submit(self._load, spec)
+        for params in meta.heartbeat:
+            self._pull_pool.submit(self._heartbeat, params)
+        for lspec in meta.load:
+            self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
+            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
 
     def wait_for_save(self, meta: KVXConnectorMetadata) -> None:
         """Queue this step's offload saves; start the leases of blocks kept for decode."""
@@ -351,30 +374,51 @@ class KVXWorker:
             self._saves[spec.req_id] = self._store_pool.submit(self._save, spec)
         now = time.monotonic()
         for send in meta.send:
-            if self._early.pop(send.req_id, None) is not None:
-                self._done_send.add(send.req_id)
-            else:
-                self._sending[send.req_id] = now + send.lease_s
+            ids = np.asarray(send.block_ids, dtype=np.int64)
+            ids = ids[(ids >= 0) & (ids < self._gen_cnt.size)]
+            self._gen_cnt[ids] += 1
+            self._gen_max[ids] = np.maximum(self._gen_max[ids], _U64(send.lease))
+            # [deadline, lease id, blocks, decode peers heard from, expected, lease_s, latest deadline]
+            st: list[Any] = [now + send.lease_s, send.lease, ids, set(), 1 << 30, send.lease_s,
+                             now + MAX_HOLD * send.lease_s]
+            early = self._early.pop(send.req_id, None)
+            if early is not None:
+                st[3], st[4] = early[1], early[2]
+            self._sending[send.req_id] = st
+            if len(st[3]) >= st[4]:
+                self._release(send.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
         self._finished_seen |= finished_req_ids
         now = time.monotonic()
-        for _peer, msgs in self.agent.notifications().items():
+        for peer, msgs in self.agent.notifications().items():
             for m in msgs:
-                rid = m.decode(errors="replace")
-                if self._sending.pop(rid, None) is not None:
-                    self._done_send.add(rid)
-                else:
-                    self._early[rid] = now
-        for rid, deadline in list(self._sending.items()):
-            if deadline <= now:
-                del self._sending[rid]
-                self._done_send.add(rid)
+                parsed = parse_note(m)
+                if parsed is None:
+                    log.warning("kvx_vllm: malformed notification from %s ignored", peer)
+                    continue
+                rid, n = parsed
+                st = self._sending.get(rid)
+                if n == 0:  # a heartbeat: the decode instance still wants the blocks
+                    if st is not None:
+                        st[0] = min(max(st[0], now + float(st[5])), st[6])
+                    continue
+                if st is None:
+                    st = self._early.setdefault(rid, [now, set(), n])
+                    st[1].add(peer)
+                    continue
+                st[3].add(peer)
+                st[4] = n
+                if len(st[3]) >= n:
+                    self._release(rid)
+        for rid, st in list(self._sending.items()):
+            if st[0] <= now:
+                self._release(rid)
                 log.warning("kvx_vllm: request %s: no decode instance read its blocks within the %.0f s "
                             "lease; freeing them", rid, self.cfg.lease_s)
-        for rid, t in list(self._early.items()):
-            if now - t > 2 * self.cfg.lease_s:
+        for rid, st in list(self._early.items()):
+            if now - st[0] > 2 * self.cfg.lease_s:
                 del self._early[rid]
         for rid, fut in list(self._saves.items()):
             if fut.done():
@@ -437,8 +481,50 @@ class KVXWorker:
                 self.stats[k] += v
 
     # ------------------------------------------------------------------------------------------
-    def _peer(self, name: str, host: str, port: int, layout: list[Any], winfo: dict[str, Any]) -> _Peer:
-        """The prefill worker ``name``, connected once however many pulls ask for it at once.
+    def _release(self, rid: str) -> None:
+        """End a request's lease: blocks no other lease holds get the largest lease id they were
+        held under as their generation, before vLLM may reuse them."""
+        st = self._sending.pop(rid)
+        ids = st[2]
+        self._gen_cnt[ids] -= 1
+        free = ids[self._gen_cnt[ids] <= 0]
+        self._gen_cnt[free] = 0
+        self._gen_view[free] = self._gen_max[free]
+        self._gen_max[free] = 0
+        self._done_send.add(rid)
+
+    def _heartbeat(self, params: dict[str, Any]) -> None:
+        """Tell every prefill worker of a queued request to extend its lease."""
+        try:
+            spec = RecvSpec(str(params.get("remote_request_id")), [], [], params)
+            reads, notify, payload = self._check_params(spec)
+            rid = str(params["remote_request_id"])
+            for e in [e for e, *_ in reads] + notify:
+                self.agent.notify(self._peer(e).name, note(rid, 0))
+        except Exception as exc:
+            log.warning("kvx_vllm: heartbeat for %s failed: %s", params.get("remote_request_id"), exc)
+
+    def _slots(self, n: int) -> int:
+        """``n`` consecutive generation scratch slots (a ring; a pull holds them for milliseconds)."""
+        size = self._gen_view.size
+        if n > size:
+            raise kvx.UsageError(f"a pull of {n} blocks from one worker exceeds the {size} generation slots")
+        with self._gen_lock:
+            if self._gen_next + n > size:
+                self._gen_next = 0
+            first = self._gen_next
+            self._gen_next += n
+        return first
+
+    def _notify_all(self, peers: list[str], payload: dict[str, bytes]) -> None:
+        for name in peers:
+            try:
+                self.agent.notify(name, payload[name])
+            except Exception as exc:
+                log.warning("kvx_vllm: notifying %s failed: %s", name, exc)
+
+    def _peer(self, entry: list[Any]) -> Peer:
+        """The prefill worker of ``entry``, connected once however many pulls ask for it at once.
 
         A burst of requests to a fresh decode instance starts several pulls from the same prefill
         worker together; the first connects (side channel, ``add_peer``, ``prepare``) while the
@@ -446,6 +532,7 @@ class KVXWorker:
         """
         from kvx.discovery import fetch_metadata
 
+        name, host, port, layout, winfo = entry
         with self._peer_lock:
             p = self._peers.get(name)
             if p is not None:
@@ -456,18 +543,37 @@ class KVXWorker:
                 p = self._peers.get(name)
             if p is not None:
                 return p
-            meta = fetch_metadata(host, int(port), timeout=min(10.0, self.cfg.load_timeout_s))
+            winfo = winfo if isinstance(winfo, dict) else {}
+            meta = fetch_metadata(host, int(port), timeout=min(self.cfg.handshake_timeout_s, self.cfg.load_timeout_s))
             pname = self.agent.add_peer(meta)
             if pname != name:
                 raise kvx.ProtocolError(f"the side channel at {host}:{port} serves agent {pname!r}, not {name!r}")
-            layouts = [LayerLayout.from_list(v) for v in layout]
-            descs, offsets = block_table(layouts, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))),
-                                         int(winfo.get("dev", 0)))
-            table = self.agent.prepare(descs, peer=pname)
-            p = _Peer(pname, table, offsets, {lay.name: lay for lay in layouts})
+            if not isinstance(layout, list) or len(layout) > 1 << 16:
+                raise kvx.ProtocolError("malformed layer list from the prefill instance")
+            geoms = [LayerGeom.from_list(v) for v in layout]
+            gen = None
+            g = winfo.get("gen")
+            most = max([geo.num_blocks for geo in geoms] or [0])
+            if (isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) for x in g)
+                    and 0 < g[0] < 1 << 62 and 0 < g[1] <= most):
+                gen = self.agent.prepare(kvx.DescList.from_arrays(
+                    kind=kvx.MemoryKind.HOST, addr=_U64(g[0]) + np.arange(g[1], dtype=_U64) * _U64(8),
+                    nbytes=np.full(g[1], 8, dtype=_U64)), peer=pname)
+            p = Peer(pname, geoms, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))), int(winfo.get("dev", 0)),
+                      gen)
             with self._peer_lock:
                 self._peers[name] = p
             return p
+
+    def _tables(self, peer: Peer, lh0: int, rh0: int, nh: int) -> tuple[PeerTables, Any, Any]:
+        key = (lh0, rh0, nh)
+        t = peer.tables.get(key)
+        if t is None:
+            tabs = PeerTables(self.geoms, peer.geoms, lh0, rh0, nh, self.kind, self.dev, peer.kind, peer.dev)
+            t = (tabs, self.agent.prepare(tabs.local_descs), self.agent.prepare(tabs.remote_descs, peer=peer.name))
+            with self._peer_lock:
+                peer.tables[key] = t
+        return t
 
     def _forget_peer(self, name: str) -> None:
         with self._peer_lock:
@@ -477,97 +583,124 @@ class KVXWorker:
         except kvx.KVXError:
             log.debug("removing peer %s", name, exc_info=True)
 
-    def _check_params(self, spec: RecvSpec) -> tuple[list[Any], bytes]:
-        """Check a request's kv_transfer_params; returns its prefill worker's entry and the
-        notification payload."""
+    def _check_params(self, spec: RecvSpec
+                      ) -> tuple[list[tuple[list[Any], int, int, int]], list[list[Any]], dict[str, bytes]]:
+        """Check a request's kv_transfer_params; returns what to read (prefill worker entry and
+        head range), the workers only to notify, and the notification payload (which carries how
+        many decode workers each prefill worker hears from)."""
         params = spec.params
         if params.get("kvx_version") != PARAMS_VERSION:
             raise kvx.ProtocolError(f"kv_transfer_params of version {params.get('kvx_version')!r}, "
                                     f"expected {PARAMS_VERSION}")
-        why = compat_mismatch({k: v for k, v in self.compat.items() if k != "pages"}, params.get("kvx_compat"),
-                              self.cfg.check_model_name)
+        why = compat_mismatch(self.compat, params.get("kvx_compat"), self.cfg.check_model_name)
         if why:
             raise kvx.ProtocolError(f"prefill instance is incompatible: {why}")
-        entry = params["remote_agents"].get(str(self.tp_rank))
-        if entry is None:
-            raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {self.tp_rank}")
-        pages = (entry[4] or {}).get("pages", {})
-        if pages != self.compat.get("pages"):
-            raise kvx.ProtocolError(f"KV page layout differs: prefill {pages}, decode {self.compat.get('pages')}")
-        return list(entry), str(params["remote_request_id"]).encode()
+        theirs = params["kvx_compat"]
+        tp_remote = int(theirs["tp_size"])
+        agents = params.get("remote_agents")
+        if not isinstance(agents, dict):
+            raise kvx.ProtocolError("remote_agents must be a dict")
+        plan = self._plans.get(tp_remote)
+        if plan is None:
+            heads = 1 if self.compat.get("mla") else int(self.compat["num_kv_heads"])
+            plan = self._plans[tp_remote] = read_plan(heads, int(self.compat["tp_size"]), self.tp_rank, tp_remote)
+        reads, notify = plan
 
-    def _indices(self, spec: RecvSpec, peer: _Peer) -> tuple[np.ndarray, np.ndarray] | None:
-        """Indices into the local and the peer's block tables (None: nothing to pull)."""
-        lidx, ridx = [], []
-        for g, (lids, rids) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            if not lids:
-                continue
-            lb = np.asarray(lids, dtype=np.int64)
-            rb = np.asarray(rids, dtype=np.int64)
-            for lay in self.layouts:
-                if lay.group != g:
-                    continue
-                rl = peer.layouts.get(lay.name)
-                if rl is None:
-                    raise kvx.ProtocolError(f"the prefill instance has no layer {lay.name!r}")
-                if rb.size and int(rb.max()) >= rl.num_blocks:
-                    raise kvx.ProtocolError("remote block id out of range")
-                lidx.append(self.offsets[lay.name] + lb)
-                ridx.append(peer.offsets[lay.name] + rb)
-        if not lidx:
-            return None
-        return np.concatenate(lidx), np.concatenate(ridx)
+        def entry(r: int) -> list[Any]:
+            e = agents.get(str(r))
+            if not isinstance(e, (list, tuple)) or len(e) != 5:
+                raise kvx.ProtocolError(f"the prefill instance lists no worker of rank {r}")
+            return list(e)
+
+        read_ranks = {r for r, *_ in reads}
+        rid = str(params["remote_request_id"])
+        # each prefill worker learns how many decode workers it will hear from for the request
+        payload = {str(entry(r)[0]): note(rid, n) for r, n in notify.items()}
+        return ([(entry(r), lh0, rh0, nh) for r, lh0, rh0, nh in reads],
+                [entry(r) for r in sorted(notify) if r not in read_ranks], payload)
+
+    def _groups(self, spec: RecvSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        pos = spec.local_pos or [list(range(len(g))) for g in spec.local_block_ids]
+        return [(np.asarray(lids, dtype=np.int64), np.asarray(lp, dtype=np.int64), np.asarray(rids, dtype=np.int64))
+                for lids, lp, rids in zip(spec.local_block_ids, pos, spec.remote_block_ids)]
+
+    def _post(self, spec: RecvSpec, reads: list[tuple[list[Any], int, int, int]], notify: list[list[Any]],
+              payload: dict[str, bytes], connect: bool) -> "Pull | None":
+        """Post a request's reads (None: a prefill worker is not connected and ``connect`` is off)."""
+        groups = self._groups(spec)
+        posted: list[tuple[Peer, Any, np.ndarray]] = []
+        peers = []
+        for e, lh0, rh0, nh in reads:
+            with self._peer_lock:
+                peer = self._peers.get(e[0])
+            if peer is None:
+                if not connect:
+                    return None
+                peer = self._peer(e)
+            if not connect and (lh0, rh0, nh) not in peer.tables:
+                return None  # its descriptor lists are built on a pool thread, not the engine's
+            peers.append((peer, lh0, rh0, nh))
+        others = []
+        for e in notify:
+            with self._peer_lock:
+                peer = self._peers.get(e[0])
+            if peer is None:
+                if not connect:
+                    return None
+                peer = self._peer(e)
+            others.append(peer.name)
+        pull = Pull(self, spec, posted, others, payload)
+        try:
+            for peer, lh0, rh0, nh in peers:
+                tabs, local, remote = self._tables(peer, lh0, rh0, nh)
+                li, ri, rblocks = tabs.indices(groups)
+                posted.append((peer, self.agent.read(local, li, remote, ri) if li.size else None, rblocks))
+        except Exception as exc:
+            pull._fail(exc)
+        return pull
 
     def _pull_failed(self, spec: RecvSpec, exc: BaseException) -> None:
         params = spec.params
         log.error("kvx_vllm: pulling request %s from %s failed: %s", spec.req_id, params.get("remote_host"), exc)
         self._count(pull_failures=1)
-        entry = (params.get("remote_agents") or {}).get(str(self.tp_rank))
-        if isinstance(exc, (kvx.PeerDisconnected, kvx.TransferError)) and entry:
-            self._forget_peer(entry[0])
+        if isinstance(exc, kvx.PeerDisconnected):
+            for e in (params.get("remote_agents") or {}).values():
+                if isinstance(e, (list, tuple)) and e and isinstance(e[0], str):
+                    self._forget_peer(e[0])
 
-    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | _Posted":
-        """Post the pull of a request whose prefill worker is connected already, here and now (a
-        nonblocking kvx read that ``get_transfer_results`` polls: no thread hand-off); a worker
-        not connected yet is connected on a pool thread, which then pulls."""
+    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | Pull | Failed":
+        """Post the pull of a request whose prefill workers are connected already, here and now
+        (nonblocking kvx reads that ``get_transfer_results`` polls: no thread hand-off); one whose
+        workers are not all connected yet is connected on a pool thread, which then pulls."""
         local = [b for g in spec.local_block_ids for b in g]
         try:
-            entry, payload = self._check_params(spec)
-            with self._peer_lock:
-                peer = self._peers.get(entry[0])
-            if peer is None:
-                return self._pull_pool.submit(self._pull, spec)
-            idx = self._indices(spec, peer)
-            if idx is None:
-                return self._pull_pool.submit(self._pull, spec)
-            assert self.table is not None
-            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
+            reads, notify, payload = self._check_params(spec)
+            pull = self._post(spec, reads, notify, payload, connect=False)
         except Exception as exc:
             self._pull_failed(spec, exc)
-            return _Posted(None, local, 0.0, self)
-        return _Posted(x, local, self.cfg.load_timeout_s, self, spec)
+            return Failed(local)
+        if pull is None:
+            return self._pull_pool.submit(self._pull, spec)
+        return pull
 
     def _pull(self, spec: RecvSpec) -> list[int]:
-        """Pull one request's blocks from its prefill worker (connecting it first if needed);
-        returns the blocks that failed."""
+        """Pull one request's blocks (connecting its prefill workers first if needed) and wait;
+        returns the blocks that failed. With no local blocks, only notify."""
         local = [b for g in spec.local_block_ids for b in g]
         try:
-            entry, payload = self._check_params(spec)
-            name, host, port, layout, wcompat = entry
-            peer = self._peer(name, host, port, layout, wcompat or {})
-            idx = self._indices(spec, peer)
-            if idx is None:
-                self.agent.notify(peer.name, payload)
+            reads, notify, payload = self._check_params(spec)
+            if not local:
+                peers = [self._peer(e).name for e, *_ in reads] + [self._peer(e).name for e in notify]
+                self._notify_all(peers, payload)
                 return []
-            assert self.table is not None
-            t0 = time.monotonic()
-            x = self.agent.read(self.table, idx[0], peer.table, idx[1], notify=payload)
-            x.wait(self.cfg.load_timeout_s)
-            self._count(pulls=1, pulled_blocks=len(local), pull_s=time.monotonic() - t0)
-            return []
+            pull = self._post(spec, reads, notify, payload, connect=True)
+            assert pull is not None
         except Exception as exc:
             self._pull_failed(spec, exc)
             return local
+        while not pull.done(block=True):  # done() fails the pull itself past its deadline
+            pass
+        return pull.result()
 
     def _load(self, spec: LoadSpec) -> list[int]:
         assert self.table is not None
@@ -610,4 +743,7 @@ class KVXWorker:
         for r in self._regs:
             r.release()
         self._regs.clear()
+        if self._gen_reg is not None:
+            self._gen_reg.release()
+            self._gen_reg = None
         self.agent.close()

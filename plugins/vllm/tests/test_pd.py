@@ -113,7 +113,9 @@ def test_local_prefix_hit_pulls_only_the_rest(prefill: PrefillProcess) -> None:
         s.add_request(req)
         so = eng.step()
         (recv,) = so.kv_connector_metadata.recv
-        assert recv.remote_block_ids == [[r["params"]["remote_block_ids"][0][2]]]
+        # block 2 only is new locally; the prefill's blocks are all listed, paired by position
+        assert recv.local_pos == [[2]]
+        assert recv.remote_block_ids == [r["params"]["remote_block_ids"][0]]
         eng.run_until(lambda: req.status == RequestStatus.RUNNING)
         assert _digests(eng, "dec-2", 3)[2] == r["digests"][2]
         eng.run_until(lambda: "dec-2" not in s.requests)

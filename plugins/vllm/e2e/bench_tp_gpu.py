@@ -1,0 +1,296 @@
+"""Pull time across TP sizes and layouts through the connector's worker (``KVXWorker``), on GPUs.
+
+Every TP rank is a process of its own holding a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads,
+head_dim 128, bf16, 16-token blocks; a TP 2 rank holds 4 heads) or a DeepSeek-V3-shaped MLA latent
+(576 values per token, bf16), in vLLM's layouts: HND ``[blocks, heads, 16, 256]``, NHD
+``[2, blocks, 16, heads, 128]``, MLA ``[blocks, 16, 576]``. The ranks run the real
+``kvx_vllm.worker.KVXWorker`` (vLLM's configs replaced by the few fields the worker reads, so no
+vLLM is needed): prefill ranks register and serve, decode ranks pull with ``start_load_kv`` and
+poll ``get_transfer_results`` -- descriptor lists from ``kvx_vllm.plan``, one kvx read per
+(decode rank, prefill rank) pair, then the blocks' generation words. A pull is timed inside the
+decode rank from ``start_load_kv`` until the request is reported received, and every decode rank's
+blocks are compared with the request's KV on the GPU.
+
+Cases (GPU of each rank in brackets)::
+
+    same   prefill TP1 [0]      -> decode TP1 [1]        (the reference: all heads, one pull)
+    1to2   prefill TP1 [0]      -> decode TP2 [1, 0]     (each decode rank reads a head slice)
+    2to1   prefill TP2 [0, 1]   -> decode TP1 [1]        (the decode rank reads from two ranks)
+    2to2   prefill TP2 [0, 1]   -> decode TP2 [1, 0]
+
+Run on a machine with 2 GPUs (after ``python setup.py build_ext --inplace``)::
+
+    PYTHONPATH=.:plugins/vllm python plugins/vllm/e2e/bench_tp_gpu.py
+
+``--device cpu`` runs the same on host memory with a small shape (a check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+class _Model:
+    """The fields of vLLM's ModelConfig that ``compat_info`` reads."""
+
+    def __init__(self, layers: int, kv_heads: int, head_size: int, mla: bool) -> None:
+        self.served_model_name = "bench-llama3-8b-shape" if not mla else "bench-deepseek-v3-shape"
+        self.model = self.served_model_name
+        self.hf_config = SimpleNamespace(architectures=["Bench"])
+        self.dtype = "bfloat16"
+        self.use_mla = mla
+        self._l, self._h, self._d = layers, kv_heads, head_size
+
+    def get_num_layers(self, _pc: Any) -> int:
+        return self._l
+
+    def get_total_num_kv_heads(self) -> int:
+        return self._h
+
+    def get_head_size(self) -> int:
+        return self._d
+
+
+def _cells(layout: str, t: Any, d: int) -> Any:
+    """A cache as ``[blocks, planes, block_size, heads, d]`` (a view)."""
+    if layout == "HND":
+        b, h, n, _ = t.shape
+        return t.view(b, h, n, 2, d).permute(0, 3, 2, 1, 4)
+    if layout == "NHD":
+        return t.permute(1, 0, 2, 3, 4)
+    return t[:, None, :, None, :]
+
+
+def _rank(conn: Any, o: dict[str, Any]) -> None:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from kvx_vllm.config import KVXConnectorConfig
+    from kvx_vllm.metadata import KVXConnectorMetadata, RecvSpec, SendSpec
+    from kvx_vllm.plan import heads_of
+    from kvx_vllm.util import compat_info, remote_params
+    from kvx_vllm.worker import KVXWorker
+
+    dev = torch.device("cuda", o["gpu"]) if o["device"] == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    layout, mla = o["layout"], o["layout"] == "MLA"
+    L, H, D, bs, nb, tp, rank = o["layers"], o["heads"], o["head_dim"], o["block"], o["blocks"], o["tp"], o["rank"]
+    if mla:
+        H, D = 1, o["latent"]
+    h0, nh = (0, 1) if mla else heads_of(H, tp, rank)
+    planes = 1 if mla else 2
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    spec = SimpleNamespace(block_size=bs, num_kv_heads=nh, head_size=D)
+    vc = SimpleNamespace(model_config=_Model(L, H, D, mla),
+                         cache_config=SimpleNamespace(block_size=bs, cache_dtype="auto"),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                         kv_transfer_config=SimpleNamespace(kv_role=o["role"], engine_id=o["engine"]))
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+                          prefix_cacheable_group_ids=(0,))
+    cfg = KVXConnectorConfig.from_extra({"load_timeout_s": 300, "lease_s": 3600})
+    w = KVXWorker(vc, kcc, cfg, tp_rank=rank)  # type: ignore[arg-type]
+    dt = torch.bfloat16
+    caches = {}
+    for n in names:
+        if mla:
+            caches[n] = torch.zeros(nb, bs, D, dtype=dt, device=dev)
+        elif layout == "HND":
+            caches[n] = torch.zeros(nb, nh, bs, 2 * D, dtype=dt, device=dev)
+        else:
+            caches[n] = torch.zeros(2, nb, bs, nh, D, dtype=dt, device=dev)
+    w.register_kv_caches(caches)
+
+    def kv(layer: int, tokens: int, seed: int) -> Any:
+        g = torch.Generator(device=dev).manual_seed(seed * 1000 + layer)
+        return torch.randn(tokens, planes, H, D, generator=g, device=dev, dtype=torch.float32).to(dt)
+
+    def place(ids: list[int], tokens: int) -> tuple[Any, Any]:
+        t = torch.arange(tokens, device=dev)
+        return torch.as_tensor(ids, device=dev)[t // bs], t % bs
+
+    hs = w.handshake_metadata()
+    conn.send_bytes(json.dumps({"ready": True, "hs": hs.__dict__ if hs is not None else None}).encode())
+    while True:
+        cmd = json.loads(conn.recv_bytes())
+        c = cmd["cmd"]
+        if c == "fill":  # prefill: write the request's KV into blocks, start the lease, make params
+            blk, pos = place(cmd["blocks"], cmd["tokens"])
+            for i, n in enumerate(names):
+                _cells(layout, caches[n], D)[blk, :, pos] = kv(i, cmd["tokens"], cmd["seed"])[:, :, h0:h0 + nh]
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            w.wait_for_save(KVXConnectorMetadata(send=[SendSpec(cmd["rid"], 3600.0, cmd["lease"], cmd["blocks"])]))
+            conn.send_bytes(json.dumps({"ok": True}).encode())
+        elif c == "params":  # prefill rank 0: the scheduler half's kv_transfer_params
+            from kvx_vllm.metadata import KVXHandshakeMetadata
+
+            workers = {int(r): KVXHandshakeMetadata(**m) for r, m in cmd["workers"].items()}
+            p = remote_params(engine_id=o["engine"], request_id=cmd["rid"], block_ids=[cmd["blocks"]],
+                              workers=workers, num_tokens=cmd["tokens"], tp_size=tp, lease=cmd["lease"],
+                              compat=compat_info(vc), host="127.0.0.1", port=0)  # type: ignore[arg-type]
+            conn.send_bytes(json.dumps({"params": p}).encode())
+        elif c == "poll":  # prefill: handle notifications (frees what decode has read)
+            sending, _r, _f = w.get_transfer_results(set(cmd["rids"]))
+            conn.send_bytes(json.dumps({"freed": sorted(sending)}).encode())
+        elif c == "pull":  # decode: the connector's pull, timed
+            lids = cmd["blocks"]
+            recv = RecvSpec(cmd["rid"], [lids], [cmd["remote"]], cmd["params"], [list(range(len(lids)))])
+            t0 = time.perf_counter()
+            w.start_load_kv(KVXConnectorMetadata(recv=[recv]))
+            while True:
+                _s, recving, failed = w.get_transfer_results(set())
+                if cmd["rid"] in recving:
+                    break
+            el = time.perf_counter() - t0
+            bad = w.get_block_ids_with_load_errors()
+            ok = None
+            if cmd.get("verify"):
+                blk, pos = place(lids, cmd["tokens"])
+                ok = all(torch.equal(_cells(layout, caches[n], D)[blk, :, pos],
+                                     kv(i, cmd["tokens"], cmd["seed"])[:, :, h0:h0 + nh]) for i, n in enumerate(names))
+            nbytes = cmd["tokens"] * planes * nh * D * 2 * L
+            conn.send_bytes(json.dumps({"s": el, "failed": sorted(bad), "ok": ok, "bytes": nbytes,
+                                        "stats": w.stats}).encode())
+        elif c == "quit":
+            w.shutdown()
+            conn.send_bytes(b"{}")
+            return
+
+
+class Rank:
+    def __init__(self, ctx: Any, **o: Any) -> None:
+        self.o = o
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_rank, args=(child, o), daemon=True)
+        self.proc.start()
+        self.hello: dict[str, Any] = {}
+
+    def ready(self) -> dict[str, Any]:
+        if not self.hello:
+            self.hello = self.recv(600)
+        return self.hello
+
+    def send(self, **cmd: Any) -> None:
+        self.conn.send_bytes(json.dumps(cmd).encode())
+
+    def recv(self, timeout: float = 600) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"rank {self.o} did not answer")
+        return json.loads(self.conn.recv_bytes())  # type: ignore[no-any-return]
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.recv()
+
+    def close(self) -> None:
+        try:
+            self.call(cmd="quit")
+        except Exception:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--layouts", default="HND,NHD,MLA")
+    ap.add_argument("--cases", default="same,1to2,2to1,2to2")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--latent", type=int, default=576)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    if a.device == "cpu" and a.layers == 32:
+        a.layers, a.heads, a.head_dim, a.latent, a.tokens = 4, 8, 32, 96, "512,2048"
+    tokens = [int(t) for t in a.tokens.split(",")]
+    blocks = -(-max(tokens) // a.block) + 16
+    gpus = [0, 1] if a.device == "cuda" else [0, 0]
+    ctx = mp.get_context("spawn")
+    results: list[dict[str, Any]] = []
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lease = int(time.time_ns() // 1000) * 2
+    for layout in a.layouts.split(","):
+        common = dict(device=a.device, layout=layout, layers=a.layers, heads=a.heads, head_dim=a.head_dim,
+                      latent=a.latent, block=a.block, blocks=blocks)
+        pre = {1: [Rank(ctx, role="kv_producer", engine="p1", tp=1, rank=0, gpu=gpus[0], **common)],
+               2: [Rank(ctx, role="kv_producer", engine="p2", tp=2, rank=r, gpu=gpus[r], **common) for r in (0, 1)]}
+        dec = {1: [Rank(ctx, role="kv_consumer", engine="d1", tp=1, rank=0, gpu=gpus[1], **common)],
+               2: [Rank(ctx, role="kv_consumer", engine="d2", tp=2, rank=r, gpu=gpus[1 - r], **common)
+                   for r in (0, 1)]}
+        try:
+            for r in [*pre[1], *pre[2], *dec[1], *dec[2]]:
+                r.ready()
+            for case in a.cases.split(","):
+                tp_p, tp_d = {"same": (1, 1), "1to2": (1, 2), "2to1": (2, 1), "2to2": (2, 2)}[case]
+                for n in tokens:
+                    times, ok = [], True
+                    for it in range(a.iters + 1):
+                        nblk = -(-n // a.block)
+                        rb = [int(b) for b in rng.permutation(blocks)[:nblk]]
+                        lb = [int(b) for b in rng.permutation(blocks)[:nblk]]
+                        rid = f"{layout}-{case}-{n}-{it}"
+                        lease += 2
+                        seed = it + 7
+                        for r in pre[tp_p]:
+                            r.call(cmd="fill", rid=rid, blocks=rb, tokens=n, seed=seed, lease=lease)
+                        workers = {str(r.o["rank"]): r.hello["hs"] for r in pre[tp_p]}
+                        params = pre[tp_p][0].call(cmd="params", rid=rid, blocks=rb, tokens=n, lease=lease,
+                                                   workers=workers)["params"]
+                        verify = it in (1, a.iters)
+                        for r in dec[tp_d]:
+                            r.send(cmd="pull", rid=rid, blocks=lb, remote=rb, params=params, tokens=n, seed=seed,
+                                   verify=verify)
+                        res = [r.recv() for r in dec[tp_d]]
+                        for r in pre[tp_p]:
+                            r.call(cmd="poll", rids=[rid])
+                        if any(x["failed"] for x in res) or (verify and not all(x["ok"] for x in res)):
+                            ok = False
+                        if it:  # the first is a warm-up (connects the peers, builds the lists)
+                            times.append(max(x["s"] for x in res))
+                            nbytes = sum(x["bytes"] for x in res)
+                    med = float(np.median(times))
+                    row = {"layout": layout, "case": case, "tokens": n, "ms": med * 1e3, "GBps": nbytes / med / 1e9,
+                           "bytes": nbytes, "verified": ok}
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            for r in [*pre[1], *pre[2], *dec[1], *dec[2]]:
+                r.close()
+    print()
+    print(f"| layout | case | tokens | pull ms (median of {a.iters}) | GB/s into decode | vs same-TP "
+          "| bytes verified |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for row in results:
+        ref = next((x for x in results if x["layout"] == row["layout"] and x["case"] == "same"
+                    and x["tokens"] == row["tokens"]), None)
+        rel = row["GBps"] / ref["GBps"] if ref else float("nan")
+        print(f"| {row['layout']} | {row['case']} | {row['tokens']} | {row['ms']:.2f} | {row['GBps']:.1f} | "
+              f"{rel:.2f}x | {'yes' if row['verified'] else 'NO'} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
