@@ -11,9 +11,10 @@ tested without processes in test_pd_plan.py.
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
-from test_pd import FAILED, SUCCESS, Proc, free_port
+from test_pd import DEAD_PEER_BOUND, FAILED, SUCCESS, Proc, free_port
 
 # (kind, prefill TP, decode TP, KV heads of the model, per prefill rank: its plan for each decode
 # rank registered with it, and the (page, decode rank) pairs it wrote for room 1's 6 pages)
@@ -30,6 +31,24 @@ SHAPES = [
 #: The world rank of each worker: a worker keeps its rank across shapes (SGLang's runtime context
 #: is re-published per shape, its TP size changes, its rank does not); enough for 2 -> 4.
 WORKER_RANKS = (0, 0, 1, 1, 2, 3)
+
+
+def finish(ws: list) -> None:
+    """Let each worker of a scenario reach its room 2 (decode's abort), then end the scenario."""
+    for w in ws:
+        while w.p.poll() is None and w.next(120).get("room") != 2:
+            pass
+    end(ws)
+
+
+def end(ws: list) -> None:
+    """End a scenario: each worker closes its manager, one after another in the order given
+    (prefill ranks first: their agents stop writing before the decode ranks release their pools)."""
+    for w in ws:
+        if w.p.poll() is None:
+            w.send("done")
+            while w.p.poll() is None and w.next(60)["event"] != "closed":
+                pass
 
 
 class Worker(Proc):
@@ -97,9 +116,59 @@ def test_different_tp_sizes(workers, kind, ptp, dtp, heads, modes):
             ev = w.next(120)
             assert (ev["room"], ev["state"]) == (2, FAILED) and ev["reason"], ev
     finally:
-        for w in dec + pre:
-            if w.p.poll() is None:
-                w.send("done")
-        for w in dec + pre:
-            while w.p.poll() is None and w.next(60)["event"] != "closed":
-                pass
+        end(pre + dec)
+
+
+@pytest.mark.timeout(600)
+def test_pools_that_do_not_pair_fail_their_rooms_with_the_reason(workers):
+    """MHA 2 -> 1 where decode's heads are of another size: refused when decode registers, and the
+    room fails on every rank with the reason (never a partial transfer)."""
+    port = free_port()
+    free = list(zip(WORKER_RANKS, workers))
+    p0, p1 = (next(w for r, w in free if r == k) for k in (0, 1))
+    d0 = next(w for r, w in free if r == 0 and w is not p0)
+    base = {"port": port, "kind": "mha", "heads": 2}
+    p0.send(json.dumps({**base, "role": "prefill", "tp": 2, "rank": 0}))
+    p1.send(json.dumps({**base, "role": "prefill", "tp": 2, "rank": 1}))
+    d0.send(json.dumps({**base, "role": "decode", "tp": 1, "rank": 0, "dim": 8}))
+    try:
+        for w in (p0, p1, d0):
+            assert w.next(120)["event"] == "ready"
+        for w in (p0, p1):
+            ev = w.next(120)
+            assert (ev["room"], ev["state"], ev["pages_sent"]) == (1, FAILED, 0), ev
+            assert "cannot take this prefill's KV" in ev["reason"] and "do not split" in ev["reason"], ev
+        ev = d0.next(120)
+        assert (ev["room"], ev["state"]) == (1, FAILED) and "cannot take" in ev["reason"], ev
+        assert ev["unchanged"], ev  # not one byte of the decode pool was written
+    finally:
+        finish([p0, p1, d0])
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_decode_rank_fails_the_room_within_the_bound(workers):
+    """MHA 1 -> 2: decode rank 1 dies after sending its page list; the prefill's transfer fails and
+    both the prefill room and decode rank 0's room reach Failed, with a reason, within the bound.
+    (Runs last: it kills a worker.)"""
+    port = free_port()
+    free = list(zip(WORKER_RANKS, workers))
+    pre = next(w for r, w in free if r == 0)
+    d0 = next(w for r, w in free if r == 0 and w is not pre)
+    d1 = next(w for r, w in free if r == 1)
+    base = {"port": port, "kind": "mha", "heads": 2}
+    pre.send(json.dumps({**base, "role": "prefill", "tp": 1, "rank": 0, "hold": True}))
+    d0.send(json.dumps({**base, "role": "decode", "tp": 2, "rank": 0}))
+    d1.send(json.dumps({**base, "role": "decode", "tp": 2, "rank": 1, "victim": True}))
+    for w in (pre, d0, d1):
+        assert w.next(120)["event"] == "ready"
+    ev = d1.next(120)
+    assert (ev["event"], ev["room"]) == ("waiting", 1), ev
+    ev = pre.next(120)
+    assert (ev["event"], ev["room"]) == ("waiting", 1), ev
+    d1.p.send_signal(signal.SIGKILL)
+    d1.p.wait(timeout=30)
+    pre.send("send")
+    ev = pre.next(DEAD_PEER_BOUND + 30)
+    assert (ev["room"], ev["state"]) == (1, FAILED) and ev["reason"] and ev["seconds"] < DEAD_PEER_BOUND, ev
+    ev = d0.next(DEAD_PEER_BOUND + 30)
+    assert (ev["room"], ev["state"]) == (1, FAILED) and ev["reason"] and ev["seconds"] < DEAD_PEER_BOUND, ev

@@ -31,6 +31,7 @@ import time
 T0 = time.monotonic()
 MODEL = sys.argv[-1]
 ROLE, PORT, TP, RANK, KIND, HEADS = "", 0, 1, 0, "mha", 1
+HOLD = VICTIM = False  # dead-peer scenario: prefill waits for "send" after bootstrap; a victim decode dies
 os.environ["SGLANG_HOST_IP"] = "127.0.0.1"
 
 LAYERS, DIM, PAGE, TOKENS = 3, 16, 4, 128
@@ -110,7 +111,7 @@ def wait_for(poll, states, what: str):
 
 
 def main() -> None:
-    global ROLE, PORT, TP, RANK, KIND, HEADS
+    global ROLE, PORT, TP, RANK, KIND, HEADS, HOLD, VICTIM, DIM
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -120,6 +121,8 @@ def main() -> None:
             continue
         sc = json.loads(line)
         ROLE, PORT, TP, RANK, KIND, HEADS = sc["role"], sc["port"], sc["tp"], sc["rank"], sc["kind"], sc["heads"]
+        HOLD, VICTIM = bool(sc.get("hold")), bool(sc.get("victim"))
+        DIM = int(sc.get("dim", 16))  # another head size on one side: pools that do not pair
         scenario()
 
 
@@ -190,11 +193,16 @@ def scenario() -> None:
         s = senders[1]
         st, _ = wait_for(s.poll, (KVPoll.WaitingForInput, KVPoll.Failed), "room 1 bootstrap")
         if st == KVPoll.WaitingForInput:
+            if HOLD:
+                say(event="waiting", room=1)
+                assert sys.stdin.readline().strip() == "send"
+            t1 = time.monotonic()
             s.init(len(SRC_PAGES), SRC_AUX)
             s.send(np.array(SRC_PAGES, dtype=np.int32))
-            st, dt = wait_for(s.poll, (KVPoll.Success, KVPoll.Failed), "room 1 transfer")
+            st, _ = wait_for(s.poll, (KVPoll.Success, KVPoll.Failed), "room 1 transfer")
+            dt = time.monotonic() - t1
         modes = sorted(p.pair.mode.value for p in mgr._peers.values() if p.pair is not None)
-        say(event="room", room=1, state=int(st), reason=mgr.failure_records.get(1), modes=modes,
+        say(event="room", room=1, state=int(st), seconds=dt, reason=mgr.failure_records.get(1), modes=modes,
             pages_sent=mgr.pages_sent)
         st, dt = wait_for(senders[2].poll, (KVPoll.Failed,), "room 2 decode abort")
         say(event="room", room=2, state=int(st), seconds=dt, reason=mgr.failure_records.get(2))
@@ -213,6 +221,9 @@ def scenario() -> None:
         r = recv_cls(mgr, addr, 1)
         r.init(0)
         r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_AUX)
+        if VICTIM:
+            say(event="waiting", room=1)
+            time.sleep(3600)  # the test kills this process
         st, dt = wait_for(r.poll, (KVPoll.Success, KVPoll.Failed), "room 1 transfer")
         h0, n = heads_of(TP, RANK)
         kv_ok = True
@@ -230,8 +241,9 @@ def scenario() -> None:
         mine_aux, theirs = _aux_tensors(aux), _aux_tensors(aux_buffers(4321))
         aux_ok = all(torch.equal(a[DST_AUX].view(torch.uint8), b[SRC_AUX].view(torch.uint8))
                      for a, b in zip(mine_aux, theirs))
+        unchanged = all(torch.equal(t.view(torch.int16), o.view(torch.int16)) for t, o in zip(bufs, before))
         say(event="room", room=1, state=int(st), seconds=dt, kv_ok=kv_ok, aux_ok=aux_ok, untouched=untouched,
-            reason=mgr.failure_records.get(1))
+            unchanged=unchanged, reason=mgr.failure_records.get(1))
         r2 = recv_cls(mgr, addr, 2)
         r2.init(0)
         r2.send_metadata(np.array(DST_PAGES[:2], dtype=np.int32), 0)
