@@ -126,6 +126,15 @@ bench-prepare: $(STAMP)
 bench-tiers: $(STAMP)
 	$(PY) benchmarks/bench_tiers.py
 
+# issue 26: the tiers stress loop beside a CPU hog, STRESS_SECONDS per run (default 600): one thread
+# doing everything, then one putting while another gets; zero wrong bytes and zero drops, or exit 1
+.PHONY: stress-tiers
+STRESS_SECONDS ?= 600
+stress-tiers: $(STAMP)
+	@mkdir -p $(OUT)
+	$(PY) -m kvx.testing.tier_stress --seconds $(STRESS_SECONDS) --seeds 15,1 --threads 1 --hog --json $(OUT)/stress-1t.json
+	$(PY) -m kvx.testing.tier_stress --seconds $(STRESS_SECONDS) --seeds 15,2 --threads 2 --hog --json $(OUT)/stress-2t.json
+
 bench-all: bench-host bench-posix bench-tcp bench-s3 bench-policy bench-prepare
 
 # issue 15: no regression against REF (default 27cdcfb, the code before the refactor), side by side in one run:
@@ -205,3 +214,9 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) services
 	@mkdir -p $(OUT)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) benchmarks/soak.py --json $(OUT)/soak.json
+
+# The pool under chaos (issue 30): sixteen members in network namespaces, clients putting and
+# getting while one member is killed -9, another's link is cut and a new one joins (root, etcd).
+.PHONY: soak-pool
+soak-pool: $(STAMP) services
+	$(PY) -m pytest -q -s -m slow tests/test_pool_chaos.py

@@ -8,9 +8,12 @@ from __future__ import annotations
 from .agent import Agent, PreparedList, Registration
 from .config import AgentConfig
 from .errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     AuthError,
     BackendUnavailable,
     BlockNotFound,
+    IndexOutOfRange,
     KVXError,
     PeerDisconnected,
     ProtocolError,
@@ -30,11 +33,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Agent",
     "AgentConfig",
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "AuthError",
     "BackendUnavailable",
     "BlockNotFound",
     "DescList",
     "FileRegion",
+    "IndexOutOfRange",
     "KVXError",
     "MemoryKind",
     "ObjectRegion",

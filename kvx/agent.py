@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _args as arg
 from . import wire
 from ._slots import BOOT_ID, MAX_SLOTS
 from .backends import registry
@@ -30,6 +31,8 @@ from .backends.base import (
 )
 from .config import AgentConfig
 from .errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     BackendUnavailable,
     KVXError,
     PeerDisconnected,
@@ -55,6 +58,8 @@ class Registration:
     """
 
     def __init__(self, agent: "Agent", slots: list[int], descs: DescList, objs: Any) -> None:
+        if not isinstance(agent, Agent) or not isinstance(descs, DescList):
+            raise ArgumentTypeError("a Registration is made by Agent.register(), not built directly")
         self._agent_ref = weakref.ref(agent)
         self.slots = slots
         self.descs = descs
@@ -105,6 +110,8 @@ class PreparedList:
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
+        if not isinstance(agent, Agent) or not isinstance(descs, DescList):
+            raise ArgumentTypeError("a PreparedList is made by Agent.prepare(), not built directly")
         self.agent = agent
         self.peer = peer
         self.descs = descs
@@ -154,8 +161,9 @@ class Agent:
     """
 
     def __init__(self, name: str, config: AgentConfig | None = None) -> None:
-        if not isinstance(name, str) or not name or len(name) > 256:
-            raise UsageError("agent name must be a non-empty string of at most 256 characters")
+        arg.name(name, "agent name", max_len=256)
+        if config is not None and not isinstance(config, AgentConfig):
+            raise ArgumentTypeError(f"config must be a kvx.AgentConfig or None, not {type(config).__name__}")
         self.name = name
         self.config = config if config is not None else AgentConfig()
         self.id = uuid.uuid4().hex
@@ -235,6 +243,7 @@ class Agent:
 
     def backend(self, name: str) -> Backend:
         """Return the running backend called ``name``."""
+        arg.name(name, "backend name")
         for b in self.backends:
             if b.name == name:
                 return b
@@ -248,6 +257,16 @@ class Agent:
     def _region_map(self) -> dict[int, tuple[Any, int]]:
         with self._lock:
             return dict(self._regions)
+
+    def regions(self) -> dict[int, tuple[Any, int]]:
+        """This agent's live registrations, a snapshot: ``{slot: (region, generation)}``.
+
+        ``region`` is what was registered at that slot: a :class:`kvx.Region` (its ``owner``
+        keeps the memory alive) or a storage region (FILE, OBJECT); ``generation`` is the one a
+        :class:`PreparedList` records for the slot (``gens``), so a caller can tell a
+        registration released and replaced since it prepared a list. Backends read the same map.
+        """
+        return self._region_map()
 
     def table(self) -> list[tuple[int, int, int, int, int, int]]:
         """Live regions as ``(kind, addr, nbytes, dev, slot, gen)`` rows."""
@@ -430,6 +449,8 @@ class Agent:
             If no running backend can reach the peer.
         """
         self._check()
+        if not isinstance(meta, (bytes, bytearray, memoryview)):
+            raise ArgumentTypeError(f"add_peer takes a peer's metadata() bytes, not {type(meta).__name__}")
         info = self.parse_metadata(meta)
         # one add_peer at a time per peer name: concurrent calls for the same agent (a burst of
         # pulls from a fresh decode instance) connect it once and the rest refresh it; connecting
@@ -477,6 +498,10 @@ class Agent:
         Authenticates with this agent's ``auth_token``; returns the peer's name.
         """
         self._check()
+        arg.name(host, "fetch_peer host")
+        port = arg.integer(port, "fetch_peer port", 1, 65535)
+        if timeout is not None:
+            timeout = arg.seconds(timeout, "fetch_peer timeout", positive=True)
         from .discovery import fetch_metadata
 
         meta = fetch_metadata(host, port, token=self.config.auth_token or "",
@@ -490,6 +515,8 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         """Disconnect from a peer; its pending transfers fail with PeerDisconnected."""
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"remove_peer takes a peer name (str), not {type(name).__name__}")
         with self._lock:
             info = self._peers.pop(name, None)
         if info is None:
@@ -518,9 +545,11 @@ class Agent:
         if isinstance(descs, Registration):
             descs = descs.descs
         if not isinstance(descs, DescList):
-            raise UsageError(f"prepare() takes a DescList or Registration, not {type(descs).__name__}")
+            raise ArgumentTypeError(f"prepare() takes a DescList or Registration, not {type(descs).__name__}")
+        if peer is not None and not isinstance(peer, str):
+            raise ArgumentTypeError(f"prepare() peer must be a peer name (str) or None, not {type(peer).__name__}")
         if len(descs) == 0:
-            raise UsageError("cannot prepare an empty descriptor list")
+            raise ArgumentValueError("cannot prepare an empty descriptor list")
         pinfo = None
         if peer is None:
             table = self.table()
@@ -620,15 +649,17 @@ class Agent:
             + (f" (asked for {backend!r})" if backend else "")
         )
 
-    def _args(self, local: PreparedList, remote: PreparedList, notify: bytes | None) -> None:
+    def _args(self, local: PreparedList, remote: PreparedList, notify: bytes | None, backend: str | None) -> None:
         if type(local) is not PreparedList or type(remote) is not PreparedList:
-            raise UsageError("read/write take PreparedList objects from prepare()")
+            raise ArgumentTypeError("read/write take PreparedList objects from prepare()")
         if local.agent is not self or remote.agent is not self:
             raise UsageError("prepared lists belong to another agent")
         if local.peer is not None:
             raise UsageError("the first list must be local (prepared without peer=)")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
-            raise UsageError("notify must be bytes")
+            raise ArgumentTypeError(f"notify must be bytes or None, not {type(notify).__name__}")
+        if backend is not None:
+            arg.name(backend, "backend")
 
     def _transfer(self, req: Request, backend: str) -> Transfer:
         if type(req) is DoneRequest:
@@ -638,7 +669,7 @@ class Agent:
     def _post(self, op: Op, local: PreparedList, lidx: Any, remote: PreparedList, ridx: Any,
               notify: bytes | None, backend: str | None) -> Transfer:
         """A post of a pair without a usable cached route (or with notify/backend): every check."""
-        self._args(local, remote, notify)
+        self._args(local, remote, notify, backend)
         self._check_post(local, remote)
         r = self._route(op, local, remote, backend)
         return self._transfer(r.post(lidx, ridx, bytes(notify) if notify is not None else None), r.backend.name)
@@ -660,9 +691,11 @@ class Agent:
             ``plan.post()`` starts the transfer and returns a :class:`Transfer`. Posting still
             checks that the agent is open, the registrations live and the peer connected.
         """
+        if not isinstance(op, str):
+            raise ArgumentTypeError(f"op must be 'read' or 'write', not {type(op).__name__}")
         if op not in ("read", "write"):
-            raise UsageError(f"op must be 'read' or 'write', not {op!r}")
-        self._args(local, remote, notify)
+            raise ArgumentValueError(f"op must be 'read' or 'write', not {op!r:.40}")
+        self._args(local, remote, notify, backend)
         self._check_post(local, remote)
         r = self._route(Op(op), local, remote, backend)
         post = r.plan(local_idx, remote_idx, bytes(notify) if notify is not None else None)
@@ -687,7 +720,10 @@ class Agent:
             Force a backend by name.
         """
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
-            r = local.rroutes.get(remote)
+            try:
+                r = local.rroutes.get(remote)
+            except TypeError:  # an unhashable ``remote``: the checks of _post name it
+                r = None
             ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
             if r is not None and not self.closed and local.epoch == ep and (
                     remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
@@ -701,7 +737,10 @@ class Agent:
               notify: bytes | None = None, backend: str | None = None) -> Transfer:
         """Copy ``local[local_idx]`` into ``remote[remote_idx]``; nonblocking. See :meth:`read`."""
         if notify is None and backend is None and type(local) is PreparedList and local.agent is self:
-            r = local.wroutes.get(remote)
+            try:
+                r = local.wroutes.get(remote)
+            except TypeError:  # an unhashable ``remote``: the checks of _post name it
+                r = None
             ep = self._epoch  # what _check_post checks, as four identity compares (the latency path)
             if r is not None and not self.closed and local.epoch == ep and (
                     remote.epoch == ep if remote.peer is None else self._peers.get(remote.peer) is remote.pinfo):
@@ -715,8 +754,10 @@ class Agent:
     def notify(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer``'s notification queue."""
         self._check()
+        if not isinstance(peer, str):
+            raise ArgumentTypeError(f"notify peer must be a peer name (str), not {type(peer).__name__}")
         if not isinstance(message, (bytes, bytearray)):
-            raise UsageError("notification must be bytes")
+            raise ArgumentTypeError(f"notification must be bytes, not {type(message).__name__}")
         info = self._peer(peer)
         for b in self.backends:
             if b.notifications and b.name in info.sections.get("_reached", ()):
@@ -727,8 +768,10 @@ class Agent:
     def notifications(self, timeout: float | None = None) -> dict[str, list[bytes]]:
         """Drain received notifications: ``{peer_name: [bytes, ...]}``.
 
-        With ``timeout``, wait up to that long for at least one to arrive.
+        With ``timeout`` (seconds, from 0 to 1e7), wait up to that long for at least one to arrive.
         """
+        if timeout is not None:
+            timeout = arg.seconds(timeout, "notifications timeout")
         self._check()
         with self._notif_cv:
             if timeout is not None and not self._notifs:

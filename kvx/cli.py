@@ -77,6 +77,13 @@ def bench_options(a: argparse.Namespace) -> BenchOptions:
 def cmd_bench(a: argparse.Namespace) -> int:
     from . import bench
 
+    if a.backend == "pool":  # the cluster-wide pool: its own workload (kvx.bench.pool)
+        from .bench import pool
+
+        sizes = None if a.block_sizes == _sizes("4K,32K,256K,2M") else a.block_sizes
+        compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
+        return pool.cmd(sizes, max(a.iters, 30), compare, a.json, a.quiet, a.rounds)
+
     opts = bench_options(a)
     hdr, rows = bench.run(opts, quiet=a.quiet or a.json == "-")
     title = (f"kvx bench --backend {opts.backend} ({', '.join(opts.ops)}), {bench.fmt_size(opts.total)}, "
@@ -166,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("bench", help="measure transfer bandwidth and latency (two processes)")
-    b.add_argument("--backend", default="host", help=", ".join(BENCH_BACKENDS) + " (default host)")
+    b.add_argument("--backend", default="host", help=", ".join((*BENCH_BACKENDS, "pool")) + " (default host)")
     b.add_argument("--op", default="both", choices=["read", "write", "both"])
     b.add_argument("--block-sizes", type=_sizes, default=_sizes("4K,32K,256K,2M"))
     b.add_argument("--total", type=_size, default=256 << 20, help="bytes per buffer (default 256M)")
@@ -177,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ratios with their per-round range): for noisy, shared machines (default 1)")
     b.add_argument("--no-permute", action="store_true", help="contiguous block ids (default: permuted)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--compare", default="", help="comma list of comparisons: nixl, mooncake (tcp)")
+    b.add_argument("--compare", default="",
+                   help="comma list of comparisons: nixl, mooncake (tcp), mooncake-store (pool)")
     b.add_argument("--mem", default="alloc", choices=["alloc", "numpy"],
                    help="host memory: kvx.alloc_host (shared mappings) or plain numpy (CMA)")
     b.add_argument("--seg", default="dram", help="cuda: local,remote memory: vram, pinned or dram")
@@ -187,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="single 4 KiB writes timed post to completion (default 2000; 0: no latency test)")
     b.add_argument("--json", default=None, help="write results as JSON to FILE ('-' for stdout only)")
     b.add_argument("--plot", default=None, help="write a PNG plot of bandwidth vs block size")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a live bar on a terminal, else one line per step)")
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("replay", help="replay a Mooncake trace through a TieredStore")

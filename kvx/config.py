@@ -12,7 +12,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlparse
 
-from .errors import UsageError
+from . import _args
+from ._args import MAX_SECONDS
+from .errors import ArgumentTypeError, ArgumentValueError, UsageError
 
 __all__ = ["AgentConfig", "SETTINGS", "Setting", "check_env", "get"]
 
@@ -38,11 +40,6 @@ def _bool(s: str) -> bool:
 
 def _list(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
-
-
-#: Upper bound of any timeout setting, in seconds (about 115 days): larger values overflow the
-#: clocks of sockets, locks and native waits.
-MAX_SECONDS = 1e7
 
 
 def _int(lo: int, hi: int) -> Callable[[str], int]:
@@ -369,22 +366,30 @@ class AgentConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # each field as its KVX_* variable would take it (same ranges), checked before any agent uses it
         if not isinstance(self.options, Mapping) or not all(
                 isinstance(k, str) and is_dataclass(v) and not isinstance(v, type) for k, v in self.options.items()):
-            raise UsageError("options maps backend names to their options objects (e.g. PosixOptions(...))")
+            raise ArgumentTypeError("options maps backend names to their options objects (e.g. PosixOptions(...))")
         for v in self.options.values():
             check_options(v)
+        if not isinstance(self.host_path, str):
+            raise ArgumentTypeError(f"host_path must be a str (auto, shm, cma or uds), "
+                                    f"not {type(self.host_path).__name__}")
         if self.host_path not in ("auto", "shm", "cma", "uds"):
-            raise UsageError(f"host_path must be auto, shm, cma or uds, not {self.host_path!r}")
+            raise ArgumentValueError(f"host_path must be auto, shm, cma or uds, not {self.host_path!r}")
         for name in ("transfer_timeout", "peer_timeout", "handshake_timeout"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_SECONDS):
-                raise UsageError(f"{name} must be a positive number of seconds (at most {MAX_SECONDS:g}), not {v!r}")
-        for name, lo in (("copy_threads", 1), ("inline_bytes", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise UsageError(f"{name} must be an int >= {lo}, not {v!r}")
-        if isinstance(self.backends, str):
-            object.__setattr__(self, "backends", _list(self.backends))
-        if not all(isinstance(b, str) for b in self.backends):
-            raise UsageError(f"backends must be backend names, not {self.backends!r}")
+            object.__setattr__(self, name, _args.seconds(getattr(self, name), name, positive=True))
+        object.__setattr__(self, "copy_threads", _args.integer(self.copy_threads, "copy_threads", 1, 1024))
+        object.__setattr__(self, "inline_bytes", _args.size(self.inline_bytes, "inline_bytes", lo=0))
+        backends = _list(self.backends) if isinstance(self.backends, str) else self.backends
+        if not isinstance(backends, (tuple, list)) or not all(isinstance(b, str) for b in backends):
+            raise ArgumentTypeError(f"backends must be a tuple of backend names, not {self.backends!r:.80}")
+        object.__setattr__(self, "backends", tuple(backends))
+        if self.auth_token is not None and not isinstance(self.auth_token, str):
+            raise ArgumentTypeError(f"auth_token must be a str or None, not {type(self.auth_token).__name__}")
+        if self.listen is not None:
+            if not isinstance(self.listen, (tuple, list)) or len(self.listen) != 2:
+                raise ArgumentTypeError(f"listen must be a (host, port) tuple or None, not {self.listen!r:.80}")
+            host = _args.name(self.listen[0], "listen host")
+            port = _args.integer(self.listen[1], "listen port", 0, 65535)
+            object.__setattr__(self, "listen", (host, port))

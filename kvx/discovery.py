@@ -25,7 +25,6 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import config, wire
-from .backends.tcp import advertised
 from .errors import (
     BackendUnavailable,
     KVXError,
@@ -39,6 +38,7 @@ from .net import (
     REPLY_MAX,
     RefusalLog,
     accept_loop,
+    advertised,
     client_handshake,
     open_listener,
     send_frame,

@@ -9,6 +9,9 @@ from __future__ import annotations
 __all__ = [
     "KVXError",
     "UsageError",
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "IndexOutOfRange",
     "RegistrationError",
     "BackendUnavailable",
     "ProtocolError",
@@ -29,6 +32,27 @@ class KVXError(Exception):
 
 class UsageError(KVXError, RuntimeError):
     """The caller misused the API (a released handle, a closed agent, bad arguments)."""
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """An argument of a public call has the wrong type.
+
+    Raised before the call allocates, registers or sends anything; the message names the
+    argument and what it takes. Also a ``TypeError``, as Python's own calls raise.
+    """
+
+
+class ArgumentValueError(UsageError, ValueError):
+    """An argument of a public call has the right type but a value it cannot take (a size out of
+    range, NaN, an empty name, arrays of different lengths).
+
+    Raised before the call allocates, registers or sends anything; the message names the
+    argument and its range. Also a ``ValueError``, as Python's own calls raise.
+    """
+
+
+class IndexOutOfRange(UsageError, IndexError):
+    """An index lies outside the list it indexes (``DescList[i]``). Also an ``IndexError``."""
 
 
 class RegistrationError(KVXError):

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 import msgpack
 import numpy as np
 
-from .errors import BackendUnavailable, ProtocolError, RegistrationError, UsageError
+from . import _args
+from .errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    BackendUnavailable,
+    IndexOutOfRange,
+    ProtocolError,
+    RegistrationError,
+)
 
 if TYPE_CHECKING:
     from .agent import Registration
@@ -43,35 +51,74 @@ class MemoryKind(enum.IntEnum):
     OBJECT = 3
 
 
+def _kind(kind: Any, what: str) -> MemoryKind:
+    """``kind`` (a MemoryKind or its int value; never a bool) as a MemoryKind."""
+    if isinstance(kind, (bool, np.bool_)) or not isinstance(kind, (int, np.integer)):
+        raise ArgumentTypeError(f"{what} must be a kvx.MemoryKind, not {type(kind).__name__}")
+    try:
+        return MemoryKind(int(kind))
+    except ValueError:
+        raise ArgumentValueError(f"{what} must be a kvx.MemoryKind (HOST, CUDA, FILE, OBJECT), not {kind!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class FileRegion:
     """A file (created if absent, preallocated to ``nbytes``) registered as storage.
 
     Blocks may sit at any offset inside it.
+
+    Parameters
+    ----------
+    path
+        A str or ``os.PathLike`` (non-empty, no NUL characters).
+    nbytes
+        Size in bytes, from 1 to ``2**62``.
+
+    Raises
+    ------
+    ArgumentTypeError, ArgumentValueError
+        (both ``kvx.UsageError``) for an argument of the wrong type or out of range.
     """
 
     path: str
     nbytes: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", os.fspath(self.path))
-        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
-            raise RegistrationError(f"FileRegion nbytes must be a positive int, not {self.nbytes!r}")
+        object.__setattr__(self, "path", _args.path(self.path, "FileRegion path"))
+        object.__setattr__(self, "nbytes", _args.size(self.nbytes, "FileRegion nbytes"))
 
 
 @dataclass(frozen=True, slots=True)
 class ObjectRegion:
-    """One object in an object store; written whole, read whole or by byte range."""
+    """One object in an object store; written whole, read whole or by byte range.
+
+    Parameters
+    ----------
+    bucket, key
+        Non-empty strs; the key at most 1024 bytes of UTF-8 (S3's limit).
+    nbytes
+        Size in bytes, from 1 to ``2**62``.
+
+    Raises
+    ------
+    ArgumentTypeError, ArgumentValueError
+        (both ``kvx.UsageError``) for an argument of the wrong type or out of range.
+    """
 
     bucket: str
     key: str
     nbytes: int
 
     def __post_init__(self) -> None:
-        if not self.bucket or not self.key:
-            raise RegistrationError("ObjectRegion needs a bucket and a key")
-        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
-            raise RegistrationError(f"ObjectRegion nbytes must be a positive int, not {self.nbytes!r}")
+        _args.name(self.bucket, "ObjectRegion bucket")
+        _args.name(self.key, "ObjectRegion key")
+        try:
+            klen = len(self.key.encode())
+        except UnicodeEncodeError:
+            raise ArgumentValueError(f"ObjectRegion key must be valid UTF-8, not {self.key!r:.80}") from None
+        if klen > 1024:
+            raise ArgumentValueError(f"ObjectRegion key must be at most 1024 bytes of UTF-8, not {klen}")
+        object.__setattr__(self, "nbytes", _args.size(self.nbytes, "ObjectRegion nbytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +126,22 @@ class RawRegion:
     """Memory given by address: ``RawRegion(addr, nbytes, MemoryKind.CUDA, dev=1)``.
 
     The caller keeps the memory alive for as long as it is registered.
+
+    Parameters
+    ----------
+    addr
+        Address, from 1 to ``2**63 - 1``; ``addr + nbytes`` at most ``2**63``.
+    nbytes
+        Length in bytes, from 1 to ``2**62``.
+    kind
+        ``MemoryKind.HOST`` or ``MemoryKind.CUDA``.
+    dev
+        The CUDA device (0 for HOST), from 0 to ``2**31 - 1``.
+
+    Raises
+    ------
+    ArgumentTypeError, ArgumentValueError
+        (both ``kvx.UsageError``) for an argument of the wrong type or out of range.
     """
 
     addr: int
@@ -87,10 +150,16 @@ class RawRegion:
     dev: int = 0
 
     def __post_init__(self) -> None:
-        if self.addr <= 0 or self.nbytes <= 0:
-            raise RegistrationError("RawRegion needs a positive address and length")
-        if self.kind not in (MemoryKind.HOST, MemoryKind.CUDA):
-            raise RegistrationError("RawRegion describes HOST or CUDA memory; use FileRegion/ObjectRegion")
+        addr = _args.integer(self.addr, "RawRegion addr", 1, (1 << 63) - 1)
+        nbytes = _args.size(self.nbytes, "RawRegion nbytes")
+        if addr + nbytes > 1 << 63:
+            raise ArgumentValueError(f"RawRegion addr + nbytes must be at most 2**63, not 0x{addr + nbytes:x}")
+        kind = _kind(self.kind, "RawRegion kind")
+        if kind not in (MemoryKind.HOST, MemoryKind.CUDA):
+            raise ArgumentValueError("RawRegion describes HOST or CUDA memory; use FileRegion/ObjectRegion")
+        dev = _args.integer(self.dev, "RawRegion dev", 0, (1 << 31) - 1)
+        for f, v in (("addr", addr), ("nbytes", nbytes), ("kind", kind), ("dev", dev)):
+            object.__setattr__(self, f, v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +209,7 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
     Parameters
     ----------
     nbytes
-        Size in bytes (> 0). The memory is zero-filled and page aligned.
+        Size in bytes, from 1 to ``2**62``. The memory is zero-filled and page aligned.
     pinned
         Also page-lock it and register it with CUDA so GPUs reach it directly. Needs a CUDA
         runtime (``pip install kvx[cuda]``).
@@ -150,10 +219,16 @@ def alloc_host(nbytes: int, pinned: bool = False) -> np.ndarray:
     numpy.ndarray
         A writable ``uint8`` array of ``nbytes`` elements. Keep it (or a view of it) alive while
         it is in use; views of it registered with an agent share the fast path too.
+
+    Raises
+    ------
+    ArgumentTypeError, ArgumentValueError
+        (both ``kvx.UsageError``) for an argument of the wrong type or out of range.
+    RegistrationError
+        If the system cannot provide the memory.
     """
-    if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
-        raise UsageError(f"alloc_host needs a positive size, not {nbytes!r}")
-    nbytes = int(nbytes)
+    nbytes = _args.size(nbytes, "alloc_host nbytes")
+    pinned = _args.flag(pinned, "alloc_host pinned")
     if pinned:
         from . import _cuda
 
@@ -300,29 +375,39 @@ def regions_of(obj: Registrable) -> list[Any]:
 # DescList
 
 
-def _as_u64(a: Any, name: str) -> np.ndarray:
+def _as_u64(a: Any, name: str, *, scalar: bool = False) -> np.ndarray:
+    """``a`` as a 1-D ``uint64`` array (a 0-d one too with ``scalar``); vectorised checks only."""
+    if isinstance(a, (str, bytes, bytearray, memoryview)) or a is None:
+        raise ArgumentTypeError(f"{name} must be an array or list of integers, not {type(a).__name__}")
     try:
         arr = np.asarray(a)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise UsageError(f"{name} is not an array of integers: {exc}") from None
-    if arr.ndim != 1:
-        raise UsageError(f"{name} must be one-dimensional")
+        raise ArgumentTypeError(f"{name} is not an array of integers: {exc}") from None
+    if arr.dtype.kind in "fO" and isinstance(a, (list, tuple)) and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in a):
+        # Python ints on both sides of 2**63 (or past 2**64) come out of numpy as float64 or
+        # objects; such a list is Python objects already, so take its ints one by one
+        if not all(0 <= int(x) < 1 << 64 for x in a):
+            raise ArgumentValueError(f"{name} values must be from 0 to 2**64 - 1")
+        arr = np.array([int(x) for x in a], dtype=_U64)
+    if arr.ndim != 1 and not (scalar and arr.ndim == 0):
+        raise ArgumentValueError(f"{name} must be one-dimensional, not of shape {arr.shape}")
     if arr.dtype != _U64:
-        if arr.size and arr.dtype.kind in "iu" and arr.dtype.kind == "i" and (arr < 0).any():
-            raise UsageError(f"{name} has negative values")
         if arr.size and arr.dtype.kind not in "iu":
-            raise UsageError(f"{name} must hold integers, not {arr.dtype}")
+            raise ArgumentTypeError(f"{name} must hold integers (0 to 2**64 - 1), not {arr.dtype}")
+        if arr.size and arr.dtype.kind == "i" and (arr < 0).any():
+            raise ArgumentValueError(f"{name} has negative values")
         arr = arr.astype(_U64)
     return arr
 
 
 def _check_descs(a: np.ndarray, n: np.ndarray, d: np.ndarray) -> None:
     if n.shape != a.shape or d.shape != a.shape:
-        raise UsageError(f"addr, nbytes and dev must have one length each ({a.shape}, {n.shape}, {d.shape})")
+        raise ArgumentValueError(f"addr, nbytes and dev must have one length each ({a.shape}, {n.shape}, {d.shape})")
     if n.size and int(n.min()) == 0:
-        raise UsageError("descriptors must have nbytes > 0")
+        raise ArgumentValueError("descriptors must have nbytes > 0")
     if a.size and (int(a.max()) > (1 << 63) or int(n.max()) > (1 << 62)):
-        raise UsageError("descriptor address or length out of range")
+        raise ArgumentValueError("descriptor address or length out of range (addr at most 2**63, nbytes 2**62)")
 
 
 class DescList:
@@ -338,10 +423,7 @@ class DescList:
     __slots__ = ("_addr", "_dev", "_kind", "_nbytes")
 
     def __init__(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> None:
-        try:
-            k = MemoryKind(kind)
-        except ValueError:
-            raise UsageError(f"unknown memory kind {kind!r}") from None
+        k = _kind(kind, "DescList kind")
         a, n, d = _as_u64(addr, "addr"), _as_u64(nbytes, "nbytes"), _as_u64(dev, "dev")
         _check_descs(a, n, d)
         self._kind, self._addr, self._nbytes, self._dev = k, a, n, d
@@ -375,14 +457,24 @@ class DescList:
 
     @classmethod
     def from_arrays(cls, *, kind: MemoryKind, addr: Any, nbytes: Any, dev: Any = 0) -> "DescList":
-        """Build a DescList from array-likes; ``nbytes`` and ``dev`` may be scalars."""
-        try:
-            k = MemoryKind(kind)
-        except ValueError:
-            raise UsageError(f"unknown memory kind {kind!r}") from None
+        """Build a DescList from array-likes; ``nbytes`` and ``dev`` may be scalars.
+
+        Raises
+        ------
+        ArgumentTypeError, ArgumentValueError
+            (both ``kvx.UsageError``) for arrays of non-integers, negative or out-of-range
+            values, zero lengths, or ``nbytes``/``dev`` arrays of another length than ``addr``.
+        """
+        k = _kind(kind, "DescList kind")
         a = _as_u64(addr, "addr")
-        n = np.broadcast_to(_as_u64(np.atleast_1d(nbytes), "nbytes"), a.shape)
-        d = np.broadcast_to(_as_u64(np.atleast_1d(dev), "dev"), a.shape)
+        n = _as_u64(nbytes, "nbytes", scalar=True)
+        d = _as_u64(dev, "dev", scalar=True)
+        for arr, what in ((n, "nbytes"), (d, "dev")):
+            if arr.ndim == 1 and arr.shape != a.shape:
+                raise ArgumentValueError(f"{what} must be one int or hold one per address ({a.shape[0]}), "
+                                         f"not {arr.shape[0]}")
+        n = np.broadcast_to(n, a.shape)
+        d = np.broadcast_to(d, a.shape)
         _check_descs(a, n, d)
         return cls._wrap(k, a, np.ascontiguousarray(n), np.ascontiguousarray(d))
 
@@ -392,34 +484,71 @@ class DescList:
 
         Each region contributes ``region_bytes // block_bytes`` blocks, in address order; a tail
         shorter than a block is left out. Vectorized: a million blocks take milliseconds.
+
+        Parameters
+        ----------
+        reg
+            A :class:`~kvx.Registration` (from ``Agent.register``) or a DescList.
+        block_bytes
+            Block size in bytes, from 1 to ``2**62``.
         """
-        if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
-            raise UsageError(f"block_bytes must be a positive int, not {block_bytes!r}")
-        base = reg if isinstance(reg, DescList) else reg.descs
+        if isinstance(reg, DescList):
+            base = reg
+        elif isinstance(getattr(reg, "descs", None), DescList):  # a Registration (agent.py imports this module)
+            base = reg.descs
+        else:
+            raise ArgumentTypeError(f"DescList.blocks takes a kvx.Registration or DescList, not {type(reg).__name__}")
+        block_bytes = _args.size(block_bytes, "block_bytes")
         counts = (base.nbytes // np.uint64(block_bytes)).astype(np.int64)
         total = int(counts.sum())
         if total == 0:
-            raise UsageError(f"no region of the registration holds a whole block of {block_bytes} bytes")
-        starts = np.repeat(base.addr, counts)
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        offs = (np.arange(total, dtype=np.int64) - first).astype(_U64) * np.uint64(block_bytes)
-        return cls._wrap(base.kind, starts + offs, np.full(total, block_bytes, dtype=_U64), np.repeat(base.dev, counts))
+            raise ArgumentValueError(f"no region of the registration holds a whole block of {block_bytes} bytes")
+        try:
+            starts = np.repeat(base.addr, counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            offs = (np.arange(total, dtype=np.int64) - first).astype(_U64) * np.uint64(block_bytes)
+            sizes = np.full(total, block_bytes, dtype=_U64)
+        except (MemoryError, ValueError):  # numpy cannot hold that many descriptors
+            raise ArgumentValueError(f"{total} blocks of {block_bytes} bytes are too many to describe; "
+                                     "take larger blocks") from None
+        return cls._wrap(base.kind, starts + offs, sizes, np.repeat(base.dev, counts))
 
     def __len__(self) -> int:
         return int(self.addr.shape[0])
 
     def __getitem__(self, idx: Any) -> "DescList":
-        if isinstance(idx, (int, np.integer)):
-            idx = slice(int(idx), int(idx) + 1) if idx != -1 else slice(-1, None)
-        elif not isinstance(idx, slice):
-            idx = np.asarray(idx)
+        n = len(self)
+        if isinstance(idx, np.ndarray) and idx.ndim == 0 and idx.dtype.kind in "iu":
+            idx = idx[()]
+        if isinstance(idx, (int, np.integer)) and not isinstance(idx, (bool, np.bool_)):
+            i = int(idx)
+            if not -n <= i < n:
+                raise IndexOutOfRange(f"descriptor index {i} out of range for a list of {n}")
+            i = i + n if i < 0 else i
+            idx = slice(i, i + 1)
+        elif isinstance(idx, slice):
+            for v in (idx.start, idx.stop, idx.step):
+                if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
+                    raise ArgumentTypeError(f"DescList slice bounds must be ints or None, not {type(v).__name__}")
+            if idx.step == 0:
+                raise ArgumentValueError("DescList slice step cannot be zero")
+        else:
+            if idx is None or isinstance(idx, (str, bytes, bytearray, memoryview, bool, np.bool_)):
+                raise ArgumentTypeError(f"index a DescList with ints, slices or int arrays, not {type(idx).__name__}")
+            try:
+                idx = np.asarray(idx)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ArgumentTypeError(f"DescList indices must be integers: {exc}") from None
             if idx.dtype == bool:
-                raise UsageError("index a DescList with integers or slices, not booleans")
+                raise ArgumentTypeError("index a DescList with integers or slices, not booleans")
             if idx.size and idx.dtype.kind not in "iu":
-                raise UsageError("DescList indices must be integers")
-            n = len(self)
-            if idx.size and (int(idx.max()) >= n or int(idx.min()) < -n):
-                raise IndexError(f"descriptor index out of range for a list of {n}")
+                raise ArgumentTypeError(f"DescList indices must be integers, not {idx.dtype}")
+            if idx.ndim != 1:
+                raise ArgumentValueError(f"DescList indices must be one-dimensional, not of shape {idx.shape}")
+            if not idx.size:
+                idx = idx.astype(np.intp)
+            elif int(idx.max()) >= n or int(idx.min()) < -n:
+                raise IndexOutOfRange(f"descriptor index out of range for a list of {n}")
         return DescList._wrap(self._kind, self._addr[idx], self._nbytes[idx], self._dev[idx])
 
     def __iter__(self) -> Iterable[tuple[int, int, int]]:  # type: ignore[override]
@@ -466,6 +595,8 @@ class DescList:
         """Parse :meth:`to_bytes` output; anything malformed raises ``ProtocolError``."""
         from . import wire
 
+        if max_bytes is not None:
+            max_bytes = _args.size(max_bytes, "from_bytes max_bytes")
         msg = wire.unpack(data, max_bytes=max_bytes)
         wire.check(msg, "descs", {"kind": int, "n": int, "addr": bytes, "nbytes": bytes, "dev": bytes})
         n = msg["n"]

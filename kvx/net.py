@@ -1,6 +1,7 @@
-"""Frames, the HMAC handshake, bounded accept loops and the refusal log: what a kvx listener
-does before it trusts a connection (the tcp backend's data listener, the discovery side channel,
-and -- for the limits, the busy notice and the refusal log -- the same-node link).
+"""Frames, the HMAC handshake, bounded accept loops, the refusal log, listeners and the addresses
+they advertise: what a kvx listener does before it trusts a connection (the tcp backend's data
+listener, the discovery side channel, and -- for the limits, the busy notice and the refusal log --
+the same-node link).
 
 Before a peer has proved the token (or, without a token, before the handshake is over) it gets:
 
@@ -17,6 +18,7 @@ The dialling side bounds what a listener may answer in the same way: a handshake
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import operator
 import socket
@@ -28,8 +30,8 @@ from . import auth, wire
 from .errors import AuthError, PeerDisconnected, ProtocolError, TransferTimeout, UsageError
 
 __all__ = ["MAX_HANDSHAKES", "PREAUTH_MAX", "PREAUTH_ITEMS", "REPLY_MAX", "RefusalLog", "accept_loop",
-           "client_handshake", "notice", "open_listener", "recv_exact_deadline", "recv_frame", "send_frame",
-           "server_handshake"]
+           "advertised", "client_handshake", "notice", "open_listener", "recv_exact_deadline", "recv_frame",
+           "send_frame", "server_handshake"]
 
 log = logging.getLogger(__name__)
 
@@ -275,3 +277,26 @@ def open_listener(host: str, port: int) -> socket.socket:
         s.close()
         raise UsageError(f"cannot listen on {host!r:.80} port {port}: {exc}") from exc
     return s
+
+
+def advertised(sock: socket.socket) -> list[tuple[str, int]]:
+    """Addresses peers should dial to reach the listening ``sock``, best first.
+
+    The socket's own address, or for a wildcard bind (``0.0.0.0``, ``::``) this host's
+    non-loopback addresses and then the loopback one. The tcp backend and the discovery side
+    channel publish these in their metadata.
+    """
+    host, port = sock.getsockname()[:2]
+    ip = ipaddress.ip_address(host)
+    if not ip.is_unspecified:
+        return [(host, port)]
+    out: list[tuple[str, int]] = []
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+            a = str(info[4][0])
+            if not ipaddress.ip_address(a).is_loopback and (a, port) not in out:
+                out.append((a, port))
+    except OSError:
+        pass
+    out.append(("::1" if ip.version == 6 else "127.0.0.1", port))
+    return out

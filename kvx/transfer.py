@@ -7,6 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
+from . import _args
 from .backends.base import DoneRequest
 from .errors import KVXError, TransferError, TransferTimeout
 
@@ -119,20 +120,26 @@ class Transfer:
         Parameters
         ----------
         timeout
-            Seconds to wait at most (default: until the transfer's own deadline).
+            Seconds to wait at most, from 0 to 1e7 (default: until the transfer's own deadline).
+            A transfer already DONE returns at once without looking at it, as
+            ``concurrent.futures.Future.result`` does; any other checks it first.
 
         Raises
         ------
+        ArgumentTypeError, ArgumentValueError
+            (both ``kvx.UsageError``) if ``timeout`` is not a number of seconds in that range.
         TransferTimeout
             If it is still pending after ``timeout`` (the transfer keeps going).
         TransferError
             If it failed or was cancelled.
         """
-        if self._status is _DONE:
+        if self._status is _DONE:  # no check on the latency path: as Future.result(timeout) does
             return self
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> "Transfer":
+        if timeout is not None:
+            timeout = _args.seconds(timeout, "wait timeout")
         if self._status is Status.PENDING:
             now = time.monotonic()
             limit = self._deadline - now if timeout is None else min(timeout, max(0.0, self._deadline - now))

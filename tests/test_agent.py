@@ -82,6 +82,23 @@ def test_prepare_refuses_unregistered(agent: kvx.Agent) -> None:
         agent.prepare(d, peer="ghost")
 
 
+def test_regions_are_the_live_registrations(agent: kvx.Agent) -> None:
+    """``Agent.regions()``: a snapshot of slot -> (region, generation), generations as prepared
+    lists record them; a released registration leaves it, one made again takes a new generation."""
+    x = np.zeros(4096, np.uint8)
+    reg = agent.register(x)
+    plist = agent.prepare(kvx.DescList.blocks(reg, 1024))
+    snap = agent.regions()
+    assert {s: g for s, (_r, g) in snap.items()} == plist.gens
+    (region, _gen), = snap.values()
+    assert (region.addr, region.nbytes, region.owner is not None) == (x.ctypes.data, 4096, True)
+    reg.release()
+    assert agent.regions() == {} and len(snap) == 1  # a snapshot, not a view
+    agent.register(x)
+    (_again, gen), = agent.regions().values()
+    assert gen not in plist.gens.values()
+
+
 def test_add_self_and_unknown_backend(agent: kvx.Agent) -> None:
     with pytest.raises(kvx.UsageError):
         agent.add_peer(agent.metadata())

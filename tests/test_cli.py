@@ -114,6 +114,68 @@ def test_merge_rounds_ratio_spread() -> None:
     assert "| write | 4K | 2.00 | 1.00 | 2.00x (0.50-3.00) |" in format_table(rows)
 
 
+PROGRESS = ("bench", "--backend", "host", "--total", "1M", "--block-sizes", "256K", "--iters", "1",
+            "--latency-samples", "0")
+
+
+def test_bench_progress_in_a_log_is_one_line_per_step(tmp_path: Path) -> None:
+    """stdout and stderr to a file (``make bench > log 2>&1``): one plain line per step, no
+    carriage-return frames of a bar, in either stream."""
+    log = tmp_path / "log"
+    with open(log, "wb") as f:
+        r = subprocess.run([sys.executable, "-m", "kvx.cli", *PROGRESS], stdout=f, stderr=f, timeout=120)
+    out = log.read_bytes()
+    assert r.returncode == 0, out[-3000:]
+    assert b"\r" not in out and b"| op | block |" in out
+    steps = [ln for ln in out.splitlines() if ln.startswith(b"[")]
+    assert steps[0].startswith(b"[1/") and b"kvx write 256K" in out and len(steps) >= 4, out[-3000:]
+
+
+def test_bench_progress_on_a_terminal_is_a_live_bar() -> None:
+    """stderr on a terminal (a pty), stdout to a pipe (``make bench > log``): the bar goes to the
+    terminal, the table alone to stdout."""
+    import fcntl
+    import importlib.util
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvx.cli", *PROGRESS], stdout=subprocess.PIPE,
+                                stderr=slave, close_fds=True)
+    finally:
+        os.close(slave)
+    term = b""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1.0)[0]:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            term += chunk
+        stdout = proc.communicate(timeout=10)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+    assert proc.returncode == 0, term[-3000:]
+    assert b"| op | block |" in stdout and b"\r" not in stdout and b"step" not in stdout
+    if importlib.util.find_spec("tqdm") is not None:
+        assert b"\r" in term and b"step" in term, term[-3000:]
+    else:
+        assert b"[1/" in term, term[-3000:]
+
+
 def test_bench_path_must_be_a_directory(tmp_path: Path) -> None:
     """A mistyped ``--path`` is an error, not a directory created on the way."""
     missing = tmp_path / "no" / "such"

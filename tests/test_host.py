@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+import kvx
 from kvx.testing.conformance import TransferConformance
+from kvx.testing.procs import PeerProcess
 
 
 class TestHostShm(TransferConformance):
@@ -21,6 +25,21 @@ class TestHostUds(TransferConformance):
     backend = "host"
     config = {"host_path": "uds"}
     mem = "numpy"
+
+    def test_index_and_size_errors_are_the_shared_check(self, agent: kvx.Agent, peer: PeerProcess) -> None:
+        """The AF_UNIX path checks indices and paired sizes with ``base.paired_nbytes``, as ucx
+        does: the same UsageError messages, and nothing moves."""
+        local, remote, _buf, rid, reg = self.connect(agent, peer, 8 * 64, 64)
+        before = peer.digest(rid)
+        for li, ri in (([0], [8]), ([9], [0]), ([-1], [0])):
+            with pytest.raises(kvx.UsageError, match=r"^bad transfer request: index out of range$"):
+                agent.write(local, li, remote, ri)
+        with pytest.raises(kvx.UsageError, match=r"^index lists differ in length \(2 local, 1 remote\)$"):
+            agent.write(local, [0, 1], remote, [0])
+        big = agent.prepare(kvx.DescList.blocks(reg, 128))
+        with pytest.raises(kvx.UsageError, match=r"^bad transfer request: local and remote blocks differ in size$"):
+            agent.read(big, [0], remote, [1])
+        assert peer.digest(rid) == before
 
 
 def test_native_pool_copies_after_fork() -> None:

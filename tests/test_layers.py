@@ -1,4 +1,5 @@
-"""The import graph of ``kvx/`` runs downward only (DESIGN section 1), and stays that way.
+"""The import graph of ``kvx/`` runs downward only (DESIGN section 1), and stays that way; the
+layers above the agent use its public API.
 
 Every ``import`` of a kvx module counts, at module level or inside a function, except those under
 ``if TYPE_CHECKING:`` (they do not run).
@@ -136,3 +137,23 @@ def test_only_cli_and_bench_reach_the_benchmarks() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     """The checker itself: a function-level import counts (the agent imports discovery lazily)."""
     assert "kvx.discovery" in graph()["kvx.agent"]
+
+
+def test_discovery_reaches_no_backend() -> None:
+    """The side channel shares its networking helpers with the tcp backend through kvx.net."""
+    assert not [t for t in graph()["kvx.discovery"] if t.startswith("kvx.backends")]
+
+
+def test_users_of_the_agent_keep_to_its_public_api() -> None:
+    """The tiers, the pool, the CLI, the benchmark runners and the plugins call no private name of
+    an agent (``agent._x``, ``self.agent._x``): what they need has a public, documented method."""
+    top = ROOT.parent
+    files = [*ROOT.joinpath("tiers").rglob("*.py"), *ROOT.joinpath("pool").rglob("*.py"), ROOT / "cli.py",
+             *ROOT.joinpath("bench").rglob("*.py"), *top.glob("plugins/*/kvx_*/**/*.py")]
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and ast.unparse(node.value).rpartition(".")[2] in ("agent", "_agent")):
+                bad.append(f"{path.relative_to(top)}:{node.lineno} {ast.unparse(node)}")
+    assert len(files) > 10 and bad == []

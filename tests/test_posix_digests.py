@@ -161,6 +161,25 @@ def test_keep_digests_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
             a.write(mem, [0], sto, [0]).wait(10)
 
 
+def test_keep_digests_through_the_public_route(tmp_path: Path) -> None:
+    """``kvx.tiers.checksum.keep_digests(agent, plist)`` is the posix backend's array for that list;
+    without a posix backend it is refused."""
+    from kvx.tiers.checksum import block_sum, keep_digests
+
+    bs, n = 4096, 8
+    with _agent() as a:
+        mem, sto, buf, _ = _setup(a, tmp_path, n, bs, 8)
+        dig = keep_digests(a, mem)
+        assert dig is _posix(a).keep_digests(mem)
+        a.write(mem, np.arange(n), sto, np.arange(n)).wait(10)
+        assert dig.tolist() == [block_sum(buf[i * bs:(i + 1) * bs].tobytes()) for i in range(n)]
+        with pytest.raises(kvx.UsageError, match="HOST list"):
+            keep_digests(a, sto)
+    with kvx.Agent("no-posix", kvx.AgentConfig(backends=("host",))) as h:
+        with pytest.raises(kvx.BackendUnavailable, match="posix"):
+            keep_digests(h, h.prepare(kvx.DescList.blocks(h.register(np.zeros(bs, np.uint8)), bs)))
+
+
 def test_native_digest_arguments_are_checked(tmp_path: Path) -> None:
     u = np.zeros(4, dtype=np.uint64)
     short = np.zeros(2, dtype=np.uint64)

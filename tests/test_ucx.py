@@ -345,6 +345,59 @@ def test_malformed_ucx_section_is_a_protocol_error(tcp_env: None) -> None:
         assert a.peers() == []
 
 
+@pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
+def test_malformed_host_entry_is_a_protocol_error(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same-node engine's entry of a peer's ucx section: not a dict, or a dict out of shape,
+    is a ProtocolError at add_peer, whether or not this agent would use it (tcp: no engine here,
+    shm: one); a well-formed entry connects."""
+    from kvx import wire
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with _agent("target") as t, _agent("a") as a:
+        info = wire.unpack(t.metadata())
+        sec = info["backends"]["ucx"]
+        assert ("host" in sec) == (env is SHM)
+        host = sec.get("host", {"uds": "kvx-none", "pid": 1, "uid": 0, "ctrl": 4096})
+
+        def meta(entry: Any) -> bytes:
+            fields = {k: v for k, v in info.items() if k not in ("v", "t")}
+            fields["backends"] = {"ucx": {**sec, "host": entry}}
+            return wire.pack("meta", **fields)
+
+        for bad in ("host", 7, None, [host], {**host, "pid": "1"}, {**host, "pid": 0},
+                    {k: v for k, v in host.items() if k != "ctrl"}):
+            with pytest.raises(kvx.ProtocolError, match="host section"):
+                a.add_peer(meta(bad))
+        assert a.peers() == []
+        assert a.add_peer(meta(host)) == "target"
+
+
+def test_ucx_options_through_agent_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UcxOptions pass through AgentConfig(options=...) as every backend's options do: its UCX
+    settings make the worker (tcp, where the environment allows shared memory only), its batch
+    mode picks the route; the timeouts stay the agent's."""
+    from kvx.backends.tcp import TcpOptions
+    from kvx.backends.ucx import UcxOptions, _UcxRoute
+
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    opts = UcxOptions(ucx=(("TLS", "tcp,self"),), batch="never")
+    with _agent("a", options={"ucx": opts}, handshake_timeout=7.0) as a, \
+            _agent("b", options={"ucx": opts}) as b:
+        be: Any = a.backend("ucx")
+        assert be.opts is opts
+        assert (be.peer_timeout, be.handshake_timeout) == (3.0, 7.0)
+        loc, rem, src, dst, _rb = _connected(a, b, 16, 4096)
+        transports = {t for t, _dev in be.w.ep_transports(be._peers["b"].ep)}
+        assert "tcp" in transports and not transports & {"posix", "sysv", "cma"}, transports
+        a.write(loc, np.arange(16), rem, np.arange(16)[::-1].copy()).wait(10)
+        route = loc.routes(Op.WRITE)[rem]
+        assert type(route) is _UcxRoute and not route._am  # batch="never": one put per block
+        assert np.array_equal(dst.reshape(16, -1)[::-1], src.reshape(16, -1))
+    with pytest.raises(kvx.UsageError, match="must be a UcxOptions"):
+        _agent("c", options={"ucx": TcpOptions()})
+
+
 def _round_trip() -> None:
     with _agent("a") as a, _agent("b") as b:
         rb = b.register(np.zeros(4096, np.uint8))

@@ -389,9 +389,13 @@ def index_vector(idx: Any) -> np.ndarray:
 
 
 def paired_nbytes(li: np.ndarray, ri: np.ndarray, lnb: np.ndarray, rnb: np.ndarray) -> np.ndarray:
-    """The byte counts of a transfer's block pairs: ``lnb[li]``, after checking that every index
-    lies in its list (``lnb``/``rnb`` are the lists' sizes) and that each pair's blocks have one
-    size (else UsageError). ``li``/``ri``: int64 vectors of one length (``index_vector``)."""
+    """The byte counts of a transfer's block pairs: ``lnb[li]``, after checking that the index
+    lists have one length, that every index lies in its list (``lnb``/``rnb`` are the lists'
+    sizes) and that each pair's blocks have one size (else UsageError). ``li``/``ri``: int64
+    vectors (``index_vector``). The one check of a transfer's indices where no native post makes
+    it (ucx's batches, the host backend's AF_UNIX path)."""
+    if li.shape != ri.shape:
+        raise UsageError(f"index lists differ in length ({li.shape[0]} local, {ri.shape[0]} remote)")
     if li.size and (int(li.min()) < 0 or int(li.max()) >= lnb.shape[0]
                     or int(ri.min()) < 0 or int(ri.max()) >= rnb.shape[0]):
         raise UsageError("bad transfer request: index out of range")
@@ -449,7 +453,8 @@ class Route(ABC):
         return lambda: post(li, ri, notify)
 
 
-BAD_INDEX = (IndexError, ValueError, TypeError)  # what index checks (numpy's and the native layer's) raise
+#: what index checks (numpy's and the native layer's) raise; OverflowError: an int past 64 bits
+BAD_INDEX = (IndexError, ValueError, TypeError, OverflowError)
 
 
 class CallRoute(Route):

@@ -61,6 +61,7 @@ from .base import (
     index_vector,
     indices,
     native_form,
+    paired_nbytes,
     validate,
 )
 
@@ -258,17 +259,39 @@ class HostBackend(SameNodeLink, Backend):
     def metadata(self) -> dict[str, Any]:
         return {"uds": self._addr[1:], "pid": os.getpid(), "uid": os.getuid(), "ctrl": self._ctrl}
 
-    def connect(self, peer: PeerInfo) -> bool:
-        sec = peer.sections.get(self.name)
-        if not isinstance(sec, dict) or peer.sections.get("_boot") != BOOT_ID:
-            return False
+    @staticmethod
+    def check_metadata(sec: Any, peer_name: str) -> dict[str, Any]:
+        """Check a peer's host metadata section (what :meth:`metadata` gives) before any use.
+
+        Returns
+        -------
+        dict
+            ``sec`` itself.
+
+        Raises
+        ------
+        ProtocolError
+            Not a dict of ``uds``, ``pid``, ``uid`` and ``ctrl`` within their ranges, whether or
+            not this agent would use it (a peer on another host included).
+        """
         try:
+            if not isinstance(sec, dict):
+                raise ProtocolError("not a map")
             wire.check(dict(sec, t="host"), "host", {"uds": str, "pid": int, "uid": int, "ctrl": int})
             if not (0 < sec["pid"] < 1 << 31 and 0 <= sec["uid"] < 1 << 32 and 0 <= sec["ctrl"] < 1 << 64
                     and 0 < len(sec["uds"]) <= 100):
                 raise ProtocolError("value out of range")
         except ProtocolError:
-            raise ProtocolError(f"malformed host section in {peer.name!r} metadata") from None
+            raise ProtocolError(f"malformed host section in {peer_name!r} metadata") from None
+        return sec
+
+    def connect(self, peer: PeerInfo) -> bool:
+        sec = peer.sections.get(self.name)
+        if sec is None:
+            return False
+        sec = self.check_metadata(sec, peer.name)
+        if peer.sections.get("_boot") != BOOT_ID:
+            return False
         # _dial checks that the listener we reached is this pid's (the kernel says which process
         # holds it): one-sided copies never go to a process that only the metadata names
         chan, ctrl, infl = self._dial(peer, sec["uds"])
@@ -531,13 +554,7 @@ class HostBackend(SameNodeLink, Backend):
     def _post_uds(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, peer: _Peer,
                   notify: bytes | None) -> Request:
         li, ri = index_vector(lidx), index_vector(ridx)
-        if li.shape != ri.shape:
-            raise ValueError("index lists differ in length")
-        if (li >= len(lp.addr)).any() or (ri >= len(rp.addr)).any() or (li < 0).any() or (ri < 0).any():
-            raise IndexError("descriptor index out of range")
-        ln = lp.nbytes[li]
-        if not np.array_equal(ln, rp.nbytes[ri]):
-            raise ValueError("paired descriptors differ in length")
+        ln = paired_nbytes(li, ri, lp.nbytes, rp.nbytes)
         total = int(ln.sum())
         ar = np.arange(len(li), dtype=np.int64)
         raddr = rp.raw[ri].tobytes()  # type: ignore[index]

@@ -143,7 +143,7 @@ def load() -> Any:
 #: UCX settings the backend changes from UCX's own defaults (``UCX_<NAME>`` in the environment or
 #: :attr:`UcxOptions.ucx` override them). ``RNDV_THRESH=inf`` (NIXL's UCX backend sets the
 #: same): with UCX's default threshold, puts where UCX emulates RMA over active messages (tcp)
-#: ran several times slower (docs/benchmarks.md, "ucx: what limited writes").
+#: ran several times slower (docs/history.md, "What limited writes").
 #: ``MAX_RMA_RAILS=2`` (UCX: 1; its rendezvous already takes 2) with ``MIN_RMA_CHUNK_SIZE=256K``
 #: (UCX: 8K): a put of 512 KiB or more is striped over two devices where two reach the peer (two
 #: NICs; on one host, ``lo`` and ``eth0``), smaller ones stay whole: 2 MiB writes over tcp ~1.2x
@@ -158,17 +158,16 @@ FEW_BLOCKS = 8
 
 @dataclass(frozen=True, slots=True)
 class UcxOptions:
-    """Settings of the ucx backend (seeded from the agent's configuration).
+    """Settings of the ucx backend, passed as ``AgentConfig(options={"ucx": UcxOptions(...)})``.
+
+    The fields named with a ``KVX_*`` variable take their defaults from it when the object is
+    made. The peer timeout (seconds without progress after which a peer with pending work is
+    declared gone; UCX's own keepalive stays as UCX sets it), the handshake timeout and the
+    shared secret are the agent's (``AgentConfig.peer_timeout``, ``handshake_timeout``,
+    ``auth_token``), as for every backend.
 
     Attributes
     ----------
-    peer_timeout
-        Seconds without progress after which a peer with pending work is declared gone (UCX's
-        own keepalive, ``UCX_KEEPALIVE_INTERVAL``, stays as UCX sets it).
-    handshake_timeout
-        Bound on the control handshake with a new peer and on control round trips.
-    auth_token
-        Shared secret for the handshake and the sealed control messages, or None.
     ucx
         Extra UCX settings as ``(name, value)`` pairs without the ``UCX_`` prefix (applied after
         the environment, e.g. ``(("TLS", "tcp"),)``); the environment's ``UCX_*`` apply too.
@@ -207,9 +206,6 @@ class UcxOptions:
         like any other (one kernel copy per block over cma) (``KVX_UCX_SAMENODE``).
     """
 
-    peer_timeout: float = 10.0
-    handshake_timeout: float = 5.0
-    auth_token: str | None = None
     ucx: tuple[tuple[str, str], ...] = ()
     batch: str = "auto"
     batch_bytes: int = 1 << 20
@@ -227,11 +223,6 @@ class UcxOptions:
         if not 0 < self.batch_bytes <= (64 << 20) or not 0 < self.batch_read_bytes <= (64 << 20):
             raise UsageError("UcxOptions.batch_bytes and batch_read_bytes must be 1 B to 64 MiB")
         _cfg.check_options(self)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "UcxOptions":
-        return cls(peer_timeout=float(cfg.peer_timeout), handshake_timeout=float(cfg.handshake_timeout),
-                   auth_token=cfg.auth_token or None)
 
     def worker_settings(self) -> list[tuple[str, str]]:
         """UCX settings for the worker: :data:`UCX_DEFAULTS` where neither the environment
@@ -487,13 +478,17 @@ class UcxBackend(Backend):
     remote = True
     local = False
     notifications = True
+    Options = UcxOptions
 
-    def __init__(self, ctx: BackendContext, options: UcxOptions | None = None) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         m = load()
-        self.opts = options if options is not None else UcxOptions.from_config(ctx.config)
+        self.opts: UcxOptions = ctx.options if ctx.options is not None else UcxOptions()
+        self.peer_timeout = float(ctx.config.peer_timeout)
+        self.handshake_timeout = float(ctx.config.handshake_timeout)
+        self.auth_token: str | None = ctx.config.auth_token or None
         try:
-            self.w = m.Worker(self.opts.worker_settings(), self.opts.peer_timeout)
+            self.w = m.Worker(self.opts.worker_settings(), self.peer_timeout)
         except OSError as exc:
             raise BackendUnavailable(f"UCX cannot start here: {exc.strerror or exc}") from exc
         self.me = ctx.agent_id
@@ -578,11 +573,11 @@ class UcxBackend(Backend):
         # peers stop writing into it: revoke and wait for their acknowledgements (bounded)
         self._revoke(clients, slot, gen)
         if self._stager is not None:  # staged copies already checked against it finish first
-            self._stager.wait_idle(slot, self.opts.peer_timeout)
+            self._stager.wait_idle(slot, self.peer_timeout)
         # our own operations from this memory (initiator role) complete before it goes
         for p in peers:
             try:
-                self.w.flush(p.ep).wait(self.opts.peer_timeout)
+                self.w.flush(p.ep).wait(self.peer_timeout)
             except OSError:
                 pass
         try:
@@ -601,7 +596,7 @@ class UcxBackend(Backend):
             if not self._send(c, "t", wire.pack("revoke", slot=slot, gen=gen, rid=rid)):
                 with self._lock:
                     self._acks[rid].discard(c.id)
-        deadline = time.monotonic() + self.opts.peer_timeout
+        deadline = time.monotonic() + self.peer_timeout
         with self._cv:
             while self._acks[rid]:
                 left = deadline - time.monotonic()
@@ -616,7 +611,7 @@ class UcxBackend(Backend):
             late = self._acks.pop(rid)
         if late:
             log.warning("ucx: %d peer(s) did not acknowledge the release of a region within %.1f s; "
-                        "unmapping it anyway", len(late), self.opts.peer_timeout)
+                        "unmapping it anyway", len(late), self.peer_timeout)
 
     # ---- peers -----------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
@@ -635,6 +630,8 @@ class UcxBackend(Backend):
                 or not isinstance(sec.get("rkeys"), list)):
             raise ProtocolError(f"malformed ucx section in {peer.name!r} metadata")
         packed = _parse_rkeys(sec["rkeys"])
+        if "host" in sec:  # the same-node engine's entry: checked whether this agent uses it or not
+            HostBackend.check_metadata(sec["host"], peer.name)
         try:
             ep = self._ep_create(sec["addr"], peer_errors=not _shm_peer(peer, self._tls))
         except ValueError as exc:
@@ -702,7 +699,7 @@ class UcxBackend(Backend):
                     raise
         ep = int(self.w.ep_create(addr, False))
         log.info("ucx: the transports in use (UCX_TLS) have no peer failure handling; a dead peer is "
-                 "detected by the %.1f s progress bound only", self.opts.peer_timeout)
+                 "detected by the %.1f s progress bound only", self.peer_timeout)
         return ep
 
     def _rpc(self, ep: int, msg: bytes, rid: int, timeout: float, what: str, sealed: _Peer | None = None
@@ -742,14 +739,14 @@ class UcxBackend(Backend):
             return self._rid
 
     def _handshake(self, p: _Peer) -> None:
-        hto = self.opts.handshake_timeout
+        hto = self.handshake_timeout
         rid = self._next_rid()
         ch = self._rpc(p.ep, wire.pack("hello", **{"from": self.me, "to": p.id, "name": self.ctx.agent_name,
                                                     "addr": self._address, "rid": rid, "pe": p.peer_errors}),
                        rid, hto, f"handshake with {p.name!r}")
         if ch.get("t") != "challenge" or not isinstance(ch.get("nonce"), bytes):
             raise ProtocolError(f"{p.name!r} answered the ucx hello with something else")
-        mac = auth.prove(self.opts.auth_token, ch["nonce"], self.me, p.id)
+        mac = auth.prove(self.auth_token, ch["nonce"], self.me, p.id)
         rid2 = self._next_rid()
         rep = self._rpc(p.ep, wire.pack("auth", **{"from": self.me, "mac": mac, "rid": rid2}), rid2, hto,
                         f"handshake with {p.name!r}")
@@ -759,14 +756,14 @@ class UcxBackend(Backend):
             raise ProtocolError(f"{p.name!r} answered the ucx handshake with something else")
         ck = rep.get("ck", 0)
         p.cookie = ck if isinstance(ck, int) and not isinstance(ck, bool) and 0 < ck < (1 << 64) else 0
-        p.session = _Session(_session_key(self.opts.auth_token, ch["nonce"], self.me, p.id))
+        p.session = _Session(_session_key(self.auth_token, ch["nonce"], self.me, p.id))
 
     def refresh_regions(self, peer_name: str) -> list[tuple[int, int, int, int, int, int]] | None:
         p = self._peers.get(peer_name)
         if p is None or p.dead is not None:
             return None
         rid = self._next_rid()
-        rep = self._rpc(p.ep, wire.pack("regions", rid=rid), rid, self.opts.handshake_timeout,
+        rep = self._rpc(p.ep, wire.pack("regions", rid=rid), rid, self.handshake_timeout,
                         f"region table of {peer_name!r}", sealed=p)
         rows, rk = rep.get("rows"), rep.get("rkeys")
         if not isinstance(rk, list):
@@ -986,7 +983,7 @@ class UcxBackend(Backend):
                 bad = self.w.ep_status(c.ep) != 0
             except (ValueError, RuntimeError):
                 bad = True
-            if bad or (c.session is None and now - c.started > self.opts.handshake_timeout):
+            if bad or (c.session is None and now - c.started > self.handshake_timeout):
                 self._drop_client(c)
         for p in peers:
             if p.dead is None:
@@ -1079,7 +1076,7 @@ class UcxBackend(Backend):
         if c is None or c.session is not None:
             return
         try:
-            auth.verify(self.opts.auth_token, c.nonce, c.id, self.me, msg["mac"])
+            auth.verify(self.auth_token, c.nonce, c.id, self.me, msg["mac"])
         except AuthError:
             log.warning("ucx: peer %r failed authentication", c.name)
             try:
@@ -1088,7 +1085,7 @@ class UcxBackend(Backend):
                 pass
             self._drop_client(c)
             return
-        c.session = _Session(_session_key(self.opts.auth_token, c.nonce, c.id, self.me))
+        c.session = _Session(_session_key(self.auth_token, c.nonce, c.id, self.me))
         # the cookie an authenticated peer puts in its batched messages (the target refuses others)
         c.cookie = int.from_bytes(os.urandom(8), "little") or 1
         self.w.cookie_add(c.cookie, c.ep)
@@ -1139,7 +1136,7 @@ class UcxBackend(Backend):
                     del p.packed[slot]
             # operations already posted to it complete before we acknowledge
             try:
-                self.w.flush(p.ep).wait(self.opts.peer_timeout)
+                self.w.flush(p.ep).wait(self.peer_timeout)
             except OSError:
                 pass
             if drop:

@@ -136,7 +136,7 @@ class Stager:
         o = backend.opts
         self.size = int(o.stage_bytes)
         self.nslots = int(o.stage_slots)
-        self.timeout = float(o.peer_timeout)
+        self.timeout = backend.peer_timeout
         self._lock = threading.Lock()
         self._host: HostCopier | None = None
         self._cuda: Copier | None = None

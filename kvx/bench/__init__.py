@@ -95,19 +95,25 @@ class BenchOptions:
 
 
 class Progress:
-    """A progress bar on stderr (tqdm when installed), silent when ``quiet``."""
+    """Progress of a benchmark run on stderr, silent when ``quiet``.
 
-    def __init__(self, total: int, quiet: bool = False) -> None:
+    Where the stream is a terminal: a live bar (tqdm when installed). Anywhere else (a log
+    file, a pipe, ``make bench > log 2>&1``): one plain line per step, ``[3/24] kvx write 4K``,
+    never a carriage-return frame of a bar.
+    """
+
+    def __init__(self, total: int, quiet: bool = False, stream: Any = None) -> None:
         self.quiet = quiet
+        self._stream = stream if stream is not None else sys.stderr
         self._bar: Any = None
         self._n = 0
         self._total = total
         self._desc = ""
-        if not quiet:
+        if not quiet and _is_terminal(self._stream):
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+                self._bar = tqdm(total=total, unit="step", file=self._stream, leave=False, dynamic_ncols=True)
             except ImportError:
                 self._bar = None
 
@@ -120,7 +126,7 @@ class Progress:
             self._bar.set_description(desc)
             self._bar.update(1)
         else:
-            print(f"[{self._n}/{self._total}] {desc}", file=sys.stderr, flush=True)
+            print(f"[{self._n}/{self._total}] {desc}", file=self._stream, flush=True)
 
     def add(self, n: int) -> None:
         self._total += n
@@ -131,6 +137,13 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
 
 
 def row(impl: str, op: str, bs: int, n: int, iters: int, med: float, mn: float, **kw: Any) -> dict[str, Any]:

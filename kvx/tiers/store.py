@@ -38,7 +38,7 @@ import kvx
 
 from ..errors import BackendUnavailable, BlockNotFound, KVXError, TierError, TierFull, UsageError
 from ..memory import DescList
-from .checksum import block_sum
+from .checksum import block_sum, keep_digests
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
@@ -152,6 +152,15 @@ class TieredStore:
     drains them). Each tier holds ``writeback_depth + 2 * get_chunk + len(tiers) + 1`` spare
     slots besides its capacity, for blocks on their way down.
     """
+
+    def __new__(cls, tiers: Sequence[Any] = (), *args: Any, **kw: Any) -> "TieredStore":
+        # a remote last tier (kvx.pool.PoolTier) names the store class that asks it for what the
+        # local tiers miss (kvx.pool.tier.PooledStore)
+        if cls is TieredStore and isinstance(tiers, Sequence) and tiers:
+            sub = getattr(tiers[-1], "store_class", None)
+            if isinstance(sub, type) and issubclass(sub, TieredStore):
+                return super().__new__(sub)
+        return super().__new__(cls)
 
     def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
@@ -475,7 +484,11 @@ class TieredStore:
                 with self._lock:
                     while True:
                         if self._promotions and not self._stop:
-                            self._promote_pending(pev)
+                            try:
+                                self._promote_pending(pev)
+                            except KVXError as exc:  # an optimisation: never worth the worker
+                                log.warning("background promotions dropped: %s", exc)
+                                self._promotions.clear()
                         batch = self._take() if self._jobs else []
                         if batch or (self._stop and not self._jobs):
                             break
@@ -489,13 +502,13 @@ class TieredStore:
                 dt = self.tiers[batch[0].dst[0]]
                 packed = isinstance(dt, ObjectTier)
                 n = dt.pack_blocks if isinstance(dt, ObjectTier) else self.wb_batch
-                if n not in staging and (packed or not isinstance(self.tiers[batch[0].src[0]], HostTier)):
-                    buf = np.zeros(n * self.block_bytes, np.uint8)
-                    reg = self.agent.register(buf)
-                    staging[n] = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg,
-                                  self.agent.prepare(DescList.blocks(reg, buf.nbytes)))
                 t0 = time.monotonic()
                 try:
+                    if n not in staging and (packed or not isinstance(self.tiers[batch[0].src[0]], HostTier)):
+                        buf = np.zeros(n * self.block_bytes, np.uint8)
+                        reg = self.agent.register(buf)
+                        staging[n] = (buf, self.agent.prepare(DescList.blocks(reg, self.block_bytes)), reg,
+                                      self.agent.prepare(DescList.blocks(reg, buf.nbytes)))
                     ok = self._move_pack(batch, staging[n]) if packed else self._move_batch(batch, staging.get(n))
                 except Exception as exc:  # the blocks are dropped from their destination: a miss later
                     log.warning("write-back of %d blocks to the %s tier failed: %s", len(batch), dt.medium, exc)
@@ -635,6 +648,14 @@ class TieredStore:
         Returns the number of blocks newly stored (the policy may decline some: admission).
         Waits up to ``timeout`` seconds for its transfer and, while the write-back queue is
         full, for room in it (``TierError`` past that).
+
+        When it returns, the caller may reuse ``src``: the blocks were copied into host slots and
+        checksummed there, and nothing the store does later reads the caller's memory.
+
+        Raises
+        ------
+        TierFull
+            If the host tier can make no room (every block pinned, or an ancestor of a pinned one).
         """
         self._check()
         hashes = _keys(hashes)
@@ -742,6 +763,9 @@ class TieredStore:
 
         One transfer per tier per ``get_chunk`` blocks: lower-tier blocks are read into host
         slots together and checked, then all blocks go to ``dst`` together.
+
+        When it returns, ``dst`` holds the blocks (exactly as they were put) and the store never
+        reads or writes it again: promotions it decides re-read the tier's own slots later.
 
         Raises
         ------
@@ -1065,7 +1089,7 @@ class TieredStore:
             return hit[1], hit[2]
         try:
             twin = self.agent.prepare(dst.descs)
-            dig = self.agent.backend("posix").keep_digests(twin)  # type: ignore[attr-defined]
+            dig = keep_digests(self.agent, twin)
         except (KVXError, AttributeError):
             return None
         if twin.gens != dst.gens:  # a region of dst was registered anew since dst was prepared
@@ -1134,8 +1158,20 @@ class TieredStore:
             t = self.tiers[ti]
             if self._where.get(h) != ti or t.index.get(h) != (slot, crc):
                 continue  # already in the host tier, moved or gone
-            hslot, parent = self._admit_top(h, t, crc, events)
-            self._enqueue(h, crc, parent, (ti, slot), (0, hslot))
+            # Making room in the host tier may demote a victim there, and making room for that
+            # one below may evict ``h`` itself from this very slot: pinned, the slot keeps h's
+            # bytes (it is not handed out again) until the promotion copied them.
+            src = self._src_of((ti, slot))
+            self._pin(src)
+            try:
+                hslot, parent = self._admit_top(h, t, crc, events)
+                self._enqueue(h, crc, parent, src, (0, hslot))
+            except TierFull as exc:  # every host block pinned: promotions wait for another get
+                log.debug("promotions skipped: %s", exc)
+                self._promotions.clear()
+                return
+            finally:
+                self._unpin(src)
             t.stats.promoted += 1
             if self.events.active:
                 events.append(BlockStored([h], None, top.medium, self.block_bytes))
@@ -1146,7 +1182,7 @@ class TieredStore:
         cannot be read in place: not local host memory, or a registration already gone."""
         if dst is None or dst.peer is not None or dst.kind != kvx.MemoryKind.HOST:
             return None
-        regions = self.agent._region_map()
+        regions = self.agent.regions()
         owners = []
         for s in np.asarray(dst.used).tolist():
             entry = regions.get(int(s))

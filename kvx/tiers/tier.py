@@ -21,7 +21,8 @@ from typing import Any
 
 import kvx
 
-from ..errors import TierError, UsageError
+from .. import _args
+from ..errors import ArgumentTypeError, ArgumentValueError, TierError
 from ..memory import DescList
 from .checksum import TAG
 from .journal import Journal
@@ -60,12 +61,10 @@ class Tier:
 
     def __init__(self, nbytes: int | None = None, blocks: int | None = None) -> None:
         if (nbytes is None) == (blocks is None):
-            raise UsageError("give a tier its size as nbytes= or blocks=")
-        for v in (nbytes, blocks):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise UsageError(f"a tier's size must be a positive int, not {v!r}")
-        self._nbytes = nbytes
-        self._blocks = blocks
+            raise ArgumentTypeError(f"give {type(self).__name__} its size as nbytes= or blocks= (one of them)")
+        what = type(self).__name__
+        self._nbytes = None if nbytes is None else _args.size(nbytes, f"{what} nbytes")
+        self._blocks = None if blocks is None else _args.size(blocks, f"{what} blocks")
         self.capacity = 0
         self.spare = 0
         self.nslots = 0
@@ -84,7 +83,10 @@ class Tier:
     def _size(self, block_bytes: int) -> int:
         n = self._blocks if self._blocks is not None else int(self._nbytes or 0) // block_bytes
         if n < 1:
-            raise UsageError(f"{type(self).__name__} holds no whole block of {block_bytes} bytes")
+            raise ArgumentValueError(f"{type(self).__name__} holds no whole block of {block_bytes} bytes")
+        if n * block_bytes > _args.MAX_BYTES:
+            raise ArgumentValueError(f"{type(self).__name__} of {n} blocks of {block_bytes} bytes "
+                                     "is larger than 2**62 bytes")
         return n
 
     def attach(self, agent: kvx.Agent, block_bytes: int, policy: str, spare: int = 0) -> None:
@@ -195,10 +197,8 @@ class JournaledTier(Tier):
     def __init__(self, path: str | os.PathLike[str] | None, nbytes: int | None = None, blocks: int | None = None,
                  fsync: bool = False) -> None:
         super().__init__(nbytes, blocks)
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise UsageError(f"{type(self).__name__} path must be a str or os.PathLike, not {type(path).__name__}")
-        self.path = None if path is None else os.fspath(path)
-        self.fsync = fsync
+        self.path = None if path is None else _args.path(path, f"{type(self).__name__} path")
+        self.fsync = _args.flag(fsync, f"{type(self).__name__} fsync")
         self.journal: Journal | None = None
         self.parents: dict[Hashable, Hashable | None] = {}
         #: removals the journal could not record yet (disk full): their slots stay out of use, since
@@ -350,8 +350,7 @@ class DiskTier(JournaledTier):
 
     def __init__(self, path: str | os.PathLike[str], nbytes: int | None = None, blocks: int | None = None,
                  fsync: bool = False) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise UsageError(f"DiskTier path must be a str or os.PathLike, not {type(path).__name__}")
+        _args.path(path, "DiskTier path")  # required here (JournaledTier takes None)
         super().__init__(path, nbytes, blocks, fsync)
 
     def region(self, n: int, block_bytes: int) -> Any:
@@ -414,12 +413,10 @@ class ObjectTier(JournaledTier):
                  prefix: str = "kvx-tier", pack_blocks: int = 64,
                  journal: str | os.PathLike[str] | None = None, fsync: bool = False) -> None:
         super().__init__(journal, nbytes, blocks, fsync)
-        if not isinstance(bucket, str) or not bucket:
-            raise UsageError("ObjectTier needs a bucket name")
+        _args.name(bucket, "ObjectTier bucket")
         if not isinstance(prefix, str):
-            raise UsageError("ObjectTier prefix must be a str")
-        if not isinstance(pack_blocks, int) or isinstance(pack_blocks, bool) or pack_blocks < 1:
-            raise UsageError(f"pack_blocks must be a positive int, not {pack_blocks!r}")
+            raise ArgumentTypeError(f"ObjectTier prefix must be a str, not {type(prefix).__name__}")
+        pack_blocks = _args.size(pack_blocks, "ObjectTier pack_blocks")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.pack_blocks = pack_blocks

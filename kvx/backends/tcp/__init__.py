@@ -53,8 +53,8 @@ from ...net import (
            server_handshake,
 )
 from .backend import TcpBackend, TcpOptions
-from .common import CHUNK, ERRORS, FAST_MAX, STREAMS, _net, advertised, tune_socket
+from .common import CHUNK, ERRORS, FAST_MAX, STREAMS, _net, tune_socket
 
 __all__ = ["CHUNK", "ERRORS", "FAST_MAX", "MAX_HANDSHAKES", "PREAUTH_MAX", "STREAMS", "TcpBackend", "TcpOptions",
-           "_net", "advertised", "client_handshake", "open_listener", "recv_frame", "send_frame", "server_handshake",
+           "_net", "client_handshake", "open_listener", "recv_frame", "send_frame", "server_handshake",
            "tune_socket"]

@@ -21,6 +21,7 @@ from ...errors import (
 )
 from ...memory import MemoryKind
 from ...net import (
+    advertised,
     client_handshake,
     open_listener,
 )
@@ -48,7 +49,6 @@ from .common import (
     _split_large,
     _split_rep,
     _why,
-    advertised,
     tune_socket,
 )
 from .initiator import _Chunk, _FastRequest, _FastStream, _PeerConn, _Stream, _TcpRequest

@@ -58,24 +58,6 @@ def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
         log.debug("cannot tune a tcp socket", exc_info=True)
 
 
-def advertised(sock: socket.socket) -> list[tuple[str, int]]:
-    """Addresses peers should dial to reach the listening ``sock`` (best first)."""
-    host, port = sock.getsockname()[:2]
-    ip = ipaddress.ip_address(host)
-    if not ip.is_unspecified:
-        return [(host, port)]
-    out: list[tuple[str, int]] = []
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
-            a = str(info[4][0])
-            if not ipaddress.ip_address(a).is_loopback and (a, port) not in out:
-                out.append((a, port))
-    except OSError:
-        pass
-    out.append(("::1" if ip.version == 6 else "127.0.0.1", port))
-    return out
-
-
 def _coalesce(addr: np.ndarray, nb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge runs of contiguous descriptors (fewer iovecs); vectorized."""
     n = addr.shape[0]

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: What a serving thread serves right now, for an agent's own checks in ``ctx.validate_local``
+#: (a kvx.pool owner's): ``peer_id``, the agent id its peer proved in the handshake, and ``op``,
+#: ``"w"`` or ``"r"`` for the request being checked.
+SERVING = threading.local()
+
 
 class _ServeStaging:
     """A serving connection's staged frames: its slots, and the requests whose copy runs (a
@@ -80,6 +85,9 @@ class _Target:
         self.refused = RefusalLog(log)
         #: hook for kvx.discovery.SideChannel sharing this listener: handler(sock, hello)
         self.side_handler: Callable[[socket.socket, dict[str, Any]], None] | None = None
+        #: False: every request is checked through ``ctx.validate_local`` (an agent that adds its own
+        #: checks there, as a kvx.pool member does), none by the scalar path of a few descriptors
+        self.scalar_checks = True
 
     # ---- memory ----------------------------------------------------------------------------
     def register(self, region: Any, slot: int, gen: int) -> Any:
@@ -219,6 +227,7 @@ class _Target:
             tune_socket(s, self.timeout)
             send_frame(s, wire.pack("welcome", name=self.ctx.agent_name, id=self.ctx.agent_id))
             s.setblocking(False)
+            SERVING.peer_id = hello["id"]
             self._serve_loop(s, name, pinned, st)
         except (KVXError, OSError) as exc:
             log.info("tcp: connection from %s ended: %s", who, exc)
@@ -377,6 +386,7 @@ class _Target:
                 return
             msg = wire.unpack(body, max_bytes=self.max_msg)
             t = msg["t"]
+            SERVING.op = t
             if t in ("w", "r"):
                 wire.check(msg, t, {"rid": int, "addr": bytes, "nbytes": bytes})
                 rid = msg["rid"]
@@ -390,7 +400,7 @@ class _Target:
                     continue
                 a2: Any
                 n2: Any
-                if len(ab) <= 8 * SMALL_DESCS:
+                if self.scalar_checks and len(ab) <= 8 * SMALL_DESCS:
                     # scalar path: same checks against our live registrations, no numpy
                     why, total = self._pin_small(ab, nbb, pinned)
                     a2, n2 = ab, nbb

@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 import kvx
 from kvx import DescList, MemoryKind, UsageError, _native
 from kvx.backends.posix import PosixOptions
+from kvx.tiers.checksum import keep_digests
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
@@ -206,8 +207,7 @@ class HiCacheKVX(HiCacheStorage):
                     kind=MemoryKind.HOST, addr=geom.host_addrs(), nbytes=geom.host_sizes()))
                 moved = None
                 if not self.cfg.direct_io:  # checksums taken by the posix copy itself
-                    posix = next(b for b in self.agent.backends if b.name == "posix")
-                    moved = posix.keep_digests(self._host)  # type: ignore[attr-defined]
+                    moved = keep_digests(self.agent, self._host)
                 view = _HostView(ranges, geom, moved)
                 fill = None if self.cfg.direct_io or not self.writer else self._first_fill(ranges, geom)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
@@ -236,8 +236,7 @@ class HiCacheKVX(HiCacheStorage):
         agent.register([kvx.RawRegion(a, n) for a, n in ranges])
         host = agent.prepare(DescList.from_arrays(kind=MemoryKind.HOST, addr=geom.host_addrs(),
                                                   nbytes=geom.host_sizes()))
-        posix = next(b for b in agent.backends if b.name == "posix")
-        return FirstFill(agent, host, _HostView(ranges, geom, posix.keep_digests(host)).digest)  # type: ignore[attr-defined]
+        return FirstFill(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
 
     def _inline(self) -> dict[str, Any]:
         """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""
