@@ -114,6 +114,7 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
         t0 = time.perf_counter()
         backends[nm] = build(nm, root, pool, cap)
         created[nm] = time.perf_counter() - t0
+        _settle(backends[nm][0])  # a background prefault started by the build ends before the next build
     pf0 = {nm: _prefault_s(b[0]) for nm, b in backends.items()}  # populated at creation
     times: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
     for r in range(rounds + 1):  # round 0 warms up (first files, first transfers) and is not counted
