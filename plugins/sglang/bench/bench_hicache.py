@@ -8,11 +8,13 @@ file backend. Batches of 128 pages (SGLang's ``STORAGE_BATCH_SIZE``), fresh keys
 round, backends interleaved round by round; every loaded page is compared byte for byte
 outside the timed region. All stores write buffered files under one directory (one
 filesystem); reads therefore come from the page cache for every backend alike. The time to
-build each backend is reported. ``kvx`` reserves its whole slab in the page cache when it is
-built (``prefault_gb`` = its capacity: the cost is in its build time, as SGLang's own host pool
-is allocated and touched at startup); ``kvx-window`` prefaults a window of PREFAULT_BATCHES
-batches ahead of the fill (at creation, then in a background thread), and that background work
-is let finish outside every timed region, reported per batch and also charged to its sets.
+build each backend is reported (also per GiB of store). ``kvx`` is the store as built by
+default (no prefault: a first write into a never-written slot goes through ``pwritev``);
+``kvx-noprefault`` the same with ``prefault_gb: 0`` spelled out (the same configuration since
+the default is 0: two columns of one configuration in one run show the run's noise);
+``kvx-window`` prefaults a window of PREFAULT_BATCHES batches ahead of the fill in a background
+thread, whose work is let finish outside every timed region, reported per batch and also
+charged to its sets.
 
     python bench/bench_hicache.py [--dir DIR] [--rounds N] [--page-sizes 16,64] [--json OUT]
 """
@@ -71,10 +73,11 @@ def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any
             capacity_gb = (STORAGE_BATCH_SIZE + 0.5) * pool.page_size * pool.size_per_token / (1 << 30)
         extra = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
                  "interface_v1": 1, "path": d, "capacity_gb": capacity_gb, "direct_io": name == "kvx-direct"}
-        # kvx: the whole slab at build; kvx-window: a few batches, less than the slab, so the
-        # background top-up is measured too
+        # kvx: the defaults; kvx-window: a prefault window of a few batches, less than the slab,
+        # so the background top-up is measured too
         window = PREFAULT_BATCHES * STORAGE_BATCH_SIZE * pool.page_size * pool.size_per_token / (1 << 30)
-        extra["prefault_gb"] = {"kvx-noprefault": 0, "kvx-window": window}.get(name, capacity_gb)
+        if name in ("kvx-noprefault", "kvx-window"):
+            extra["prefault_gb"] = window if name == "kvx-window" else 0
         b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
         fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
     elif name in ("nixl", "nixl-direct"):
@@ -111,6 +114,7 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
         t0 = time.perf_counter()
         backends[nm] = build(nm, root, pool, cap)
         created[nm] = time.perf_counter() - t0
+        _settle(backends[nm][0])  # a background prefault started by the build ends before the next build
     pf0 = {nm: _prefault_s(b[0]) for nm, b in backends.items()}  # populated at creation
     times: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
     for r in range(rounds + 1):  # round 0 warms up (first files, first transfers) and is not counted
@@ -137,7 +141,8 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
     for b, _c, _f in backends.values():
         if hasattr(b, "close"):
             b.close()
-    out: dict[str, Any] = {"page_size": page_size, "page_bytes": pb, "batch": n, "backends": {}}
+    out: dict[str, Any] = {"page_size": page_size, "page_bytes": pb, "batch": n, "capacity_gib": cap,
+                           "backends": {}}
     for nm in names:
         row: dict[str, Any] = {"create_s": created[nm], "prefault_create_s": prefault[nm][0],
                                "prefault_background_s_per_batch": prefault[nm][1] / (rounds + 1)}
@@ -156,12 +161,11 @@ def main() -> None:
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument("--backends", default="kvx,kvx-window,kvx-noprefault,kvx-full,nixl,file,kvx-direct,nixl-direct",
                     help="kvx: every page stays stored, so each set writes slab slots for the first time (the "
-                         "slab's page cache reserved when the store is built); kvx-window: the same with a "
+                         "store as built by default); kvx-window: the same with a "
                          "prefault window of a few batches kept ahead by a background thread; "
                          "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
                          "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
-                         "default for HiCacheNixl); kvx-noprefault: kvx without the page-cache prefault ahead of the "
-                         "slab's fill (prefault_gb 0)")
+                         "default for HiCacheNixl); kvx-noprefault: prefault_gb 0 spelled out (the default)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -193,9 +197,11 @@ def main() -> None:
                                 for k, r in pairs)
                 print(line)
     for res in results:
-        print(f"## time to build each backend (page {res['page_size']}; kvx: of which prefault): "
+        print(f"## time to build each backend (page {res['page_size']}, store of {res['capacity_gib']:.2f} GiB; "
+              "kvx: of which prefault), and per GiB of store: "
               + ", ".join(f"{nm} {1e3 * row['create_s']:.0f} ms"
                           + (f" ({1e3 * row['prefault_create_s']:.0f})" if row["prefault_create_s"] else "")
+                          + f" = {row['create_s'] / res['capacity_gib']:.3f} s/GiB"
                           for nm, row in res["backends"].items()))
         bg = {nm: row["prefault_background_s_per_batch"] for nm, row in res["backends"].items()
               if row["prefault_background_s_per_batch"] or row["prefault_create_s"]}

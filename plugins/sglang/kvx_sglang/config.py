@@ -46,14 +46,15 @@ class HiCacheKVXConfig:
         speed on one thread already). The batch is then bounded by the kernel's I/O, not by
         ``timeout_s``; false restores the threads (and the bound). O_DIRECT always uses them.
     prefault_gb
-        Page cache kept ready ahead of the slab's fill (``store="file"``, buffered): the next
-        never-written slots are read into the page cache as zeros (``MADV_POPULATE_READ`` over a
-        mapping of the slab: clean pages, no disk I/O) -- this much at creation, then topped up
-        by a background thread as sets use slots up. A set then copies into pages that exist
-        instead of allocating and zero-filling them on its own path. Costs: up to this much page
-        cache (clean, so the kernel reclaims it freely under pressure; a reclaimed slot is then
-        written the ordinary way), the creation time of that populate, and the background
-        thread's time. 0 turns it off.
+        Page cache kept ready ahead of the slab's fill (``store="file"``, buffered; default 0,
+        off): the next never-written slots are read into the page cache as zeros
+        (``MADV_POPULATE_READ`` over a mapping of the slab: clean pages, no disk I/O) by a
+        background thread, this much ahead of the fill, starting when the store is built
+        (building does not wait for it). Rarely worth it: a first write into a never-written
+        slot goes through ``pwritev``, which allocates its page cache as fast as the kernel's
+        write path does; the prefault only moves that allocation off the set (in large folios,
+        which a later get maps faster), at the cost of this much extra page cache and the
+        thread's time.
     timeout_s
         Bound on one batch transfer.
     policy
@@ -67,7 +68,7 @@ class HiCacheKVXConfig:
     direct_io: bool = False
     inline: bool = True
     timeout_s: float = 60.0
-    prefault_gb: float = 1.0
+    prefault_gb: float = 0.0
     host_gb: float = 4.0
     disk_path: str | None = None
     disk_gb: float = 64.0

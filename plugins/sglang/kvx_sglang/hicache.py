@@ -33,7 +33,7 @@ from kvx.tiers.checksum import keep_digests
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
-from .slab import SlabStore
+from .slab import FirstFill, SlabStore
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class HiCacheKVX(HiCacheStorage):
         self.geom: PageGeometry | None = None
         self._host: kvx.PreparedList | None = None
         self._reg: kvx.Registration | None = None
+        self._fill_agent: kvx.Agent | None = None
         self._stats_lock = threading.Lock()
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
@@ -208,18 +209,34 @@ class HiCacheKVX(HiCacheStorage):
                 if not self.cfg.direct_io:  # checksums taken by the posix copy itself
                     moved = keep_digests(self.agent, self._host)
                 view = _HostView(ranges, geom, moved)
+                fill = None if self.cfg.direct_io or not self.writer else self._first_fill(ranges, geom)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
                                        writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
                                        chunks=1 if view.fused else SlabStore.CHUNKS,
-                                       prefault=0 if self.cfg.direct_io else self.cfg.bytes_of(self.cfg.prefault_gb))
+                                       prefault=0 if self.cfg.direct_io else self.cfg.bytes_of(self.cfg.prefault_gb),
+                                       fill=fill)
             except BaseException:
                 self.agent.close()
                 self.agent = None
+                if self._fill_agent is not None:
+                    self._fill_agent.close()
+                    self._fill_agent = None
                 raise
         self.geom = geom
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
                  geom.layout, geom.nfrag, ",".join(map(str, sorted(set(geom.sizes.tolist())))))
+
+    def _first_fill(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> FirstFill:
+        """A second agent for the slab's never-written slots: posix with ``pwritev`` (no mapping)."""
+        agent = kvx.Agent(f"hicache-kvx-fill-{os.getpid()}-{id(self):x}",
+                          kvx.AgentConfig(backends=("posix",), options={"posix": PosixOptions(mmap=False)},
+                                          **self._inline()))
+        self._fill_agent = agent
+        agent.register([kvx.RawRegion(a, n) for a, n in ranges])
+        host = agent.prepare(DescList.from_arrays(kind=MemoryKind.HOST, addr=geom.host_addrs(),
+                                                  nbytes=geom.host_sizes()))
+        return FirstFill(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
 
     def _inline(self) -> dict[str, Any]:
         """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""
@@ -333,5 +350,6 @@ class HiCacheKVX(HiCacheStorage):
             if self._reg is not None:
                 self._reg.release()
         finally:
-            if self.agent is not None:
-                self.agent.close()
+            for agent in (self._fill_agent, self.agent):
+                if agent is not None:
+                    agent.close()

@@ -3,12 +3,19 @@
 It reuses SGLang's common machinery (``CommonKVManager``/``CommonKVSender``/
 ``CommonKVReceiver``/``CommonKVBootstrapServer``): the HTTP bootstrap server, the ZMQ control
 sockets, room statuses, heartbeats (a dead prefill fails its rooms), aborts. What it adds is
-the data path: each rank registers its KV buffers (one block per page of every layer buffer)
-and metadata (aux) buffers with a :class:`kvx.Agent`; a decode rank sends its agent metadata
-and buffer layout once, and per request the page indices it allocated; the prefill rank's
-worker then writes the request's pages -- all layers, one kvx transfer -- and the aux row
-straight into the decode rank's memory and reports the room's status on the control socket.
-Every remote descriptor is validated by kvx against the decode agent's registrations.
+the data path: each rank registers its KV buffers and metadata (aux) buffers with a
+:class:`kvx.Agent`; a decode rank sends its agent metadata, buffer layout and attention-TP
+place once, and per request the page indices it allocated; the prefill rank's worker then
+writes the request's pages -- all layers, one kvx transfer -- and the aux row straight into the
+decode rank's memory and reports the room's status on the control socket. Every remote
+descriptor is validated by kvx against the decode agent's registrations.
+
+Prefill and decode of different attention-TP sizes (:mod:`kvx_sglang.pdplan`): with MHA each
+(prefill rank, decode rank) pair moves the heads both hold -- a run inside every token's row --
+from per-token descriptor lists made once per peer; of prefill ranks holding the same replicated
+heads for one decode rank only the first sends (the others complete the room). MLA keeps whole
+pages (SGLang marks the extra prefill ranks ``is_dummy``; they send nothing and answer).
+State pools (Mamba/SWA/DSA, ``KVArgs.state_types``) are refused when the manager is built.
 
 Installed into SGLang through the ``sglang.srt.plugins`` entry point (:mod:`kvx_sglang.plugin`):
 ``--disaggregation-transfer-backend kvx``.
@@ -39,6 +46,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 import kvx
 from kvx import DescList, MemoryKind
 
+from .pdplan import Mode, Pair, PlanError, page_rows, plan_pair, token_descs, token_rows
+
 log = logging.getLogger(__name__)
 
 __all__ = ["KVXKVBootstrapServer", "KVXKVManager", "KVXKVReceiver", "KVXKVSender"]
@@ -60,21 +69,29 @@ def _timeout() -> float:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where a rank's buffers are: ``(ptr, nbytes, item_bytes)`` per KV and aux buffer."""
+    """Where a rank's buffers are: ``(ptr, nbytes, item_bytes)`` per KV and aux buffer; and its
+    place: attention-TP size and rank, total KV heads, tokens per page, MLA or not."""
 
     kv: tuple[tuple[int, int, int], ...]
     aux: tuple[tuple[int, int, int], ...]
     kind: int
     dev: int
+    tp: int = 1
+    rank: int = 0
+    heads: int = 0
+    page: int = 1
+    mla: bool = False
 
     def pack(self) -> bytes:
-        return msgpack.packb({"v": 1, "kv": self.kv, "aux": self.aux, "kind": self.kind, "dev": self.dev})
+        return msgpack.packb({"v": 2, "kv": self.kv, "aux": self.aux, "kind": self.kind, "dev": self.dev,
+                              "tp": self.tp, "rank": self.rank, "heads": self.heads, "page": self.page,
+                              "mla": self.mla})
 
     @classmethod
     def unpack(cls, b: bytes) -> "_Layout":
         try:
             d = msgpack.unpackb(b, raw=False, max_bin_len=0, max_str_len=16, max_array_len=MAX_BUFFERS,
-                                max_map_len=8)
+                                max_map_len=16)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise kvx.ProtocolError(f"malformed kvx PD layout: {exc}") from exc
 
@@ -87,12 +104,20 @@ class _Layout:
                 raise kvx.ProtocolError("kvx PD layout: empty buffer or item")
             return tuple(tuple(r) for r in x)  # type: ignore[misc]
 
-        if not isinstance(d, dict) or d.get("v") != 1:
-            raise kvx.ProtocolError("kvx PD layout: unknown version")
+        if not isinstance(d, dict) or d.get("v") != 2:
+            raise kvx.ProtocolError("kvx PD layout: unknown version (prefill and decode run other kvx_sglang versions)")
         kind, dev = d.get("kind"), d.get("dev")
         if kind not in (int(MemoryKind.HOST), int(MemoryKind.CUDA)) or not isinstance(dev, int) or dev < 0:
             raise kvx.ProtocolError("kvx PD layout: bad memory kind or device")
-        return cls(rows(d.get("kv")), rows(d.get("aux")), kind, dev)
+        tp, rank, heads, page, mla = (d.get(k) for k in ("tp", "rank", "heads", "page", "mla"))
+        ints = (tp, rank, heads, page)
+        if (not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 20 for v in ints)
+                or not isinstance(mla, bool)):
+            raise kvx.ProtocolError("kvx PD layout: bad attention-TP place, head count or page size")
+        assert isinstance(tp, int) and isinstance(rank, int) and isinstance(heads, int) and isinstance(page, int)
+        if tp < 1 or rank >= tp or page < 1:
+            raise kvx.ProtocolError("kvx PD layout: bad attention-TP place, head count or page size")
+        return cls(rows(d.get("kv")), rows(d.get("aux")), kind, dev, tp, rank, heads, page, mla)
 
 
 def _blocks(rows: tuple[tuple[int, int, int], ...], kind: MemoryKind, dev: int) -> tuple[DescList, np.ndarray]:
@@ -106,15 +131,24 @@ def _blocks(rows: tuple[tuple[int, int, int], ...], kind: MemoryKind, dev: int) 
 
 @dataclasses.dataclass
 class _Peer:
-    """A decode rank as the prefill rank sees it."""
+    """A decode rank as the prefill rank sees it: where its pages are and how this rank fills them.
+
+    ``PAGES``: ``kv`` has a descriptor per page of every buffer (``kv_base``: each buffer's first
+    row), sent from the prefill's own per-page list. ``SLICE``: ``kv`` has a descriptor per token
+    of every buffer (its head run), sent from ``src`` (the prefill's per-token list for this
+    slice, ``src_base``). ``kv_pages``: pages in the smallest decode buffer.
+    """
 
     name: str
-    kv: kvx.PreparedList
+    pair: Pair | None
+    kv: kvx.PreparedList | None
     kv_base: np.ndarray
-    kv_count: np.ndarray
+    kv_pages: int
     aux: kvx.PreparedList | None
     aux_base: np.ndarray
     aux_count: np.ndarray
+    src: kvx.PreparedList | None = None
+    src_base: np.ndarray | None = None
     error: str | None = None
 
 
@@ -142,6 +176,12 @@ class KVXKVManager(CommonKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
+        states = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
+        if states or any(getattr(args, "state_data_ptrs", None) or []):
+            raise kvx.UsageError(
+                f"the kvx PD transfer backend moves KV pages and metadata rows, not state pools; this model "
+                f"has {', '.join(map(str, states)) or 'state buffers'} (Mamba/SWA/DSA state): use "
+                "--disaggregation-transfer-backend mooncake or nixl for it")
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         on_gpu = str(getattr(server_args, "device", "cuda")) not in ("cpu", "")
         self.mem_kind = MemoryKind.CUDA if on_gpu else MemoryKind.HOST
@@ -149,14 +189,21 @@ class KVXKVManager(CommonKVManager):
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.agent = kvx.Agent(f"sglang-{mode}-{args.engine_rank}-{uuid.uuid4().hex[:12]}")
         self.session_id = self.agent.name
+        heads = int(getattr(args, "total_kv_head_num", 0) or 0) or \
+            int(getattr(args, "kv_head_num", 0) or 0) * int(self.attn_tp_size)
         self.layout = _Layout(
             kv=tuple((int(p), int(n), int(i)) for p, n, i in zip(args.kv_data_ptrs, args.kv_data_lens,
                                                                     args.kv_item_lens)),
             aux=tuple((int(p), int(n), int(i)) for p, n, i in zip(args.aux_data_ptrs, args.aux_data_lens,
                                                                      args.aux_item_lens)),
-            kind=int(self.mem_kind), dev=self.dev)
+            kind=int(self.mem_kind), dev=self.dev, tp=int(self.attn_tp_size),
+            rank=int(args.engine_rank) % int(self.attn_tp_size), heads=heads, page=int(args.page_size),
+            mla=bool(is_mla_backend))
         self._regs: list[kvx.Registration] = []
         self.kv_local, self.kv_base = self._register(self.layout.kv, self.mem_kind, self.dev)
+        self.kv_pages = min((n // i for _, n, i in self.layout.kv), default=0)
+        self._slices: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[kvx.PreparedList, np.ndarray]] = {}
+        self.pages_sent = 0  # (page, decode rank) pairs this prefill rank wrote KV bytes for
         self.aux_local: kvx.PreparedList | None = None
         self.aux_base: np.ndarray = np.zeros(0, np.int64)
         if self.layout.aux:
@@ -168,10 +215,11 @@ class KVXKVManager(CommonKVManager):
             self.transfer_infos: dict[int, dict[str, _TransferInfo]] = {}  # type: ignore[assignment]
             self._queue: queue.Queue[Any] = queue.Queue()
             threading.Thread(target=self._worker, name="kvx-pd-worker", daemon=True).start()
-            threading.Thread(target=self._prefill_control, name="kvx-pd-control", daemon=True).start()
+            self._control = threading.Thread(target=self._prefill_control, name="kvx-pd-control", daemon=True)
         else:
-            threading.Thread(target=self._decode_control, name="kvx-pd-control", daemon=True).start()
+            self._control = threading.Thread(target=self._decode_control, name="kvx-pd-control", daemon=True)
             self._start_heartbeat_checker_thread()
+        self._control.start()
 
     def _register(self, rows: tuple[tuple[int, int, int], ...], kind: MemoryKind,
                   dev: int) -> tuple[kvx.PreparedList, np.ndarray]:
@@ -179,6 +227,25 @@ class KVXKVManager(CommonKVManager):
         self._regs.append(reg)
         descs, base = _blocks(rows, kind, dev)
         return self.agent.prepare(descs), base
+
+    def _src_slice(self, pair: Pair) -> tuple[kvx.PreparedList, np.ndarray]:
+        """This rank's per-token list of one head run (made once per distinct run, shared by peers)."""
+        key = (pair.src_off, pair.nbytes)
+        got = self._slices.get(key)
+        if got is None:
+            kv = self.layout.kv
+            addr, size, base = token_descs([r[0] for r in kv], [r[1] for r in kv], [r[2] for r in kv],
+                                           self.layout.page, pair.src_off, pair.nbytes)
+            got = (self.agent.prepare(DescList.from_arrays(kind=self.mem_kind, addr=addr, nbytes=size,
+                                                           dev=self.dev)), base)
+            self._slices[key] = got
+        return got
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        """SGLang's KV checksum covers the prefill rank's pages; a decode rank of another TP size
+        (MHA) holds other heads, so it cannot compare."""
+        info = getattr(self, "prefill_info_table", {}).get(bootstrap_addr)
+        return info is None or bool(self.is_mla_backend) or int(info.attn_tp_size) == int(self.attn_tp_size)
 
     # -- decode side: the messages a receiver sends --------------------------------------------
     def build_receiver_registration_message(self) -> list[bytes]:
@@ -199,14 +266,24 @@ class KVXKVManager(CommonKVManager):
                 str(required_dst_info_num).encode("ascii"), str(int(is_dummy)).encode("ascii"),
                 str(int(decode_prefix_len or 0)).encode("ascii")]
 
-    def _decode_control(self) -> None:
+    def _recv(self) -> list[bytes] | None:
+        """The next control message; None when stopping. The control thread owns the socket (a
+        ZMQ socket is not thread-safe): it polls, and closes it when the manager closes."""
+        sock = self.server_socket
         while not self._stop.is_set():
+            if sock.poll(200):
+                return sock.recv_multipart()
+        sock.close(linger=0)
+        return None
+
+    def _decode_control(self) -> None:
+        while True:
             try:
-                msg = self.server_socket.recv_multipart()
-            except Exception:  # the socket was closed at teardown
-                if self._stop.is_set():
-                    return
+                msg = self._recv()
+            except Exception:
                 log.exception("kvx PD: decode control socket failed")
+                return
+            if msg is None:
                 return
             if self.handle_abort_ack_message(msg):
                 continue
@@ -219,13 +296,13 @@ class KVXKVManager(CommonKVManager):
 
     # -- prefill side ---------------------------------------------------------------------------
     def _prefill_control(self) -> None:
-        while not self._stop.is_set():
+        while True:
             try:
-                msg = self.server_socket.recv_multipart()
+                msg = self._recv()
             except Exception:
-                if self._stop.is_set():
-                    return
                 log.exception("kvx PD: prefill control socket failed")
+                return
+            if msg is None:
                 return
             try:
                 if msg and msg[0] == ABORT_TAG:
@@ -257,11 +334,33 @@ class KVXKVManager(CommonKVManager):
         layout = _Layout.unpack(msg[6])
         peer = self.agent.add_peer(bytes(msg[5]))
         err = None
-        if len(layout.kv) != len(self.layout.kv) or any(a[2] != b[2] for a, b in zip(layout.kv, self.layout.kv)):
-            err = (f"decode {session} has {len(layout.kv)} KV buffers of other page sizes than this prefill "
-                   f"({len(self.layout.kv)}): different model, TP layout or page size")
-        kv_descs, kv_base = _blocks(layout.kv, MemoryKind(layout.kind), layout.dev)
-        kv = self.agent.prepare(kv_descs, peer=peer)
+        pair: Pair | None = None
+        me = self.layout
+        try:
+            if layout.page != me.page:
+                raise PlanError(f"decode pages hold {layout.page} tokens, this prefill's {me.page}")
+            if layout.mla != me.mla:
+                raise PlanError("one side has an MLA KV pool, the other not")
+            if not me.mla and layout.tp != me.tp and layout.heads != me.heads:
+                raise PlanError(f"decode has {layout.heads} KV heads in all, this prefill {me.heads}")
+            pair = plan_pair(mla=me.mla, src_tp=me.tp, src_rank=me.rank, dst_tp=layout.tp, dst_rank=layout.rank,
+                             total_heads=me.heads, page_size=me.page, src_items=[r[2] for r in me.kv],
+                             dst_items=[r[2] for r in layout.kv])
+        except PlanError as exc:
+            err = f"decode {session} (attention TP {layout.rank}/{layout.tp}) cannot take this prefill's KV: {exc}"
+        kind = MemoryKind(layout.kind)
+        kv: kvx.PreparedList | None = None
+        src = src_base = None
+        kv_base = np.zeros(0, np.int64)
+        kv_pages = min((n // i for _, n, i in layout.kv), default=0)
+        if pair is not None and pair.mode is Mode.PAGES:
+            kv_descs, kv_base = _blocks(layout.kv, kind, layout.dev)
+            kv = self.agent.prepare(kv_descs, peer=peer)
+        elif pair is not None and pair.mode is Mode.SLICE:
+            addr, size, kv_base = token_descs([r[0] for r in layout.kv], [r[1] for r in layout.kv],
+                                              [r[2] for r in layout.kv], layout.page, pair.dst_off, pair.nbytes)
+            kv = self.agent.prepare(DescList.from_arrays(kind=kind, addr=addr, nbytes=size, dev=layout.dev), peer=peer)
+            src, src_base = self._src_slice(pair)
         aux = None
         aux_base = np.zeros(0, np.int64)
         aux_count = np.zeros(0, np.int64)
@@ -270,10 +369,10 @@ class KVXKVManager(CommonKVManager):
             aux_descs, aux_base = _blocks(layout.aux, MemoryKind.HOST, 0)
             aux = self.agent.prepare(aux_descs, peer=peer)
             aux_count = np.array([n // i for _, n, i in layout.aux], dtype=np.int64)
-        kv_count = np.array([n // i for _, n, i in layout.kv], dtype=np.int64)
         with self._peers_lock:
-            self._peers[session] = _Peer(peer, kv, kv_base, kv_count, aux, aux_base, aux_count, err)
-        log.debug("kvx PD: registered decode %s", session)
+            self._peers[session] = _Peer(peer, pair, kv, kv_base, kv_pages, aux, aux_base, aux_count, src, src_base,
+                                         err)
+        log.debug("kvx PD: registered decode %s (%s)", session, pair.mode.value if pair else err)
 
     def _on_transfer_info(self, msg: list[bytes]) -> None:
         if len(msg) != 11 or len(msg[6]) > 4 * MAX_PAGES or len(msg[6]) % 4:
@@ -327,7 +426,6 @@ class KVXKVManager(CommonKVManager):
             raise kvx.UsageError(f"room {room} has no decode destination")
         timeout = _timeout()
         xfers = []
-        nbuf = len(self.layout.kv)
         for info in list(infos.values()):
             if info.is_dummy:
                 continue
@@ -340,12 +438,22 @@ class KVXKVManager(CommonKVManager):
             dst_pages = info.kv_indices[sl].astype(np.int64)
             if dst_pages.shape != src_pages.shape:
                 raise kvx.UsageError(f"{src_pages.size} source pages but {dst_pages.size} destination pages")
-            if src_pages.size:
-                if int(dst_pages.min()) < 0 or np.any(dst_pages >= peer.kv_count.min()):
+            assert peer.pair is not None
+            if src_pages.size and peer.pair.mode is not Mode.SKIP:
+                assert peer.kv is not None
+                if int(dst_pages.min()) < 0 or int(dst_pages.max()) >= peer.kv_pages:
                     raise kvx.UsageError("destination page index outside the decode KV pool")
-                src = (self.kv_base[:nbuf, None] + src_pages[None, :]).ravel()
-                dst = (peer.kv_base[:nbuf, None] + dst_pages[None, :]).ravel()
-                xfers.append(self.agent.write(self.kv_local, src, peer.kv, dst))
+                if int(src_pages.min()) < 0 or int(src_pages.max()) >= self.kv_pages:
+                    raise kvx.UsageError("source page index outside this prefill's KV pool")
+                if peer.pair.mode is Mode.PAGES:
+                    xfers.append(self.agent.write(self.kv_local, page_rows(self.kv_base, src_pages), peer.kv,
+                                                  page_rows(peer.kv_base, dst_pages)))
+                else:
+                    assert peer.src is not None and peer.src_base is not None
+                    ps = self.layout.page
+                    xfers.append(self.agent.write(peer.src, token_rows(peer.src_base, src_pages, ps), peer.kv,
+                                                  token_rows(peer.kv_base, dst_pages, ps)))
+                self.pages_sent += int(src_pages.size)
             if last and aux_index is not None and info.aux_index is not None and peer.aux is not None \
                     and self.aux_local is not None:
                 n = min(len(self.aux_base), len(peer.aux_base))
@@ -375,10 +483,7 @@ class KVXKVManager(CommonKVManager):
             except kvx.KVXError:
                 pass
         self.agent.close()
-        try:
-            self.server_socket.close(linger=0)
-        except Exception:
-            pass
+        self._control.join(5.0)  # it closes the control socket (within one 200 ms poll)
 
 
 class KVXKVSender(CommonKVSender):

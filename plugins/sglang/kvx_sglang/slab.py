@@ -13,11 +13,21 @@ writer) follow the writer's journal.
 
 Eviction is least-recently-used over whole pages when the slab is full.
 
-Prefault: a first write into a slot allocates its page-cache pages on the set's own path (through
-the mapping: readahead allocates folios and zero-fills them, then the copy fills them again).
-With ``prefault`` bytes, the slots next in line for a first write are read into the page cache
-ahead of time (``MADV_POPULATE_READ`` over a mapping of the slab: zero pages, clean, no disk I/O),
-at creation and then by a background thread that stays that far ahead of the fill.
+First fill: a first write into a slot allocates its page-cache pages. Through the mapping (what
+the posix backend does for a buffered write) that allocation is a write fault per run, and the
+fault path reads the run in first: readahead allocates large folios (up to 2 MiB) and zero-fills
+them, then the copy fills them again. Given a :class:`FirstFill` (a second kvx agent whose posix
+backend writes with ``pwritev``, not through a mapping), slots never written since the slab was
+opened go through ``pwritev`` instead, one call per page: the kernel's write path allocates
+page-cache folios no larger than the write and copies into them once, as HiCacheNixl's
+one-file-per-page ``pwrite`` does. Slots written before (rewrites after eviction) keep the
+mapping, where dirty cached pages cost nothing.
+
+Prefault (optional, ``prefault`` bytes, off by default): the slots next in line for a first write
+are read into the page cache ahead of time (``MADV_POPULATE_READ`` over a mapping of the slab:
+zero pages, clean, no disk I/O) by a background thread that stays that far ahead of the fill,
+starting when the slab is opened (opening does not wait for it). With the ``pwritev`` first fill
+it rarely pays: it allocates the same page cache, in large folios, off the set's path.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -46,6 +57,27 @@ MAX_KEY = 1024
 _PUT, _DEL = 0, 1
 _FORMAT = 2  # 2: kvx-nh64 page checksums (1: xxh3)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+
+
+@dataclass(frozen=True, slots=True)
+class FirstFill:
+    """Where never-written slots are written from: an agent whose posix backend uses ``pwritev``.
+
+    Attributes
+    ----------
+    agent
+        A kvx agent with the ``posix`` backend and ``PosixOptions(mmap=False)``; it holds the
+        host pool's registration too. The slab registers its file with it.
+    host
+        The host pool's page fragments prepared by ``agent`` (the same rows as the main list).
+    digest
+        ``digest(host_pages) -> uint64 array``, as :class:`SlabStore`'s, for pages moved by
+        ``agent``.
+    """
+
+    agent: kvx.Agent
+    host: kvx.PreparedList
+    digest: Callable[[np.ndarray], np.ndarray]
 
 
 class SlabStore:
@@ -72,8 +104,11 @@ class SlabStore:
         A get is read and verified in this many transfers (checksumming in Python then
         overlaps the reading); 1 where the copy takes the checksums.
     prefault
-        Bytes of page cache kept populated ahead of the first never-written slot (0: none);
-        the first window is populated before the constructor returns.
+        Bytes of page cache kept populated ahead of the first never-written slot (0: none), by a
+        background thread that starts with the first window when the slab is opened.
+    fill
+        Write never-written slots with ``pwritev`` through this agent (see the module
+        docstring); None: every write goes through ``agent``.
     """
 
     #: Bytes populated per madvise call of the prefault thread (a stop request waits at most one).
@@ -84,7 +119,8 @@ class SlabStore:
 
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
-                 fsync: bool = False, chunks: int = CHUNKS, prefault: int = 0) -> None:
+                 fsync: bool = False, chunks: int = CHUNKS, prefault: int = 0,
+                 fill: FirstFill | None = None) -> None:
         if capacity <= 0:
             raise UsageError("slab capacity must be at least one page")
         self.agent = agent
@@ -125,6 +161,13 @@ class SlabStore:
         addr = (slot_base + geom.offsets[None, :]).ravel()
         self._plist = agent.prepare(DescList.from_arrays(
             kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity), dev=file_id))
+        self._fill = fill if writer else None
+        self._fill_reg: kvx.Registration | None = None
+        if self._fill is not None:
+            self._fill_reg = self._fill.agent.register(kvx.FileRegion(self.slab_path, self.capacity * geom.page_bytes))
+            self._fill_plist = self._fill.agent.prepare(DescList.from_arrays(
+                kind=MemoryKind.FILE, addr=addr, nbytes=np.tile(geom.sizes, self.capacity),
+                dev=int(self._fill_reg.descs.dev[0])))
         self._log_pos = 0
         self._log_ino = -1
         self._records = 0
@@ -230,8 +273,8 @@ class SlabStore:
             log.warning("slab %s: no prefault (cannot map it: %s)", self.slab_path, exc)
             return
         self._pf_done = self._fresh * self.geom.page_bytes
-        if not self._prefault_to(self._pf_done + self._pf_window):
-            return
+        # the first window too is populated by the thread: building the store does not wait for it
+        self._pf_busy = True
         self._pf_thread = threading.Thread(target=self._prefault_loop, name="kvx-slab-prefault", daemon=True)
         self._pf_thread.start()
 
@@ -239,7 +282,6 @@ class SlabStore:
         """Populate the slab's page cache from ``_pf_done`` up to ``want`` bytes; False when the
         kernel cannot (no MADV_POPULATE_READ: the prefault is turned off) or a stop was asked."""
         m = self._pf_map
-        want = min(want, self.capacity * self.geom.page_bytes)  # (the first call's target)
         step = self.PREFAULT_STEP
         while m is not None and self._pf_done < want:
             if self._pf_stop:
@@ -265,6 +307,11 @@ class SlabStore:
         return min(self._fresh * pb + self._pf_window, self.capacity * pb)
 
     def _prefault_loop(self) -> None:
+        if not self._prefault_to(self._pf_target()):
+            with self._pf_cv:
+                self._pf_busy = False
+                self._pf_cv.notify_all()
+            return
         while True:
             with self._pf_cv:
                 self._pf_busy = False
@@ -321,6 +368,7 @@ class SlabStore:
         new_i: list[int] = []
         slots: list[int] = []
         with self._lock:
+            fresh_from = self._fresh  # slots from here on were never written since the slab was opened
             batch = set(keys)
             seen: set[str] = set()
             for i, k in enumerate(keys):
@@ -344,12 +392,8 @@ class SlabStore:
         ok = [k in self._index for k in keys]
         if not new_i:
             return ok
-        src = self.geom.frag_index(pages[new_i])
-        dst = self.geom.frag_index(np.asarray(slots, dtype=np.int64))
         try:
-            x = self.agent.write(host, src, self._plist, dst)
-            x.wait(self.timeout)
-            sums = self.digest(pages[new_i])
+            sums = self._write(pages[new_i], np.asarray(slots, dtype=np.int64), fresh_from, host)
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
@@ -365,6 +409,36 @@ class SlabStore:
                 recs.append([_PUT, keys[i], slot, c])
             self._append(recs)
             return [k in self._index for k in keys]
+
+    def _write(self, pages: np.ndarray, slots: np.ndarray, fresh_from: int, host: kvx.PreparedList) -> np.ndarray:
+        """Write host ``pages`` into ``slots``; their checksums, in order.
+
+        Slots at or past ``fresh_from`` (never written since the slab was opened) go through the
+        first-fill agent's ``pwritev`` when there is one, in two transfers of alternating slots:
+        no two pages of one transfer are adjacent in the file, so each page is one ``pwritev``
+        of its fragments (the kernel sizes the page-cache folios it allocates by the write).
+        """
+        g = self.geom
+        fill = self._fill
+        new = slots >= fresh_from if fill is not None else np.zeros(len(slots), dtype=bool)
+        xs = []
+        old = ~new
+        if old.any():
+            xs.append(self.agent.write(host, g.frag_index(pages[old]), self._plist, g.frag_index(slots[old])))
+        if fill is not None and new.any():
+            for parity in (0, 1):
+                sel = new & (slots % 2 == parity)
+                if sel.any():
+                    xs.append(fill.agent.write(fill.host, g.frag_index(pages[sel]), self._fill_plist,
+                                               g.frag_index(slots[sel])))
+        for x in xs:
+            x.wait(self.timeout)
+        sums = np.empty(len(slots), dtype=np.uint64)
+        if old.any():
+            sums[old] = self.digest(pages[old])
+        if fill is not None and new.any():
+            sums[new] = fill.digest(pages[new])
+        return sums
 
     def get(self, keys: Sequence[str], pages: np.ndarray, host: kvx.PreparedList) -> list[bool]:
         """Read the stored prefix of ``keys`` into host pages ``pages``; verify each page.
@@ -451,7 +525,10 @@ class SlabStore:
             if self._log is not None:
                 self._log.close()
                 self._log = None
-            try:
-                self._reg.release()
-            except kvx.KVXError:
-                log.debug("slab release", exc_info=True)
+            for reg in (self._reg, self._fill_reg):
+                if reg is None:
+                    continue
+                try:
+                    reg.release()
+                except kvx.KVXError:
+                    log.debug("slab release", exc_info=True)

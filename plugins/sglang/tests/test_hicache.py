@@ -358,9 +358,9 @@ def _resident(path, start: int, end: int) -> list[bool]:
 
 
 def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
-    """With prefault_gb, the slots next in line for a first write are in the page cache before any
-    set (at creation), and the background thread keeps that window ahead of the fill; pages stay
-    exact. Without it, creating the store populates nothing."""
+    """With prefault_gb, the slots next in line for a first write are brought into the page cache by
+    a background thread that starts when the store is built (building does not wait for it) and
+    keeps that window ahead of the fill; pages stay exact. Without it, nothing is populated."""
     import threading
 
     pool = mha_pool("page_first")
@@ -378,6 +378,7 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     b = make(tmp_path / "on", pool, capacity_gb=cap / (1 << 30), prefault_gb=window / (1 << 30))
     try:
         slab = b.pages
+        assert slab.prefault_idle(30.0)
         assert all(_resident(slab.slab_path, 0, window))
         at_creation = slab.prefault_seconds
         assert at_creation > 0
@@ -395,3 +396,48 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     finally:
         b.close()
     assert not any(t.name == "kvx-slab-prefault" and t.is_alive() for t in threading.enumerate())
+
+
+def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_path):
+    """Never-written slots are written by the first-fill agent (posix without a mapping: pwritev),
+    alternate slots per transfer; slots reused after eviction by the main agent (the mapping).
+    Every page reads back exact, also after the store is opened again."""
+    pool = mha_pool("page_first")
+    fill(pool, 21)
+    pb = pool.page_size * pool.size_per_token
+    b = make(tmp_path, pool, capacity_gb=8 * pb / (1 << 30))  # 8 slots: the third batch evicts
+    calls = {"fill": [], "main": []}
+    try:
+        slab = b.pages
+        assert slab._fill is not None and b.pages.prefault_seconds == 0  # the default: no prefault
+        for who, agent in (("fill", slab._fill.agent), ("main", b.agent)):
+            real = agent.write
+
+            def spy(local, lidx, remote, ridx, *a, _real=real, _who=who, **kw):
+                calls[_who].append(len(ridx))
+                return _real(local, lidx, remote, ridx, *a, **kw)
+
+            agent.write = spy
+        src = list(range(4))
+        want = {}
+        for r in range(3):
+            ks = keys(4, f"f{r}")
+            fill(pool, 30 + r)
+            want[r] = [page_bytes(pool, p) for p in src]
+            assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
+            if r < 2:  # fresh slots: two pwritev transfers (even, odd slots), nothing through the mapping
+                assert len(calls["fill"]) == 2 * (r + 1) and not calls["main"]
+        assert calls["main"] and len(calls["fill"]) == 4  # the third batch rewrote evicted slots
+        fill(pool, 99)
+        for r in (1, 2):
+            assert all(b.batch_get_v1(keys(4, f"f{r}"), token_indices(src, pool.page_size)))
+            assert [page_bytes(pool, p) for p in src] == want[r]
+    finally:
+        b.close()
+    b = make(tmp_path, pool, capacity_gb=8 * pb / (1 << 30))  # reopened: the pages survive
+    try:
+        fill(pool, 98)
+        assert all(b.batch_get_v1(keys(4, "f2"), token_indices(src, pool.page_size)))
+        assert [page_bytes(pool, p) for p in src] == want[2]
+    finally:
+        b.close()

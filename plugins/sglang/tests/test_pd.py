@@ -32,10 +32,10 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, role: str, port: int, model: str, log: str, *extra: str) -> None:
+    def __init__(self, role: str, port: int, model: str, log: str, *extra: str, script: str = "pd_proc.py") -> None:
         env = dict(os.environ, **HEARTBEAT_ENV)
         self.err = open(log, "wb")
-        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_proc.py"), role, str(port), model, *extra],
+        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, script), role, str(port), model, *extra],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env, cwd=HERE)
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -33,16 +33,37 @@ def test_entry_point_adds_the_kvx_transfer_backend():
     assert [m.value for m in utils.TransferBackend][:5] == ["mooncake", "mori", "nixl", "ascend", "fake"]
 
 
+PLACE = {"tp": 2, "rank": 1, "heads": 8, "page": 64, "mla": False}
+
+
+def _layout(**kw):
+    return msgpack.packb({"v": 2, "kv": [], "aux": [], "kind": 0, "dev": 0, **PLACE, **kw})
+
+
 @pytest.mark.parametrize("payload,msg", [
     (b"\xc1", "malformed"),
-    (msgpack.packb({"v": 2, "kv": [], "aux": [], "kind": 0, "dev": 0}), "version"),
-    (msgpack.packb({"v": 1, "kv": [[1, 2]], "aux": [], "kind": 0, "dev": 0}), "rows"),
-    (msgpack.packb({"v": 1, "kv": [[4096, 8, 16]], "aux": [], "kind": 0, "dev": 0}), "empty buffer"),
-    (msgpack.packb({"v": 1, "kv": [[-1, 64, 16]], "aux": [], "kind": 0, "dev": 0}), "rows"),
-    (msgpack.packb({"v": 1, "kv": [], "aux": [], "kind": 2, "dev": 0}), "memory kind"),
+    (_layout(v=1), "version"),
+    (_layout(kv=[[1, 2]]), "rows"),
+    (_layout(kv=[[4096, 8, 16]]), "empty buffer"),
+    (_layout(kv=[[-1, 64, 16]]), "rows"),
+    (_layout(kind=2), "memory kind"),
+    (_layout(rank=2), "attention-TP place"),
+    (_layout(tp=0, rank=0), "attention-TP place"),
+    (_layout(page=0), "attention-TP place"),
+    (_layout(heads=-1), "attention-TP place"),
+    (_layout(heads=True), "attention-TP place"),
+    (_layout(mla=1), "attention-TP place"),
+    (msgpack.packb({"v": 2, "kv": [], "aux": [], "kind": 0, "dev": 0}), "attention-TP place"),
 ])
 def test_a_malformed_peer_layout_is_a_protocol_error(payload, msg):
     from kvx_sglang.pd import _Layout
 
     with pytest.raises(kvx.ProtocolError, match=msg):
         _Layout.unpack(payload)
+
+
+def test_a_layout_round_trips():
+    from kvx_sglang.pd import _Layout
+
+    lay = _Layout(((4096, 1 << 20, 4096),), ((8192, 4096, 64),), 0, 0, 4, 3, 8, 64, True)
+    assert _Layout.unpack(lay.pack()) == lay
