@@ -176,3 +176,38 @@ def test_forged_host_pid_is_refused(pid: int) -> None:
         with pytest.raises(ProtocolError):
             i.add_peer(forged)
         assert i.peers() == []
+
+
+def test_release_draining_while_the_peer_disconnects() -> None:
+    """A release waits for the peers' in-flight counters of its slot (``drain``); a peer that
+    disconnected meanwhile had its counters unmapped by another thread under that drain, which
+    read them on (SIGSEGV in ``py_drain``, seen once in the SGLang PD suite). The unmap now waits
+    for the last drain. Forced here: the counter is held non-zero, the release drains in a
+    thread, the initiator closes."""
+    out = _run_child("""
+        import ctypes, threading, time
+        import numpy as np, kvx
+        t = kvx.Agent("t", kvx.AgentConfig(peer_timeout=2.0))
+        i = kvx.Agent("i", kvx.AgentConfig(backends=("host",), host_path="cma"))
+        treg = t.register(np.zeros(1 << 20, dtype=np.uint8))
+        p = i.add_peer(t.metadata())
+        hb = t.backend("host")
+        deadline = time.monotonic() + 5
+        while not any("infl" in c.extra for c in hb._accepted) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        chan = next(c for c in hb._accepted if "infl" in c.extra)
+        slot = next(s for s, (r, g) in hb._slots.items())
+        ctypes.c_uint32.from_address(int(chan.extra["infl"]) + 4 * slot).value = 1  # "a copy in flight"
+        th = threading.Thread(target=treg.release)
+        th.start()
+        time.sleep(0.2)  # the release is draining now
+        i.close()
+        deadline = time.monotonic() + 5
+        while hb._accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        th.join(10)
+        assert not th.is_alive()
+        t.close()
+        print("DONE")
+    """)
+    assert out.split() == ["DONE"], out

@@ -204,6 +204,8 @@ class HostBackend(SameNodeLink, Backend):
         self._ctrl = _native.map_fd(self._ctrl_fd, _CTRL_BYTES, 0, True)
         self._table = _u64view(self._ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
         self._slots: dict[int, tuple[Region, int]] = {}
+        self._draining = 0  # deregister calls waiting on peers' in-flight counters
+        self._dead_infl: list[int] = []  # counters of peers gone meanwhile: unmapped after the drains
         # listener
         self._addr = f"\0kvx-{ctx.agent_id}" if self.name == "host" else f"\0kvx-{self.name}-{ctx.agent_id}"
         self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -240,15 +242,26 @@ class HostBackend(SameNodeLink, Backend):
                 return
             del self._slots[slot]
             _native.store64(self._ctrl + slot * _ENTRY, gen << 1)  # not live: new copies fail
-            counters = [int(c.extra["infl"]) + 4 * slot for c in self._accepted if c.alive and "infl" in c.extra]
+            pairs = [(c, int(c.extra["infl"]) + 4 * slot) for c in self._accepted if c.alive and "infl" in c.extra]
             chans = [c for c in self._accepted if c.alive]
-        if counters and not _native.drain(np.array(counters, dtype=np.uint64), float(self.cfg.peer_timeout)):
-            # a peer is stuck inside a copy: cut it off so it can start no more
-            for c in chans:
-                if _native.load32(int(c.extra["infl"]) + 4 * slot):
-                    log.error("peer %s did not finish copying from a released region within %.1f s; disconnecting",
-                              c.peer_name, self.cfg.peer_timeout)
-                    c.close()
+            # a peer that disconnects meanwhile must not have its counters unmapped under the drain
+            # (_on_close defers the unmap to the last drain's end)
+            self._draining += 1
+        try:
+            if pairs and not _native.drain(np.array([a for _c, a in pairs], dtype=np.uint64),
+                                           float(self.cfg.peer_timeout)):
+                # a peer is stuck inside a copy: cut it off so it can start no more
+                for c, addr in pairs:
+                    if _native.load32(addr):
+                        log.error("peer %s did not finish copying from a released region within %.1f s; "
+                                  "disconnecting", c.peer_name, self.cfg.peer_timeout)
+                        c.close()
+        finally:
+            with self._lock:
+                self._draining -= 1
+                dead, self._dead_infl = (self._dead_infl, []) if not self._draining else ([], self._dead_infl)
+            for infl in dead:
+                _native.unmap(infl, _INFL_BYTES)
         for c in chans:
             try:
                 c.send(wire.pack("revoke", slot=slot, gen=gen))
@@ -338,8 +351,12 @@ class HostBackend(SameNodeLink, Backend):
                 self._accepted.remove(chan)
                 infl = chan.extra.pop("infl", None)
                 if infl is not None:
-                    # the peer is gone: its counters no longer hold releases back
-                    threading.Thread(target=_native.unmap, args=(infl, _INFL_BYTES), daemon=True).start()
+                    # the peer is gone: its counters no longer hold releases back (a deregister
+                    # reading them now unmaps them when it is done)
+                    if self._draining:
+                        self._dead_infl.append(int(infl))
+                    else:
+                        threading.Thread(target=_native.unmap, args=(infl, _INFL_BYTES), daemon=True).start()
 
     # ---- messages --------------------------------------------------------------------------
     def _on_message(self, chan: Channel, msg: dict[str, Any], payload: memoryview | None, fds: list[int]) -> None:
