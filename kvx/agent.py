@@ -9,7 +9,7 @@ import threading
 import uuid
 import weakref
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -617,6 +617,14 @@ class Agent:
             raise UsageError(f"peer {remote.peer!r} was removed and added again since this list was prepared; "
                              "prepare again")
 
+    def _drop_stale(self, routes: dict[Any, Route], remote_of: Callable[[Any], PreparedList]) -> None:
+        """Forget cached routes to lists of a peer incarnation that is gone (removed, or added again):
+        no post can use them any more, and each holds that incarnation's mappings alive."""
+        peers = self._peers
+        stale = [k for k in routes if (rl := remote_of(k)).peer is not None and peers.get(rl.peer) is not rl.pinfo]
+        for k in stale:
+            del routes[k]
+
     def _route(self, op: Op, local: PreparedList, remote: PreparedList, backend: str | None) -> Route:
         """The route of a checked list pair: cached on the local list, made at the first post."""
         routes = local.routes(op)
@@ -635,10 +643,12 @@ class Agent:
             if b.serves(local.kind, remote.kind, loopback):
                 r = b.route(op, local, remote)
                 if backend is None:
+                    self._drop_stale(routes, lambda k: k)
                     if len(routes) >= 64:
                         routes.clear()
                     routes[remote] = r
                 else:
+                    self._drop_stale(local.froutes, lambda k: k[1])
                     if len(local.froutes) >= 64:
                         local.froutes.clear()
                     local.froutes[(op, remote, backend)] = r

@@ -211,3 +211,30 @@ def test_release_draining_while_the_peer_disconnects() -> None:
         print("DONE")
     """)
     assert out.split() == ["DONE"], out
+
+
+def test_routes_to_a_gone_peer_incarnation_are_dropped() -> None:
+    """A local list caches its route per remote list; a route to a list of a peer incarnation that
+    is gone (remove_peer + add_peer, a restarted target) can never be posted again but kept that
+    incarnation's mappings alive: the soak's host worker grew ~17 MiB per target restart. Such
+    routes are dropped when the next route is made."""
+    import gc
+    import weakref
+
+    with kvx.Agent("t") as t, kvx.Agent("i", kvx.AgentConfig(backends=("host",), host_path="shm")) as i:
+        treg = t.register(kvx.alloc_host(1 << 20))
+        L = i.prepare(kvx.DescList.blocks(i.register(kvx.alloc_host(1 << 20)), 4096))
+        old = []
+        for _ in range(3):
+            p = i.add_peer(t.metadata())
+            R = i.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=p)
+            i.write(L, [0, 1], R, [2, 3]).wait(10)
+            old.append(weakref.ref(R))
+            del R
+            i.remove_peer(p)
+        p = i.add_peer(t.metadata())
+        R = i.prepare(kvx.DescList.blocks(treg.descs, 4096), peer=p)
+        i.write(L, [0], R, [0]).wait(10)
+        gc.collect()
+        assert len(L.wroutes) == 1
+        assert all(r() is None for r in old), "lists of gone incarnations are still held by the route cache"
