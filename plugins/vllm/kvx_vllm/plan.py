@@ -331,20 +331,18 @@ class PeerTables:
         # layers alike for indexing (same group, block sizes, block counts and template) form one
         # set: a request's indices are then one row per super block, computed once per set and
         # offset per layer by a single broadcast add (typically all layers are one set)
-        sets: dict[tuple[Any, ...], _LayerSet] = {}
+        members: dict[tuple[Any, ...], list[tuple[LayerGeom, LayerGeom, Template, int, int]]] = {}
         for lg, rg, tp, lo, ro in zip(local, self.remote, self.templates, self.loffs, self.roffs):
             key = (lg.group, lg.block_size, rg.block_size, lg.num_blocks, rg.num_blocks, tp.lsub.tobytes(),
                    tp.rsub.tobytes())
-            s = sets.get(key)
-            if s is None:
-                s = sets[key] = _LayerSet(lg.group, lg.block_size, rg.block_size, lg.num_blocks, rg.num_blocks, tp,
-                                          not tp.lsub.any() and not tp.rsub.any(), [], [], lg.name)
-            s.lo.append(lo)
-            s.ro.append(ro)
-        for st in sets.values():
-            st.lo = np.asarray(st.lo, dtype=np.int64)
-            st.ro = np.asarray(st.ro, dtype=np.int64)
-        self._sets = list(sets.values())
+            members.setdefault(key, []).append((lg, rg, tp, lo, ro))
+        self._sets: list[_LayerSet] = []
+        for m in members.values():
+            lg, rg, tp, _lo, _ro = m[0]
+            self._sets.append(_LayerSet(lg.group, lg.block_size, rg.block_size, lg.num_blocks, rg.num_blocks, tp,
+                                        not tp.lsub.any() and not tp.rsub.any(),
+                                        np.array([x[3] for x in m], dtype=np.int64),
+                                        np.array([x[4] for x in m], dtype=np.int64), lg.name))
 
     @property
     def pieces(self) -> int:
@@ -403,7 +401,7 @@ class PeerTables:
         return np.concatenate(lout), np.concatenate(rout), np.unique(np.concatenate(used))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _LayerSet:
     """Layers of a :class:`PeerTables` indexed alike: their list offsets ``lo``/``ro`` (per layer)."""
 
@@ -414,6 +412,6 @@ class _LayerSet:
     nbr: int
     tp: Template
     flat: bool  # every piece in sub-block 0 on both sides (equal block sizes)
-    lo: Any
-    ro: Any
-    name: str
+    lo: np.ndarray
+    ro: np.ndarray
+    name: str  # of its first layer (for errors)
