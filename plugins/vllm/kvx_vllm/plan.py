@@ -328,6 +328,21 @@ class PeerTables:
                                                     nbytes=np.concatenate(ln).astype(_U64), dev=dev)
         self.remote_descs = kvx.DescList.from_arrays(kind=rkind, addr=np.concatenate(ra).astype(_U64),
                                                      nbytes=np.concatenate(rn).astype(_U64), dev=rdev)
+        # layers alike for indexing (same group, block sizes, block counts and template) form one
+        # set: a request's indices are then one row per super block, computed once per set and
+        # offset per layer by a single broadcast add (typically all layers are one set)
+        members: dict[tuple[Any, ...], list[tuple[LayerGeom, LayerGeom, Template, int, int]]] = {}
+        for lg, rg, tp, lo, ro in zip(local, self.remote, self.templates, self.loffs, self.roffs):
+            key = (lg.group, lg.block_size, rg.block_size, lg.num_blocks, rg.num_blocks, tp.lsub.tobytes(),
+                   tp.rsub.tobytes())
+            members.setdefault(key, []).append((lg, rg, tp, lo, ro))
+        self._sets: list[_LayerSet] = []
+        for m in members.values():
+            lg, rg, tp, _lo, _ro = m[0]
+            self._sets.append(_LayerSet(lg.group, lg.block_size, rg.block_size, lg.num_blocks, rg.num_blocks, tp,
+                                        not tp.lsub.any() and not tp.rsub.any(),
+                                        np.array([x[3] for x in m], dtype=np.int64),
+                                        np.array([x[4] for x in m], dtype=np.int64), lg.name))
 
     @property
     def pieces(self) -> int:
@@ -339,29 +354,64 @@ class PeerTables:
         """Indices into ``(local_descs, remote_descs)`` for a request, and the remote blocks read.
 
         ``groups[g]`` is ``(local new block ids, their block positions, all remote block ids)`` of KV
-        cache group ``g``.
+        cache group ``g``. Work is a few numpy passes over the result (no per-layer or per-block
+        Python loop): one row of indices per super block and layer set, then one broadcast add of
+        the layers' list offsets.
         """
         lout, rout, used = [], [], []
         pairs: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        for lg, rg, tp, lo, ro in zip(self.layers, self.remote, self.templates, self.loffs, self.roffs):
-            if lg.group >= len(groups):
+        checked: set[tuple[int, int, int, int, int]] = set()
+        for st in self._sets:
+            if st.group >= len(groups):
                 continue
-            lids, lpos, rids = groups[lg.group]
+            lids, lpos, rids = groups[st.group]
             if not len(lids):
                 continue
-            key = (lg.group, lg.block_size, rg.block_size)
+            key = (st.group, st.bl, st.br)
             if key not in pairs:
-                pairs[key] = pair_blocks(lids, lpos, rids, lg.block_size, rg.block_size)
+                pairs[key] = pair_blocks(lids, lpos, rids, st.bl, st.br)
             lblock, rblock = pairs[key]
-            if lblock.size and (lblock.max() >= lg.num_blocks or rblock.max() >= rg.num_blocks or rblock.min() < -1):
-                raise kvx.ProtocolError(f"layer {lg.name}: block id out of range")
-            p = np.arange(len(tp), dtype=np.int64)[None, :]
-            lb = lblock[:, tp.lsub]
-            rb = rblock[:, tp.rsub]
-            ok = (lb >= 0) & (rb >= 0)
-            lout.append((lo + lb * len(tp) + p)[ok])
-            rout.append((ro + rb * len(tp) + p)[ok])
-            used.append(rb[ok])
+            ck = (*key, st.nbl, st.nbr)
+            if ck not in checked:
+                if lblock.size and (lblock.max() >= st.nbl or rblock.max() >= st.nbr or rblock.min() < -1):
+                    raise kvx.ProtocolError(f"layer {st.name}: block id out of range")
+                checked.add(ck)
+            tp = st.tp
+            n = len(tp)
+            p = np.arange(n, dtype=np.int64)[None, :]
+            if st.flat and lblock.shape[1] == 1 and rblock.shape[1] == 1 and (
+                    not lblock.size or (lblock.min() >= 0 and rblock.min() >= 0)):
+                # equal block sizes, every block present: each super block is one whole row
+                lrow = (lblock * n + p).reshape(-1)
+                rrow = (rblock * n + p).reshape(-1)
+                used.append(rblock.reshape(-1))
+            else:
+                lb = lblock[:, tp.lsub]
+                rb = rblock[:, tp.rsub]
+                ok = (lb >= 0) & (rb >= 0)
+                lrow = (lb * n + p)[ok]
+                rrow = (rb * n + p)[ok]
+                used.append(rb[ok])
+            lout.append((st.lo[:, None] + lrow[None, :]).reshape(-1))
+            rout.append((st.ro[:, None] + rrow[None, :]).reshape(-1))
         if not lout:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+        if len(lout) == 1:
+            return lout[0], rout[0], np.unique(used[0])
         return np.concatenate(lout), np.concatenate(rout), np.unique(np.concatenate(used))
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerSet:
+    """Layers of a :class:`PeerTables` indexed alike: their list offsets ``lo``/``ro`` (per layer)."""
+
+    group: int
+    bl: int
+    br: int
+    nbl: int
+    nbr: int
+    tp: Template
+    flat: bool  # every piece in sub-block 0 on both sides (equal block sizes)
+    lo: np.ndarray
+    ro: np.ndarray
+    name: str  # of its first layer (for errors)

@@ -259,10 +259,11 @@ class KVXWorker:
         self._invalid: set[int] = set()
         self._events_lock = threading.Lock()
         self._events: list[tuple[str, list[bytes], bytes | None, str]] = []
-        #: counters since start: pulls and pulled blocks (decode side), their total seconds;
-        #: offload blocks loaded, and blocks saved
-        self.stats: dict[str, float] = {"pulls": 0, "pulled_blocks": 0, "pull_s": 0.0, "pull_failures": 0,
-                                        "loaded_blocks": 0, "saved_blocks": 0}
+        #: counters since start: pulls and pulled blocks (decode side), their total seconds, the
+        #: seconds of those spent posting their reads (index work and kvx posts, a new peer's
+        #: descriptor lists the first time); offload blocks loaded, and blocks saved
+        self.stats: dict[str, float] = {"pulls": 0, "pulled_blocks": 0, "pull_s": 0.0, "post_s": 0.0,
+                                        "pull_failures": 0, "loaded_blocks": 0, "saved_blocks": 0}
 
     # ------------------------------------------------------------------------------------------
     def _spec_of(self, name: str) -> Any:
@@ -650,6 +651,7 @@ class KVXWorker:
                 peer = self._peer(e)
             others.append(peer.name)
         pull = Pull(self, spec, posted, others, payload)
+        t0 = time.perf_counter()
         try:
             for peer, lh0, rh0, nh in peers:
                 tabs, local, remote = self._tables(peer, lh0, rh0, nh)
@@ -657,6 +659,7 @@ class KVXWorker:
                 posted.append((peer, self.agent.read(local, li, remote, ri) if li.size else None, rblocks))
         except Exception as exc:
             pull._fail(exc)
+        self._count(post_s=time.perf_counter() - t0)
         return pull
 
     def _pull_failed(self, spec: RecvSpec, exc: BaseException) -> None:

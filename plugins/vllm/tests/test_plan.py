@@ -222,3 +222,58 @@ def test_no_python_loop_per_block() -> None:
     dt = time.perf_counter() - t0
     assert li.size == ri.size == 32 * 1024 * 32
     assert dt < 1.0
+
+
+def _indices_by_loops(tabs: PeerTables, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                      ) -> tuple[set[tuple[int, int]], set[int]]:
+    """PeerTables.indices spelt out: every layer, super block and piece, one at a time."""
+    from kvx_vllm.plan import pair_blocks
+
+    pairs: set[tuple[int, int]] = set()
+    used: set[int] = set()
+    for lg, rg, tp, lo, ro in zip(tabs.layers, tabs.remote, tabs.templates, tabs.loffs, tabs.roffs):
+        if lg.group >= len(groups) or not len(groups[lg.group][0]):
+            continue
+        lblock, rblock = pair_blocks(*groups[lg.group], lg.block_size, rg.block_size)
+        for s in range(lblock.shape[0]):
+            for j in range(len(tp)):
+                lb, rb = int(lblock[s, tp.lsub[j]]), int(rblock[s, tp.rsub[j]])
+                if lb >= 0 and rb >= 0:
+                    pairs.add((lo + lb * len(tp) + j, ro + rb * len(tp) + j))
+                    used.add(rb)
+    return pairs, used
+
+
+@pytest.mark.parametrize("bs_l,bs_r", [(16, 16), (16, 32), (32, 16)])
+@pytest.mark.parametrize("cached", [0, 3])
+def test_indices_match_a_loop_per_piece(bs_l: int, bs_r: int, cached: int) -> None:
+    """The vectorised request indices (layers grouped into sets indexed alike, one broadcast add)
+    pair the same descriptors as a loop over every piece: two KV cache groups, layers of unequal
+    block counts (several sets), a prefix already local, head slices on both sides."""
+    es = 2
+
+    def g(heads: int, bs: int, counts: list[int], base: int) -> list[LayerGeom]:
+        out = []
+        for i, nb in enumerate(counts):
+            plane = nb * bs * heads * D * es
+            out.append(LayerGeom(f"l{i}", i % 2, base + i * (1 << 30), nb, bs * heads * D * es, bs, heads, 2, D * es,
+                                 plane, heads * D * es, D * es))
+        return out
+
+    counts_l, counts_r = [40, 40, 40, 40, 44, 44], [50, 50, 50, 50, 50, 52]  # sets of 2, 2, 1 and 1 layers
+    rng = np.random.default_rng(bs_l * 100 + bs_r + cached)
+    for lh0, rh0, nh, hl, hr in ((0, 4, 4, 4, 8), (2, 0, 2, 4, 2), (0, 0, 4, 4, 4)):
+        tabs = PeerTables(g(hl, bs_l, counts_l, 1 << 40), g(hr, bs_r, counts_r, 1 << 44), lh0, rh0, nh,
+                          kvx.MemoryKind.HOST, 0, kvx.MemoryKind.HOST, 0)
+        groups = []
+        for _ in range(2):
+            tokens = int(rng.integers(bs_l * (cached + 1), 30 * 16))
+            nl, nr = -(-tokens // bs_l), -(-tokens // bs_r)
+            lids, rids = rng.permutation(40)[:nl], rng.permutation(50)[:nr]
+            lpos = np.arange(cached, nl)
+            groups.append((lids[lpos].astype(np.int64), lpos, rids.astype(np.int64)))
+        li, ri, used = tabs.indices(groups)
+        want, want_used = _indices_by_loops(tabs, groups)
+        assert li.size == ri.size == len(want)
+        assert set(zip(li.tolist(), ri.tolist())) == want
+        assert used.tolist() == sorted(want_used)
