@@ -77,6 +77,13 @@ disagg-hf: $(STAMP)
 	$(PIP) install transformers
 	$(PY) examples/disagg_hf.py
 
+# GPU machine: layer-wise KV streaming vs whole-request writes, prefill GPU 0 -> decode GPU 1,
+# through kvx's cuda and tcp backends (examples/disagg_layerwise.py; JSON to $(OUT))
+disagg-layerwise: $(STAMP)
+	$(PIP) install transformers
+	@mkdir -p $(OUT)
+	$(PY) examples/disagg_layerwise.py --json $(OUT)/disagg-layerwise.json
+
 lint: $(STAMP)
 	$(BIN)/ruff check kvx tests benchmarks
 	$(BIN)/mypy
