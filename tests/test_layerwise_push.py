@@ -1,0 +1,274 @@
+"""kvx_vllm.push: push mode with layer-wise writes, on real kvx agents (tcp: sockets, both ways).
+
+The prefill half (LayerPusher) writes each group of layers into the decode side's blocks as
+save_kv_layer reports them; the decode half (PushLanding) counts the parts and fails, aborts and
+quiesces requests. A decode side that is a separate process killed mid-stream fails only its
+own request on the prefill side.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.testing.procs import PeerProcess
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "vllm"))
+
+from kvx_vllm.push import (
+    LayerPusher,
+    PushDest,
+    PushLanding,
+    abort_note,
+    aborted_note,
+    parse_push_note,
+    push_note,
+)
+
+L, B, BLK = 5, 8, 256  # layers, blocks per layer, bytes per block
+NAMES = [f"model.layers.{i}.self_attn" for i in range(L)]
+
+
+def cfg() -> kvx.AgentConfig:
+    return kvx.AgentConfig(backends=("tcp",))
+
+
+def layer_idx(src: list[int], dst: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Layer-major block tables: block ``b`` of layer ``l`` is descriptor ``l*B + b`` on both sides."""
+    s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    return {n: (i * B + s, i * B + d) for i, n in enumerate(NAMES)}
+
+
+class Pair:
+    """A prefill agent with a patterned cache and a decode agent with a zeroed one."""
+
+    def __init__(self) -> None:
+        self.p = kvx.Agent("prefill", cfg())
+        self.d = kvx.Agent("decode", cfg())
+        self.src = np.random.default_rng(0).integers(1, 255, L * B * BLK, dtype=np.uint8)
+        self.dst = np.zeros(L * B * BLK, np.uint8)
+        self.ps = self.p.prepare(kvx.DescList.blocks(self.p.register(self.src), BLK))
+        dd = kvx.DescList.blocks(self.d.register(self.dst), BLK)
+        self.peer = self.p.add_peer(self.d.metadata())
+        self.pd = self.p.prepare(dd, peer=self.peer)
+        self.d.add_peer(self.p.metadata())
+
+    def dest(self, src: list[int], dst: list[int]) -> PushDest:
+        return PushDest(self.peer, self.ps, self.pd, layer_idx(src, dst))
+
+    def landing(self, timeout: float = 10.0, quiesce_s: float = 5.0) -> PushLanding:
+        return PushLanding(timeout, quiesce_s, self.d.notify)
+
+    def block(self, buf: np.ndarray, layer: int, b: int) -> np.ndarray:
+        o = (layer * B + b) * BLK
+        return buf[o:o + BLK]
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+@pytest.fixture
+def pair():
+    pr = Pair()
+    yield pr
+    pr.close()
+
+
+def drain(agent: kvx.Agent, t: float = 0.2) -> dict[str, list[bytes]]:
+    out: dict[str, list[bytes]] = {}
+    end = time.monotonic() + t
+    while time.monotonic() < end:
+        for k, v in agent.notifications(timeout=0.05).items():
+            out.setdefault(k, []).extend(v)
+    return out
+
+
+@pytest.mark.parametrize("group,parts", [(1, 5), (2, 3), (5, 1)])
+def test_layerwise_push_lands_the_right_bytes(pair: Pair, group: int, parts: int) -> None:
+    src, dst = [1, 4, 6], [7, 0, 3]
+    pusher = LayerPusher(pair.p, NAMES, group=group)
+    assert pusher.parts == parts
+    landing = pair.landing()
+    landing.expect("r1", "prefill")
+    pusher.add("r1", pair.dest(src, dst))
+    seen = []
+    for i, n in enumerate(NAMES):
+        pusher.on_layer(n)
+        seen.append(len(pusher._active["r1"].xfers))
+    # a write went out as soon as each group was complete, before the later layers "computed"
+    assert seen == [(i + 1) // group + (1 if i == L - 1 and (i + 1) % group else 0) for i in range(L)]
+    done, failed = pusher.wait()
+    assert done == {"r1"} and not failed and not pusher.active()
+    landed, failed2, _, rest = landing.poll(drain(pair.d))
+    assert landed == {"r1"} and not failed2 and not rest
+    for layer in range(L):
+        for s, d in zip(src, dst):
+            assert np.array_equal(pair.block(pair.dst, layer, d), pair.block(pair.src, layer, s))
+        for d in set(range(B)) - set(dst):  # nothing else written
+            assert not pair.block(pair.dst, layer, d).any()
+    pusher.close()
+
+
+def test_two_requests_and_a_request_added_mid_pass(pair: Pair) -> None:
+    pusher = LayerPusher(pair.p, NAMES, group=1)
+    landing = pair.landing()
+    landing.expect("a", "prefill")
+    landing.expect("b", "prefill")
+    pusher.add("a", pair.dest([0], [2]))
+    pusher.on_layer(NAMES[0])
+    pusher.add("b", pair.dest([1], [5]))  # joins the next pass, not this one's remaining layers
+    for n in NAMES[1:]:
+        pusher.on_layer(n)
+    done, _ = pusher.wait()
+    assert done == {"a"} and pusher.active() == {"b"}
+    assert pusher._active["b"].posted == 0 and not pair.block(pair.dst, 4, 5).any()
+    for n in NAMES:
+        pusher.on_layer(n)
+    done, _ = pusher.wait()
+    assert done == {"b"}
+    landed, *_ = landing.poll(drain(pair.d))
+    assert landed == {"a", "b"}
+    assert np.array_equal(pair.block(pair.dst, 4, 5), pair.block(pair.src, 4, 1))
+    pusher.close()
+
+
+def test_layers_without_blocks_still_count(pair: Pair) -> None:
+    """A request with nothing in some layers (another KV cache group) still sends every part."""
+    pusher = LayerPusher(pair.p, NAMES, group=2)
+    landing = pair.landing()
+    landing.expect("r", "prefill")
+    idx = layer_idx([5], [6])
+    pusher.add("r", pair.dest([5], [6]))
+    pusher._active["r"].dest.layers = {n: idx[n] for n in NAMES[:2]}  # layers 2-4: nothing to move
+    for n in NAMES:
+        pusher.on_layer(n)
+    assert pusher.wait() == ({"r"}, {})
+    landed, *_ = landing.poll(drain(pair.d))
+    assert landed == {"r"}
+    assert np.array_equal(pair.block(pair.dst, 1, 6), pair.block(pair.src, 1, 5))
+    assert not pair.block(pair.dst, 2, 6).any()
+    pusher.close()
+
+
+def test_decode_gives_up_mid_stream(pair: Pair) -> None:
+    """Decode aborts after two layers: the prefill stops posting, cancels, acknowledges; blocks
+    are reusable only after the acknowledgement; parts arriving later never count."""
+    pusher = LayerPusher(pair.p, NAMES, group=1)
+    landing = pair.landing(quiesce_s=60.0)
+    landing.expect("r", "prefill")
+    pusher.add("r", pair.dest([0, 1], [0, 1]))
+    pusher.on_layer(NAMES[0])
+    pusher.on_layer(NAMES[1])
+    landing.give_up("r")
+    landed, failed, quiesced, _ = landing.poll({})
+    assert not landed and not quiesced and landing.pending() == {"r"}  # blocks still held
+    rest = pusher.handle_notes(drain(pair.p))
+    assert not rest and not pusher.active()
+    for n in NAMES[2:]:
+        pusher.on_layer(n)  # nothing more is posted for it
+    assert pusher.wait() == (set(), {})
+    landed, failed, quiesced, _ = landing.poll(drain(pair.d))
+    assert quiesced == {"r"} and not landed and not landing.pending()
+    assert not pair.block(pair.dst, 4, 0).any()  # layers after the abort never written
+    pusher.close()
+
+
+def test_prefill_dies_mid_stream(pair: Pair) -> None:
+    """No parts after the first layers, no acknowledgement: failed at the deadline, blocks reusable
+    after the quiesce bound."""
+    now = [0.0]
+    landing = PushLanding(timeout=2.0, quiesce_s=3.0, notify=pair.d.notify, clock=lambda: now[0])
+    landing.expect("r", "prefill")
+    pusher = LayerPusher(pair.p, NAMES, group=1)
+    pusher.add("r", pair.dest([3], [3]))
+    pusher.on_layer(NAMES[0])
+    pusher.wait()
+    pair.p.close()  # the prefill is gone
+    assert landing.poll(drain(pair.d))[:3] == (set(), set(), set())
+    now[0] = 2.5
+    landed, failed, quiesced, _ = landing.poll({})
+    assert failed == {"r"} and not quiesced and not landed
+    now[0] = 5.0
+    assert landing.poll({})[2] == set()  # 2.5 s since giving up: still held
+    now[0] = 5.6
+    assert landing.poll({})[2] == {"r"}
+
+
+def test_decode_process_killed_mid_stream(pair: Pair) -> None:
+    """One request goes to a decode process that is SIGKILLed after layer 0: that request fails
+    on the prefill side within the bound; the other request is untouched."""
+    with PeerProcess("decode-dies", {"backends": ["tcp"]}) as dying:
+        rid, descs = dying.register("numpy", L * B * BLK)
+        peer = pair.p.add_peer(dying.meta)
+        remote = pair.p.prepare(kvx.DescList.blocks(descs, BLK), peer=peer)
+        pusher = LayerPusher(pair.p, NAMES, group=1, timeout=10.0)
+        pusher.add("ok", pair.dest([2], [2]))
+        pusher.add("dies", PushDest(peer, pair.ps, remote, layer_idx([2], [2])))
+        pusher.on_layer(NAMES[0])
+        dying.kill()
+        t = time.monotonic()
+        for n in NAMES[1:]:
+            pusher.on_layer(n)
+        done, failed = pusher.wait()
+        assert time.monotonic() - t < 15
+        assert done == {"ok"} and set(failed) == {"dies"} and not pusher.active()
+        assert np.array_equal(pair.block(pair.dst, 4, 2), pair.block(pair.src, 4, 2))
+        pusher.close()
+
+
+class FakeEvent:
+    """Stands for a CUDA event: synchronize() blocks until the test releases it."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.ready.wait(10)
+
+
+def test_threaded_posting_waits_for_the_layer_event(pair: Pair) -> None:
+    pusher = LayerPusher(pair.p, NAMES, group=1, threaded=True)
+    pusher.add("r", pair.dest([0], [1]))
+    evs = [FakeEvent() for _ in NAMES]
+    for n, ev in zip(NAMES, evs):
+        pusher.on_layer(n, ev)
+    time.sleep(0.2)
+    assert pusher._active["r"].posted == 0  # the first layer has not "executed" yet
+    evs[0].ready.set()
+    deadline = time.monotonic() + 5
+    while pusher._active["r"].posted < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pusher._active["r"].posted == 1
+    for ev in evs[1:]:
+        ev.ready.set()
+    done, failed = pusher.wait()
+    assert done == {"r"} and not failed
+    pusher.close()
+
+
+def test_notes_are_validated(pair: Pair) -> None:
+    assert parse_push_note(b"rid\n1") is None  # a pull note passes through
+    assert parse_push_note(push_note("x", 2, 3)) == ("part", "x", 2, 3)
+    assert parse_push_note(abort_note("x")) == ("abort", "x", 0, 0)
+    assert parse_push_note(aborted_note("x")) == ("aborted", "x", 0, 0)
+    for bad in (b"kvx-push\x00\xc1", push_note("x", 3, 3), push_note("x", 0, 1 << 20),
+                b"kvx-push\x00" + b"\x95\x01\x00\xa1x\x00\xc3"):
+        with pytest.raises(kvx.ProtocolError):
+            parse_push_note(bad)
+    landing = pair.landing()
+    landing.expect("x", "prefill")
+    landed, _, _, rest = landing.poll({"prefill": [b"kvx-push\x00junk", b"other", push_note("x", 0, 1)],
+                                       "intruder": [push_note("y", 0, 1)]})
+    assert landed == {"x"} and rest == [b"other"]
+    with pytest.raises(kvx.UsageError):
+        LayerPusher(pair.p, NAMES, group=0)
+    pusher = LayerPusher(pair.p, NAMES)
+    with pytest.raises(kvx.UsageError):
+        pusher.add("r", PushDest("decode", pair.ps, pair.pd, {"nope": (np.zeros(1, np.int64),) * 2}))
