@@ -272,3 +272,44 @@ def test_notes_are_validated(pair: Pair) -> None:
     pusher = LayerPusher(pair.p, NAMES)
     with pytest.raises(kvx.UsageError):
         pusher.add("r", PushDest("decode", pair.ps, pair.pd, {"nope": (np.zeros(1, np.int64),) * 2}))
+
+
+@pytest.mark.parametrize("lay_d,bs_d,lay_p,bs_p", [("HND", 4, "HND", 4), ("NHD", 8, "HND", 4), ("NHD5", 4, "NHD", 8)])
+def test_split_by_layer_matches_the_pull_plan(lay_d: str, bs_d: int, lay_p: str, bs_p: int) -> None:
+    """Per-layer indices are exactly PeerTables.indices' (the pull plan, tested in test_plan.py),
+    split by layer: push moves the same bytes to the same places, layer by layer."""
+    torch = pytest.importorskip("torch")
+    from kvx_vllm.plan import PeerTables, layer_geometry
+    from kvx_vllm.push import split_by_layer
+
+    def geoms(layout: str, bs: int, blocks: int) -> list:
+        out = []
+        for i in range(3):
+            if layout == "HND":
+                t = torch.zeros(blocks, 2, bs, 16)
+            elif layout == "NHD":
+                t = torch.zeros(blocks, bs, 2, 16).permute(0, 2, 1, 3)
+            else:
+                t = torch.zeros(2, blocks, bs, 2, 8)
+            out.append((t, layer_geometry(f"l{i}", t, 0, bs, 2, 8, False)))
+        return out
+
+    d, p = geoms(lay_d, bs_d, 40), geoms(lay_p, bs_p, 40)
+    h = kvx.MemoryKind.HOST
+    tabs = PeerTables([g for _, g in d], [g for _, g in p], 0, 0, 2, h, 0, h, 0)
+    tokens = 37
+    nd, np_ = -(-tokens // bs_d), -(-tokens // bs_p)
+    rng = np.random.default_rng(1)
+    dids, pids = rng.permutation(40)[:nd], rng.permutation(40)[:np_]
+    for skip in (0, 1):  # the decode already holds its first block (prefix hit): only new ones move
+        groups = [(dids[skip:], np.arange(skip, nd), pids)]
+        per = split_by_layer(tabs, groups)
+        lidx, ridx, _ = tabs.indices(groups)
+        assert list(per) == ["l0", "l1", "l2"]
+        assert np.array_equal(np.concatenate([per[n][0] for n in per]), lidx)
+        assert np.array_equal(np.concatenate([per[n][1] for n in per]), ridx)
+        for n, (a, b) in per.items():  # each layer's descriptors lie in that layer's memory
+            i = int(n[1:])
+            base_d, base_p = d[i][1].base, p[i][1].base
+            assert (tabs.local_descs.addr[a] >= base_d).all() and (tabs.remote_descs.addr[b] >= base_p).all()
+            assert (tabs.local_descs.addr[a] < base_d + d[i][0].numel() * 4).all()

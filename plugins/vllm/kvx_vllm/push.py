@@ -99,10 +99,14 @@ def split_by_layer(tables: Any, groups: list[tuple[np.ndarray, np.ndarray, np.nd
                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per layer, the indices into ``(tables.local_descs, tables.remote_descs)`` of a request.
 
-    ``tables`` is a :class:`kvx_vllm.plan.PeerTables` built on the WRITING side (local: this
-    prefill rank's layers, remote: the decode rank's); ``groups`` as for ``PeerTables.indices``
-    (local block ids, their positions, remote block ids per KV cache group). The same arithmetic
-    as ``PeerTables.indices``, kept per layer instead of concatenated.
+    ``tables`` is a :class:`kvx_vllm.plan.PeerTables` as the READING side builds it for a pull
+    (local: the decode rank's layers, remote: the prefill rank's) and ``groups`` as for
+    ``PeerTables.indices`` (the decode's new block ids, their positions, the prefill's block ids
+    per KV cache group): the same arithmetic as ``PeerTables.indices``, kept per layer instead of
+    concatenated. For push the prefill rank builds the same tables from the decode rank's
+    geometry, prepares ``tables.remote_descs`` (its own memory) as the local list and
+    ``tables.local_descs`` on the decode peer as the remote one, and writes ``(writer, reader) =
+    (second, first)`` of each layer's pair.
     """
     from .plan import pair_blocks
 
