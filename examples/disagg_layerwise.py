@@ -10,11 +10,13 @@ layer's fresh K and V into a registered staging buffer and records a CUDA event.
 
 - ``whole``: after the forward pass, one kvx write of every layer (today's pull/push of a
   finished request, the baseline);
-- ``layer:G``: a poster thread waits for each layer's event and posts a nonblocking kvx write of
-  each group of ``G`` layers as soon as its last layer has computed, while later layers compute.
+- ``layer:G``: the vLLM connector's push engine (``kvx_vllm.push.LayerPusher``, the code
+  ``save_kv_layer`` drives in the engine) gets each layer with its event; its poster thread posts a
+  nonblocking kvx write of each group of ``G`` layers as soon as the group has executed, while
+  later layers compute.
 
-Every write carries a kvx notification; the decode process counts them, and the KV has *landed*
-when the last one arrived. The figures, each the median of ``--reps`` runs:
+Every write carries a kvx notification; the decode process counts them with the connector's
+decode half (``kvx_vllm.push.PushLanding``), and the KV has *landed* when the last one arrived. The figures, each the median of ``--reps`` runs:
 
 - prefill: the forward pass on GPU 0 (the prompt's first token included);
 - transfer: in ``whole`` mode, from posting the write to the KV landed on GPU 1;
@@ -43,10 +45,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
@@ -55,8 +55,12 @@ from typing import Any
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
 
 import msgpack
+import numpy as np
 
 import kvx
+
+# the vLLM connector's push engine (kvx_vllm.push needs kvx, numpy and msgpack only, not vLLM)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "vllm"))
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B-like: 16 layers, 32 query heads of 64, 8 KV heads (GQA): 32 KiB of KV per token (bf16)
@@ -168,13 +172,16 @@ def parse_mode(mode: str, layers: int) -> int:
 
 class Streamer:
     """Copies each layer's KV into the registered staging buffer as the layer finishes (a forward
-    hook) and, in layer-wise mode, posts one kvx write per group of layers from a poster thread
-    once the group's copies have executed on the GPU."""
+    hook). In layer-wise mode the hook then hands the layer to the vLLM connector's push engine,
+    :class:`kvx_vllm.push.LayerPusher` (what ``save_kv_layer`` drives in the engine): with a CUDA
+    event recorded after the copies, its poster thread posts one nonblocking kvx write per group
+    of layers once the group has executed, while later layers compute."""
 
     def __init__(self, model: Any, device: str) -> None:
         self.model = model
         self.cuda = device.startswith("cuda")
         self.layers = model.config.num_hidden_layers
+        self.names = [f"layer{i}" for i in range(self.layers)]
         self.run: dict[str, Any] | None = None
         for i, layer in enumerate(model.model.layers):
             layer.register_forward_hook(self._hook(i))
@@ -187,50 +194,35 @@ class Streamer:
             k, v = layer_kv(r["cache"], i)
             r["kv"][i, 0].copy_(k)
             r["kv"][i, 1].copy_(v)
-            if r["q"] is not None:
+            if r["pusher"] is not None:
                 ev = None
                 if self.cuda:
                     import torch
 
                     ev = torch.cuda.Event()
                     ev.record()
-                r["q"].put((i, ev))
+                r["pusher"].on_layer(self.names[i], ev)
         return hook
 
-    def _poster(self, r: dict[str, Any]) -> None:
-        try:
-            g, start = r["group"], 0
-            for _ in range(self.layers):
-                i, ev = r["q"].get(timeout=WAIT_S)
-                if ev is not None:
-                    ev.synchronize()  # that layer's copies have executed
-                if i + 1 - start == g or i == self.layers - 1:
-                    r["posts"].append(time.perf_counter())
-                    idx = list(range(start, i + 1))
-                    r["xfers"].append(r["agent"].write(r["local"], idx, r["remote"], idx,
-                                                       notify=r["tag"] + b":%d" % len(r["xfers"])))
-                    start = i + 1
-        except BaseException as e:  # reported by the main thread
-            r["error"] = e
-
-    def prefill(self, ids: Any, kv: Any, mode: str, agent: Any, local: Any, remote: Any, tag: bytes) -> dict[str, Any]:
+    def prefill(self, ids: Any, kv: Any, mode: str, agent: Any, local: Any, remote: Any, peer: str,
+                rid: str) -> dict[str, Any]:
         import torch
+        from kvx_vllm.push import LayerPusher, PushDest, push_note
         from transformers import DynamicCache
 
         group = parse_mode(mode, self.layers)
-        layerwise = mode != "whole"
+        pusher = None
+        if mode != "whole":
+            pusher = LayerPusher(agent, self.names, group=group, timeout=WAIT_S, threaded=self.cuda)
+            pusher.add(rid, PushDest(peer, local, remote,
+                                     {n: (np.array([i]), np.array([i])) for i, n in enumerate(self.names)}))
         cache = DynamicCache(config=self.model.config)
-        r: dict[str, Any] = {"cache": cache, "kv": kv, "group": group, "agent": agent, "local": local,
-                             "remote": remote, "tag": tag, "posts": [], "xfers": [], "error": None,
-                             "q": queue.Queue() if layerwise else None}
-        poster = threading.Thread(target=self._poster, args=(r,), name="kvx-layer-poster", daemon=True)
+        r: dict[str, Any] = {"cache": cache, "kv": kv, "pusher": pusher}
         if self.cuda:
             torch.cuda.synchronize()
         self.run = r
         try:
             t0 = time.perf_counter()
-            if layerwise:
-                poster.start()
             with torch.inference_mode():
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 first = out.logits[:, -1].argmax(-1)
@@ -242,23 +234,23 @@ class Streamer:
             first_tok = int(first)
         finally:
             self.run = None
-        if layerwise:
-            poster.join(WAIT_S)
-            if poster.is_alive():
-                raise HarnessError("the layer poster did not finish")
-            if r["error"] is not None:
-                raise r["error"]
+        if pusher is not None:
+            try:
+                done, failed = pusher.wait()
+                posts, writes = pusher.post_times, len(pusher.post_times)
+            finally:
+                pusher.close()
+            if failed or done != {rid}:
+                raise HarnessError(f"layer-wise push failed: {failed or 'not finished'}")
         else:
             if self.cuda:
                 torch.cuda.synchronize()  # the hooks' copies (all queued before t_end anyway)
-            r["posts"].append(time.perf_counter())
+            posts, writes = [time.perf_counter()], 1
             idx = list(range(self.layers))
-            r["xfers"].append(agent.write(local, idx, remote, idx, notify=tag + b":0"))
-        for x in r["xfers"]:
-            x.wait(WAIT_S)
+            agent.write(local, idx, remote, idx, notify=push_note(rid, 0, 1)).wait(WAIT_S)
         t_done = time.perf_counter()
-        return {"t0": t0, "t_end": t_end, "t_first_post": r["posts"][0], "t_last_post": r["posts"][-1],
-                "t_done": t_done, "writes": len(r["xfers"]), "first": first_tok, "backend": r["xfers"][0].backend}
+        return {"t0": t0, "t_end": t_end, "t_first_post": posts[0], "t_last_post": posts[-1],
+                "t_done": t_done, "writes": writes, "first": first_tok, "backend": agent.config.backends[0]}
 
 
 def prefill_proc(conn: Any, a: dict[str, Any]) -> None:
@@ -297,17 +289,15 @@ def _prefill_main(conn: Any, a: dict[str, Any]) -> None:
                 for b, agent in agents.items():
                     reg = agent.register(kv)
                     state["regs"].append(reg)
-                    peer = agent.add_peer(msg["meta"][b]) if msg["meta"][b] is not None else None
-                    if peer is None:
-                        raise HarnessError(f"no decode metadata for backend {b}")
+                    peer = agent.add_peer(msg["meta"][b])
                     state["lists"][b] = (agent.prepare(kvx.DescList.blocks(reg, layer_bytes)),
-                                         agent.prepare(kvx.DescList.from_bytes(msg["descs"][b]), peer=peer))
+                                         agent.prepare(kvx.DescList.from_bytes(msg["descs"][b]), peer=peer), peer)
                 conn.send_bytes(pack({"ok": True}))
             elif msg["op"] == "run":
                 b = msg["backend"]
-                local, remote = state["lists"][b]
-                res = streamer.prefill(state["ids"], state["kv"], msg["mode"], agents[b], local, remote,
-                                       msg["tag"])
+                local, remote, peer = state["lists"][b]
+                res = streamer.prefill(state["ids"], state["kv"], msg["mode"], agents[b], local, remote, peer,
+                                       msg["rid"])
                 conn.send_bytes(pack(res))
             else:
                 raise HarnessError(f"unknown op {msg['op']!r}")
@@ -321,16 +311,19 @@ def _prefill_main(conn: Any, a: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 # decode side (the parent process)
 
-def wait_landed(agent: Any, tag: bytes, n: int) -> float:
-    """The time the ``n``-th notification of run ``tag`` arrived."""
-    got, deadline = 0, time.monotonic() + WAIT_S
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise HarnessError(f"{got} of {n} writes of run {tag!r} landed within {WAIT_S:.0f} s")
-        for msgs in agent.notifications(timeout=min(left, 1.0)).values():
-            got += sum(1 for m in msgs if m.startswith(tag + b":"))
-    return time.perf_counter()
+def wait_landed(agent: Any, peer: str, rid: str, parts: int) -> float:
+    """The time the last part of request ``rid`` arrived (kvx_vllm.push.PushLanding: what the
+    decode worker of the vLLM connector runs)."""
+    from kvx_vllm.push import PushLanding
+
+    landing = PushLanding(timeout=WAIT_S, quiesce_s=WAIT_S, notify=agent.notify)
+    landing.expect(rid, peer, parts)
+    while True:
+        landed, failed, _, _ = landing.poll(agent.notifications(timeout=1.0))
+        if landed:
+            return time.perf_counter()
+        if failed:
+            raise HarnessError(f"request {rid} did not land within {WAIT_S:.0f} s")
 
 
 def median(xs: list[float]) -> float:
@@ -411,13 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(-1, a.reps):  # rep -1: warm-up (first-use costs, connections), not counted
                     for mode in modes:
                         run_no += 1
-                        tag = b"run%d" % run_no
+                        rid = f"run{run_no}"
                         kv.zero_()
                         if not cpu:
                             torch.cuda.synchronize()
-                        parent.send_bytes(pack({"op": "run", "backend": b, "mode": mode, "tag": tag}))
+                        parent.send_bytes(pack({"op": "run", "backend": b, "mode": mode, "rid": rid}))
                         n = -(-layers // parse_mode(mode, layers))
-                        t_landed = wait_landed(agents[b], tag, n)
+                        t_landed = wait_landed(agents[b], f"prefill-{b}", rid, n)
                         res = recv(parent)
                         from transformers import DynamicCache
 

@@ -187,6 +187,8 @@ class LayerPusher:
         self._q: queue.Queue[tuple[int, Any]] | None = None
         self._thread: threading.Thread | None = None
         self._err: BaseException | None = None
+        #: ``time.perf_counter()`` of each post of the current or last forward pass (measurements)
+        self.post_times: list[float] = []
         if threaded:
             self._q = queue.Queue()
             self._thread = threading.Thread(target=self._poster, name="kvx-push-poster", daemon=True)
@@ -241,6 +243,9 @@ class LayerPusher:
             return
         lo, hi = self._next, i + 1
         self._next = 0 if last else hi
+        if lo == 0:
+            self.post_times = []
+        self.post_times.append(time.perf_counter())
         with self._lock:
             if lo == 0:  # a new forward pass: requests added before it take part in it
                 for p in self._active.values():
