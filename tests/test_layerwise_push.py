@@ -253,6 +253,24 @@ def test_threaded_posting_waits_for_the_layer_event(pair: Pair) -> None:
     pusher.close()
 
 
+def test_wait_waits_for_layers_still_with_the_poster(pair: Pair) -> None:
+    """wait_for_save right after the forward pass: the last layer's event completes later; wait()
+    returns only once that layer's write was posted and landed."""
+    pusher = LayerPusher(pair.p, NAMES, group=2, threaded=True)
+    pusher.add("r", pair.dest([3], [4]))
+    evs = [FakeEvent() for _ in NAMES]
+    for ev in evs[:-1]:
+        ev.ready.set()
+    for n, ev in zip(NAMES, evs):
+        pusher.on_layer(n, ev)
+    threading.Timer(0.3, evs[-1].ready.set).start()
+    t = time.monotonic()
+    done, failed = pusher.wait()
+    assert done == {"r"} and not failed and time.monotonic() - t >= 0.25
+    assert np.array_equal(pair.block(pair.dst, 4, 4), pair.block(pair.src, 4, 3))
+    pusher.close()
+
+
 def test_notes_are_validated(pair: Pair) -> None:
     assert parse_push_note(b"rid\n1") is None  # a pull note passes through
     assert parse_push_note(push_note("x", 2, 3)) == ("part", "x", 2, 3)

@@ -185,6 +185,8 @@ class LayerPusher:
         self._active: dict[str, _Push] = {}
         self._next = 0  # first layer not yet posted in this forward pass
         self._q: queue.Queue[tuple[int, Any]] | None = None
+        self._queued = 0  # layers handed to the poster thread and not yet processed
+        self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._err: BaseException | None = None
         #: ``time.perf_counter()`` of each post of the current or last forward pass (measurements)
@@ -220,6 +222,8 @@ class LayerPusher:
         if i is None:
             return  # a layer this pusher does not move (another KV cache group)
         if self._q is not None:
+            with self._cv:
+                self._queued += 1
             self._q.put((i, event))
         else:
             self._layer_done(i)
@@ -236,6 +240,10 @@ class LayerPusher:
                 self._layer_done(i)
             except BaseException as e:  # reported by wait()
                 self._err = e
+            finally:
+                with self._cv:
+                    self._queued -= 1
+                    self._cv.notify_all()
 
     def _layer_done(self, i: int) -> None:
         last = i == len(self.names) - 1
@@ -271,9 +279,9 @@ class LayerPusher:
         part has landed (their prefill blocks can be freed now) and those that failed (also
         freed; the decode side fails them too, by deadline if not sooner)."""
         if self._q is not None:
-            deadline = time.monotonic() + self.timeout
-            while not self._q.empty() and time.monotonic() < deadline:
-                time.sleep(0.0005)
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._queued == 0, self.timeout):
+                    raise kvx.TransferTimeout(f"layers not posted within {self.timeout} s")
             if self._err is not None:
                 err, self._err = self._err, None
                 raise err
