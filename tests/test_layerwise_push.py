@@ -331,3 +331,45 @@ def test_split_by_layer_matches_the_pull_plan(lay_d: str, bs_d: int, lay_p: str,
             base_d, base_p = d[i][1].base, p[i][1].base
             assert (tabs.local_descs.addr[a] >= base_d).all() and (tabs.remote_descs.addr[b] >= base_p).all()
             assert (tabs.local_descs.addr[a] < base_d + d[i][0].numel() * 4).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "tcp"])
+def test_layerwise_push_gpu_waits_for_each_layers_event(backend: str) -> None:
+    """GPU 0 -> a decode process's GPU 1. Each layer's bytes are written by the GPU behind a queue
+    of slow matmuls; the CUDA event recorded after them gates the write, so decode receives every
+    layer's final bytes, never the stale ones the layer held when save_kv_layer was called."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    nbytes = L * B * BLK
+    with kvx.Agent("prefill-gpu", kvx.AgentConfig(backends=(backend,))) as agent, \
+            PeerProcess("decode-gpu", {"backends": [backend]}) as dec:
+        rid, descs = dec.register("vram:1", nbytes)
+        src = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+        local = agent.prepare(kvx.DescList.blocks(agent.register(src), BLK))
+        peer = agent.add_peer(dec.meta)
+        remote = agent.prepare(kvx.DescList.blocks(descs, BLK), peer=peer)
+        pusher = LayerPusher(agent, NAMES, group=1, threaded=True)
+        pusher.add("r", PushDest(peer, local, remote, layer_idx(list(range(B)), list(range(B)))))
+        x = torch.randn(2048, 2048, device="cuda:0")
+        for i, n in enumerate(NAMES):
+            for _ in range(8):  # keep the stream busy: the fill below executes well after this call
+                x = torch.tanh(x @ x)
+            src[i * B * BLK:(i + 1) * B * BLK].fill_(i + 1)
+            ev = torch.cuda.Event()
+            ev.record()
+            pusher.on_layer(n, ev)
+        done, failed = pusher.wait()
+        assert done == {"r"} and not failed
+        landing = PushLanding(10.0, 10.0, notify=lambda *a: None)
+        landing.expect("r", "prefill-gpu")
+        landed: set[str] = set()
+        end = time.monotonic() + 10
+        while not landed and time.monotonic() < end:
+            landed = landing.poll(dec.notifs(0.5))[0]
+        assert landed == {"r"}
+        for i in range(L):
+            got = dec.peek(rid, i * B * BLK, B * BLK)
+            assert got == bytes([i + 1]) * (B * BLK), f"layer {i}"
+        pusher.close()
