@@ -166,6 +166,8 @@ def test_decode_gives_up_mid_stream(pair: Pair) -> None:
     pusher.add("r", pair.dest([0, 1], [0, 1]))
     pusher.on_layer(NAMES[0])
     pusher.on_layer(NAMES[1])
+    assert pusher.handle_notes({"someone-else": [abort_note("r")]}) == []  # not its decode: ignored
+    assert pusher.active() == {"r"}
     landing.give_up("r")
     landed, failed, quiesced, _ = landing.poll({})
     assert not landed and not quiesced and landing.pending() == {"r"}  # blocks still held

@@ -318,12 +318,16 @@ class LayerPusher:
             except Exception:
                 pass
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, peer: str | None = None) -> bool:
         """Decode gave up on ``rid``: post nothing more, cancel what is in flight, and tell the
         decode side (:func:`aborted_note`) once nothing of it can land any more. False if the
-        request was not being pushed (finished, failed or unknown)."""
+        request was not being pushed (finished, failed or unknown) or, with ``peer``, is not
+        pushed to that peer (one decode instance cannot abort another's requests)."""
         with self._lock:
-            p = self._active.pop(rid, None)
+            p = self._active.get(rid)
+            if p is None or (peer is not None and p.dest.peer != peer):
+                return False
+            del self._active[rid]
         if p is None:
             return False
         self._cancel(p)
@@ -336,7 +340,7 @@ class LayerPusher:
     def handle_notes(self, notes: dict[str, list[bytes]]) -> list[bytes]:
         """Act on the decode side's abort notes; returns the messages that are not push notes."""
         rest = []
-        for msgs in notes.values():
+        for peer, msgs in notes.items():
             for m in msgs:
                 try:
                     parsed = parse_push_note(m)
@@ -346,7 +350,7 @@ class LayerPusher:
                 if parsed is None:
                     rest.append(m)
                 elif parsed[0] == "abort":
-                    self.abort(parsed[1])
+                    self.abort(parsed[1], peer)
         return rest
 
     def active(self) -> set[str]:
