@@ -289,11 +289,12 @@ class LayerPusher:
         failed: dict[str, BaseException] = {}
         with self._lock:
             pushes = list(self._active.values())
+        deadline = time.monotonic() + self.timeout  # one bound for the whole wait
         for p in pushes:
             if p.failed is None:
                 for x in p.xfers:
                     try:
-                        x.wait(self.timeout)
+                        x.wait(max(0.0, deadline - time.monotonic()))
                     except Exception as e:
                         p.failed = e
                         break
