@@ -40,6 +40,9 @@ __all__ = ["LayerGeom", "PeerTables", "heads_of", "read_plan", "template", "laye
 _U64 = np.uint64
 #: bound on the cells of one layer's super block (a peer's claim beyond it is refused)
 MAX_CELLS = 1 << 22
+#: bounds on a layer's blocks and on one side's descriptor list (claims beyond are refused)
+MAX_BLOCKS = 1 << 24
+MAX_DESCS = 1 << 28
 _MAX = 1 << 62
 
 
@@ -75,7 +78,8 @@ class LayerGeom:
             raise kvx.ProtocolError(f"malformed layer geometry {v!r:.200}")
         g = cls(v[0], *nums)
         if (g.planes not in (1, 2) or not 0 < g.block_size <= 1 << 16 or not 0 < g.heads <= 1 << 12
-                or g.cell <= 0 or g.num_blocks <= 0 or g.planes * g.block_size * g.heads > MAX_CELLS):
+                or g.cell <= 0 or not 0 < g.num_blocks <= MAX_BLOCKS
+                or g.planes * g.block_size * g.heads > MAX_CELLS):
             raise kvx.ProtocolError(f"layer geometry out of bounds: {v!r:.200}")
         return g
 
@@ -300,6 +304,11 @@ class PeerTables:
         self.layers = local
         self.remote = [rmap[g.name] for g in local]
         self.templates = [template(lg, rg, lh0, rh0, nh) for lg, rg in zip(local, self.remote)]
+        for side, geoms in (("decode", local), ("prefill", self.remote)):
+            total = sum(g.num_blocks * len(t) for g, t in zip(geoms, self.templates))
+            if total > MAX_DESCS:
+                raise kvx.ProtocolError(f"the {side} side's descriptor list would hold {total} entries "
+                                        f"(more than {MAX_DESCS})")
         la, ln, ra, rn = [], [], [], []
         self.loffs, self.roffs = [], []
         nl = nr = 0

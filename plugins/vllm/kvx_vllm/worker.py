@@ -1,16 +1,20 @@
 """The worker-side half of :class:`kvx_vllm.KVXConnector`: moves the bytes with kvx.
 
 Every attention layer's cache is registered once with a kvx :class:`~kvx.Agent` (its backing
-storage, so views and packed allocations work) and described as one block table: descriptor
-``offset[layer] + block`` is that layer's page of ``block``. A request's blocks, all layers
-included, then move in one kvx transfer:
+storage, so views and packed allocations work) and described by its cells' strides
+(:mod:`kvx_vllm.plan`):
 
-- pull (decode side): ``agent.read(local_table, idx, remote_table, ridx, notify=request_id)``
-  against the prefill worker, whose metadata comes from its side channel
-  (:func:`kvx.discovery.fetch_metadata`); the notification tells it to free the blocks;
-- offload: the pages of a block are gathered by one loopback transfer into a staging slot of
-  ``sum(page)`` bytes, stored in a :class:`kvx.tiers.TieredStore` under the block's hash (and
-  KV cache group), and scattered back the same way on a hit.
+- pull (decode side): for each prefill rank holding some of this rank's KV heads, one
+  ``agent.read`` of those heads of the request's blocks, all layers included, with descriptor
+  lists built once per (prefill rank, head range); then the blocks' generation words, a read that
+  carries the notification freeing the blocks (:mod:`kvx_vllm.pull`). Prefill workers' metadata
+  comes from their side channels (:func:`kvx.discovery.fetch_metadata`);
+- serve (prefill side): a finished request's blocks are held under a lease id until every decode
+  rank that reads (or only notifies) this rank has notified, or the lease runs out; then their
+  generation words are written, before vLLM may reuse them;
+- offload: the pages of a block (block-outermost layouts) are gathered by one loopback transfer
+  into a staging slot of ``sum(page)`` bytes, stored in a :class:`kvx.tiers.TieredStore` under the
+  block's hash (and KV cache group), and scattered back the same way on a hit.
 
 Transfers run on background threads; the forward pass never waits for them.
 """
@@ -43,6 +47,7 @@ from .metadata import (
     SaveSpec,
 )
 from .plan import LayerGeom, PeerTables, layer_geometry, read_plan
+from .pull import MAX_HOLD, Failed, Peer, Pull, note, parse_note
 from .util import compat_info, compat_mismatch
 
 if TYPE_CHECKING:
@@ -55,30 +60,6 @@ __all__ = ["KVXWorker", "layer_layouts", "block_table"]
 log = logging.getLogger(__name__)
 
 _U64 = np.uint64
-
-
-def _note(rid: str, n: int) -> bytes:
-    """The notification a decode worker sends a prefill worker: request id and how many decode
-    workers will send it (the prefill worker frees the blocks once all have)."""
-    return f"{rid}\n{n}".encode()
-
-
-#: a lease extended by heartbeats ends at the latest this many leases after it started
-_MAX_HOLD = 10
-
-
-def _parse_note(m: bytes) -> tuple[str, int] | None:
-    """``(request id, decode workers to wait for)``; 0 is a heartbeat."""
-    try:
-        text = m.decode()
-    except UnicodeDecodeError:
-        return None
-    rid, sep, n = text.rpartition("\n")
-    if not sep:
-        return text, 1
-    if not n.isdigit() or not 0 <= int(n) <= 4096:
-        return None
-    return rid, int(n)
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -127,18 +108,6 @@ def block_table(layouts: list[LayerLayout], kind: kvx.MemoryKind, dev: int = 0
         n += lay.num_blocks
     return (kvx.DescList.from_arrays(kind=kind, addr=np.concatenate(addrs), nbytes=np.concatenate(lens), dev=dev),
             offsets)
-
-
-class _Peer:
-    """A prefill worker this decode worker pulls from: its layers, generation words, and the
-    descriptor lists of each head range read from it (built once)."""
-
-    __slots__ = ("dev", "gen", "geoms", "kind", "name", "tables")
-
-    def __init__(self, name: str, geoms: list[LayerGeom], kind: kvx.MemoryKind, dev: int,
-                 gen: kvx.PreparedList | None) -> None:
-        self.name, self.geoms, self.kind, self.dev, self.gen = name, geoms, kind, dev, gen
-        self.tables: dict[tuple[int, int, int], tuple[PeerTables, kvx.PreparedList, kvx.PreparedList]] = {}
 
 
 class _GroupStore:
@@ -217,124 +186,6 @@ class _GroupStore:
         self.reg.release()
 
 
-class _Pull:
-    """One request's pull: a kvx read per prefill rank it reads (posted at once), then, once all
-    are done, a read of those blocks' generation words from each (carrying the notification that
-    lets the prefill free them), then the check that no block was released meanwhile; prefill
-    ranks it does not read are only notified. ``done``/``result`` poll it like a Future."""
-
-    __slots__ = (
-        "deadline",
-        "error",
-        "gens",
-        "local",
-        "notify_only",
-        "payload",
-        "phase",
-        "reads",
-        "slots",
-        "spec",
-        "t0",
-        "worker",
-    )
-
-    def __init__(self, worker: "KVXWorker", spec: RecvSpec, reads: list[tuple[_Peer, Any, np.ndarray]],
-                 notify_only: list[str], payload: dict[str, bytes]) -> None:
-        self.worker, self.spec, self.payload, self.notify_only = worker, spec, payload, notify_only
-        self.local = [b for g in spec.local_block_ids for b in g]
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + worker.cfg.load_timeout_s
-        self.error: BaseException | None = None
-        self.gens: list[tuple[Any, np.ndarray, int]] = []  # (transfer, remote blocks, first slot)
-        self.slots = 0
-        self.reads: list[tuple[_Peer, Any, np.ndarray]] = reads
-        self.phase = 0  # 0: data, 1: generations, 2: done
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        for _p, x, _b in self.reads:
-            if x is not None and not x.done():
-                x.cancel()
-        for x, _b, _s in self.gens:
-            if not x.done():
-                x.cancel()
-        self.phase = 2
-        self.worker._notify_all([p.name for p, _x, _b in self.reads] + self.notify_only, self.payload)
-
-    def done(self, block: bool = False) -> bool:
-        w = self.worker
-        while self.phase < 2:
-            xs = [x for _p, x, _b in self.reads] if self.phase == 0 else [g[0] for g in self.gens]
-            if time.monotonic() > self.deadline:
-                self._fail(kvx.TransferTimeout(f"pull not done within {w.cfg.load_timeout_s} s"))
-                break
-            if block:
-                for x in xs:
-                    x.wait(max(0.001, self.deadline - time.monotonic()))
-            if not all(x.done() for x in xs):
-                return False
-            bad = next((x for x in xs if x.status is not kvx.Status.DONE), None)
-            if bad is not None:
-                self._fail(bad.error or kvx.TransferError("pull failed"))
-                break
-            if self.phase == 0:
-                try:
-                    self._post_gens()
-                except Exception as exc:
-                    self._fail(exc)
-                    break
-                self.phase = 1
-            else:
-                self._check_gens()
-                self.phase = 2
-        return True
-
-    def _post_gens(self) -> None:
-        w = self.worker
-        lease = int(self.spec.params.get("kvx_lease", 0))
-        for peer, _x, rblocks in self.reads:
-            if peer.gen is None or not lease:
-                raise kvx.ProtocolError(f"prefill worker {peer.name} publishes no block generations")
-            first = w._slots(rblocks.size)
-            self.gens.append((w.agent.read(w._gen_local, first + np.arange(rblocks.size), peer.gen, rblocks,
-                                           notify=self.payload[peer.name]), rblocks, first))
-        w._notify_all(self.notify_only, self.payload)
-
-    def _check_gens(self) -> None:
-        lease = int(self.spec.params["kvx_lease"])
-        for (x, rblocks, first), (peer, _x, _b) in zip(self.gens, self.reads):
-            got = self.worker._gen_view[first:first + rblocks.size]
-            if (got >= lease).any():
-                n = int((got >= lease).sum())
-                self.error = kvx.TransferError(
-                    f"{n} of {rblocks.size} blocks were released by prefill worker {peer.name} before the "
-                    f"pull finished (lease {self.spec.params.get('kvx_lease')} expired); their bytes may "
-                    "belong to another request")
-                return
-
-    def result(self) -> list[int]:
-        """The blocks that failed (none when the pull succeeded)."""
-        if self.error is None:
-            self.worker._count(pulls=1, pulled_blocks=len(self.local), pull_s=time.monotonic() - self.t0)
-            return []
-        self.worker._pull_failed(self.spec, self.error)
-        return self.local
-
-
-class _Failed:
-    """A pull that failed before anything was posted."""
-
-    def __init__(self, local: list[int]) -> None:
-        self.local = local
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> list[int]:
-        return self.local
-
-
 class KVXWorker:
     """Worker-side state of the connector (one per worker process)."""
 
@@ -382,7 +233,7 @@ class KVXWorker:
         self.table: kvx.PreparedList | None = None
         self._regs: list[kvx.Registration] = []
         self._stores: dict[int, _GroupStore] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._peer_lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}  # peer name -> held while connecting it
         self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvx-vllm-pull")
@@ -529,7 +380,7 @@ class KVXWorker:
             self._gen_max[ids] = np.maximum(self._gen_max[ids], _U64(send.lease))
             # [deadline, lease id, blocks, decode peers heard from, expected, lease_s, latest deadline]
             st: list[Any] = [now + send.lease_s, send.lease, ids, set(), 1 << 30, send.lease_s,
-                             now + _MAX_HOLD * send.lease_s]
+                             now + MAX_HOLD * send.lease_s]
             early = self._early.pop(send.req_id, None)
             if early is not None:
                 st[3], st[4] = early[1], early[2]
@@ -543,7 +394,7 @@ class KVXWorker:
         now = time.monotonic()
         for peer, msgs in self.agent.notifications().items():
             for m in msgs:
-                parsed = _parse_note(m)
+                parsed = parse_note(m)
                 if parsed is None:
                     log.warning("kvx_vllm: malformed notification from %s ignored", peer)
                     continue
@@ -649,7 +500,7 @@ class KVXWorker:
             reads, notify, payload = self._check_params(spec)
             rid = str(params["remote_request_id"])
             for e in [e for e, *_ in reads] + notify:
-                self.agent.notify(self._peer(e).name, _note(rid, 0))
+                self.agent.notify(self._peer(e).name, note(rid, 0))
         except Exception as exc:
             log.warning("kvx_vllm: heartbeat for %s failed: %s", params.get("remote_request_id"), exc)
 
@@ -672,7 +523,7 @@ class KVXWorker:
             except Exception as exc:
                 log.warning("kvx_vllm: notifying %s failed: %s", name, exc)
 
-    def _peer(self, entry: list[Any]) -> _Peer:
+    def _peer(self, entry: list[Any]) -> Peer:
         """The prefill worker of ``entry``, connected once however many pulls ask for it at once.
 
         A burst of requests to a fresh decode instance starts several pulls from the same prefill
@@ -702,17 +553,19 @@ class KVXWorker:
             geoms = [LayerGeom.from_list(v) for v in layout]
             gen = None
             g = winfo.get("gen")
-            if isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) and 0 < x < 1 << 62 for x in g):
+            most = max([geo.num_blocks for geo in geoms] or [0])
+            if (isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) for x in g)
+                    and 0 < g[0] < 1 << 62 and 0 < g[1] <= most):
                 gen = self.agent.prepare(kvx.DescList.from_arrays(
                     kind=kvx.MemoryKind.HOST, addr=_U64(g[0]) + np.arange(g[1], dtype=_U64) * _U64(8),
                     nbytes=np.full(g[1], 8, dtype=_U64)), peer=pname)
-            p = _Peer(pname, geoms, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))), int(winfo.get("dev", 0)),
+            p = Peer(pname, geoms, kvx.MemoryKind(int(winfo.get("kind", int(self.kind)))), int(winfo.get("dev", 0)),
                       gen)
             with self._peer_lock:
                 self._peers[name] = p
             return p
 
-    def _tables(self, peer: _Peer, lh0: int, rh0: int, nh: int) -> tuple[PeerTables, Any, Any]:
+    def _tables(self, peer: Peer, lh0: int, rh0: int, nh: int) -> tuple[PeerTables, Any, Any]:
         key = (lh0, rh0, nh)
         t = peer.tables.get(key)
         if t is None:
@@ -762,7 +615,7 @@ class KVXWorker:
         read_ranks = {r for r, *_ in reads}
         rid = str(params["remote_request_id"])
         # each prefill worker learns how many decode workers it will hear from for the request
-        payload = {str(entry(r)[0]): _note(rid, n) for r, n in notify.items()}
+        payload = {str(entry(r)[0]): note(rid, n) for r, n in notify.items()}
         return ([(entry(r), lh0, rh0, nh) for r, lh0, rh0, nh in reads],
                 [entry(r) for r in sorted(notify) if r not in read_ranks], payload)
 
@@ -772,10 +625,10 @@ class KVXWorker:
                 for lids, lp, rids in zip(spec.local_block_ids, pos, spec.remote_block_ids)]
 
     def _post(self, spec: RecvSpec, reads: list[tuple[list[Any], int, int, int]], notify: list[list[Any]],
-              payload: dict[str, bytes], connect: bool) -> "_Pull | None":
+              payload: dict[str, bytes], connect: bool) -> "Pull | None":
         """Post a request's reads (None: a prefill worker is not connected and ``connect`` is off)."""
         groups = self._groups(spec)
-        posted: list[tuple[_Peer, Any, np.ndarray]] = []
+        posted: list[tuple[Peer, Any, np.ndarray]] = []
         peers = []
         for e, lh0, rh0, nh in reads:
             with self._peer_lock:
@@ -784,6 +637,8 @@ class KVXWorker:
                 if not connect:
                     return None
                 peer = self._peer(e)
+            if not connect and (lh0, rh0, nh) not in peer.tables:
+                return None  # its descriptor lists are built on a pool thread, not the engine's
             peers.append((peer, lh0, rh0, nh))
         others = []
         for e in notify:
@@ -794,12 +649,12 @@ class KVXWorker:
                     return None
                 peer = self._peer(e)
             others.append(peer.name)
-        pull = _Pull(self, spec, posted, others, payload)
+        pull = Pull(self, spec, posted, others, payload)
         try:
             for peer, lh0, rh0, nh in peers:
                 tabs, local, remote = self._tables(peer, lh0, rh0, nh)
                 li, ri, rblocks = tabs.indices(groups)
-                posted.append((peer, self.agent.read(local, li, remote, ri), rblocks))
+                posted.append((peer, self.agent.read(local, li, remote, ri) if li.size else None, rblocks))
         except Exception as exc:
             pull._fail(exc)
         return pull
@@ -813,7 +668,7 @@ class KVXWorker:
                 if isinstance(e, (list, tuple)) and e and isinstance(e[0], str):
                     self._forget_peer(e[0])
 
-    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | _Pull | _Failed":
+    def _start_pull(self, spec: RecvSpec) -> "Future[list[int]] | Pull | Failed":
         """Post the pull of a request whose prefill workers are connected already, here and now
         (nonblocking kvx reads that ``get_transfer_results`` polls: no thread hand-off); one whose
         workers are not all connected yet is connected on a pool thread, which then pulls."""
@@ -823,7 +678,7 @@ class KVXWorker:
             pull = self._post(spec, reads, notify, payload, connect=False)
         except Exception as exc:
             self._pull_failed(spec, exc)
-            return _Failed(local)
+            return Failed(local)
         if pull is None:
             return self._pull_pool.submit(self._pull, spec)
         return pull
@@ -843,10 +698,8 @@ class KVXWorker:
         except Exception as exc:
             self._pull_failed(spec, exc)
             return local
-        pull.done(block=True)
-        pull.done(block=True)
-        if not pull.done(block=True):
-            pull._fail(kvx.TransferTimeout("pull not done"))
+        while not pull.done(block=True):  # done() fails the pull itself past its deadline
+            pass
         return pull.result()
 
     def _load(self, spec: LoadSpec) -> list[int]:

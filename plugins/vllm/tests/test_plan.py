@@ -195,6 +195,8 @@ def test_mismatches_are_named() -> None:
         LayerGeom.from_list(["l", 0, 0, 1, 1, 1 << 20, 1, 2, 8, 0, 0, 0])
     with pytest.raises(kvx.ProtocolError):
         LayerGeom.from_list(["l", 0, -1, 1, 1, 1, 1, 2, 8, 0, 0, 0])
+    with pytest.raises(kvx.ProtocolError):  # a peer claiming 2^25 blocks is refused before any allocation
+        LayerGeom.from_list(["l", 0, 0, 1 << 25, 1, 1, 1, 2, 8, 0, 0, 0])
 
 
 def test_no_python_loop_per_block() -> None:

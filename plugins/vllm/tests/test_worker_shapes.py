@@ -230,7 +230,7 @@ def sides():
         return s
 
     yield make
-    for s in made:
+    for s in reversed(made):  # decode sides first: nothing of theirs waits on a closed prefill
         s.close()
 
 
