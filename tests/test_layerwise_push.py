@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -375,3 +376,93 @@ def test_layerwise_push_gpu_waits_for_each_layers_event(backend: str) -> None:
             got = dec.peek(rid, i * B * BLK, B * BLK)
             assert got == bytes([i + 1]) * (B * BLK), f"layer {i}"
         pusher.close()
+
+
+def _caches(torch: Any, layout: str, bs: int, blocks: int, fill: bool) -> list[tuple[Any, Any]]:
+    """Three layers' (storage, the view vLLM hands the connector) with 2 KV heads of 8."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(3):
+        if layout == "HND":
+            st = torch.zeros(blocks, 2, bs, 16)
+            view = st
+        elif layout == "NHD":
+            st = torch.zeros(blocks, bs, 2, 16)
+            view = st.permute(0, 2, 1, 3)
+        else:
+            st = torch.zeros(2, blocks, bs, 2, 8)
+            view = st
+        if fill:
+            st.copy_(torch.randn(st.shape, generator=g))
+        out.append((st, view))
+    return out
+
+
+@pytest.mark.parametrize("lay_d,bs_d,lay_p,bs_p,skip", [("HND", 4, "NHD", 8, 0), ("NHD", 8, "HND", 4, 1),
+                                                         ("NHD5", 4, "NHD5", 4, 1)])
+def test_push_from_a_registration_moves_what_a_pull_moves(lay_d: str, bs_d: int, lay_p: str, bs_p: int,
+                                                          skip: int) -> None:
+    """Decode registers its blocks (a registration note through the parser), the prefill builds the
+    destination and pushes layer by layer; the decode cache ends byte-identical to the same
+    request pulled with the pull plan into a twin cache."""
+    torch = pytest.importorskip("torch")
+    from kvx_vllm.plan import PeerTables, layer_geometry
+    from kvx_vllm.push import parse_registration, push_dest, registration_note
+
+    def geoms(c: list[tuple[Any, Any]], bs: int) -> list[Any]:
+        return [layer_geometry(f"l{i}", v, 0, bs, 2, 8, False) for i, (_, v) in enumerate(c)]
+
+    blocks = 24
+    pc = _caches(torch, lay_p, bs_p, blocks, True)
+    ac, bc = _caches(torch, lay_d, bs_d, blocks, False), _caches(torch, lay_d, bs_d, blocks, False)
+    h = kvx.MemoryKind.HOST
+    with kvx.Agent("prefill", cfg()) as P, kvx.Agent("decode", cfg()) as D:
+        P.register([st.numpy() for st, _ in pc])
+        D.register([st.numpy() for st, _ in ac + bc])
+        dpeer, ppeer = P.add_peer(D.metadata()), D.add_peer(P.metadata())
+        tokens = 41
+        nd, npf = -(-tokens // bs_d), -(-tokens // bs_p)
+        rng = np.random.default_rng(3)
+        dids, pids = rng.permutation(blocks)[:nd], rng.permutation(blocks)[:npf]
+        pos = np.arange(skip, nd)
+        # push: the prefill's side
+        ta = PeerTables(geoms(ac, bs_d), geoms(pc, bs_p), 0, 0, 2, h, 0, h, 0)
+        reg = parse_registration(registration_note("r", [(list(dids[skip:]), list(pos))], 1, 0))
+        assert reg is not None and reg.rid == "r"
+        dest = push_dest(ta, reg, [list(pids)], dpeer, P.prepare(ta.remote_descs),
+                         P.prepare(ta.local_descs, peer=dpeer))
+        pusher = LayerPusher(P, ["l0", "l1", "l2"], group=1)
+        pusher.add("r", dest)
+        for n in ("l0", "l1", "l2"):
+            pusher.on_layer(n)
+        assert pusher.wait() == ({"r"}, {})
+        pusher.close()
+        # pull: the same request into the twin cache, by the pull plan
+        tb = PeerTables(geoms(bc, bs_d), geoms(pc, bs_p), 0, 0, 2, h, 0, h, 0)
+        li, ri, _ = tb.indices([(dids[skip:], pos, pids)])
+        D.read(D.prepare(tb.local_descs), li, D.prepare(tb.remote_descs, peer=ppeer), ri).wait(10)
+        for (a, _), (b, _) in zip(ac, bc):
+            assert torch.equal(a, b)
+            assert a.abs().sum() > 0
+        if skip:  # the block decode already held was not written
+            first = dids[0]
+            view = ac[0][1]
+            assert not (view[:, first] if lay_d == "NHD5" else view[first]).any()
+
+
+def test_registrations_are_validated() -> None:
+    from kvx_vllm.push import parse_registration, registration_note
+
+    assert parse_registration(push_note("r", 0, 1)) is None
+    good = registration_note("r", [([3, 4], [0, 1])], 2, 1)
+    reg = parse_registration(good)
+    assert reg is not None and reg.tp_size == 2 and reg.tp_rank == 1
+    assert [list(x) for x in reg.groups[0]] == [[3, 4], [0, 1]]
+    for bad in (registration_note("r", [([3, 3], [0, 1])], 1, 0),  # a block twice
+                registration_note("r", [([3, 4], [1, 1])], 1, 0),  # a position twice
+                registration_note("r", [([3, 4], [0, 1])], 1, 1),  # rank outside the TP size
+                registration_note("r", [], 1, 0),
+                good[:-3],
+                b"kvx-push-reg\x00" + b"\x95\x01\xa1r\x01\x00\x91\x92\xc4\x03abc\xc4\x03abc"):  # not whole u32s
+        with pytest.raises(kvx.ProtocolError):
+            parse_registration(bad)

@@ -44,8 +44,8 @@ import numpy as np
 
 import kvx
 
-__all__ = ["LayerPusher", "PushLanding", "PushDest", "abort_note", "aborted_note", "parse_push_note", "push_note",
-           "split_by_layer"]
+__all__ = ["LayerPusher", "PushDest", "PushLanding", "Registration", "abort_note", "aborted_note",
+           "parse_push_note", "parse_registration", "push_dest", "push_note", "registration_note", "split_by_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -474,3 +474,77 @@ class PushLanding:
 
     def pending(self) -> set[str]:
         return set(self._expect) | set(self._quiescing)
+
+
+# ----------------------------------------------------------------------------------------------
+# registration: decode -> prefill, "here are the blocks I allocated for this request"
+
+_REG = b"kvx-push-reg\x00"
+#: bound on the blocks of one request in one KV cache group, and on the groups
+MAX_BLOCKS = 1 << 20
+MAX_GROUPS = 16
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A decode worker's blocks for request ``rid``: per KV cache group, its new block ids and
+    their positions in the request (blocks it already holds, e.g. prefix-cache hits, are absent),
+    and the decode engine's tensor-parallel size and this worker's rank."""
+
+    rid: str
+    groups: tuple[tuple[np.ndarray, np.ndarray], ...]
+    tp_size: int
+    tp_rank: int
+
+
+def registration_note(rid: str, groups: list[tuple[list[int], list[int]]], tp_size: int, tp_rank: int) -> bytes:
+    """Encode a :class:`Registration` (sent with ``agent.notify`` over kvx's side channel)."""
+    body = [1, rid, tp_size, tp_rank,
+            [[np.asarray(ids, "<u4").tobytes(), np.asarray(pos, "<u4").tobytes()] for ids, pos in groups]]
+    return _REG + msgpack.packb(body, use_bin_type=True)
+
+
+def parse_registration(m: bytes) -> Registration | None:
+    """Decode a registration; None for another message; :class:`kvx.ProtocolError` for a
+    malformed one (sizes, types, duplicate blocks or positions, ids out of range)."""
+    if not m.startswith(_REG):
+        return None
+    try:
+        v = msgpack.unpackb(m[len(_REG):], raw=False, max_str_len=MAX_RID, max_bin_len=4 * MAX_BLOCKS,
+                            max_array_len=max(5, MAX_GROUPS), max_map_len=0)
+    except Exception as e:
+        raise kvx.ProtocolError(f"malformed push registration: {e}") from None
+    if (not isinstance(v, list) or len(v) != 5 or v[0] != 1 or not isinstance(v[1], str) or not v[1]
+            or type(v[2]) is not int or type(v[3]) is not int or not 0 <= v[3] < v[2] <= 4096
+            or not isinstance(v[4], list) or not 0 < len(v[4]) <= MAX_GROUPS):
+        raise kvx.ProtocolError("malformed push registration")
+    groups = []
+    for g in v[4]:
+        if (not isinstance(g, list) or len(g) != 2 or not all(isinstance(x, bytes) for x in g)
+                or len(g[0]) != len(g[1]) or len(g[0]) % 4):
+            raise kvx.ProtocolError("malformed push registration group")
+        ids = np.frombuffer(g[0], "<u4").astype(np.int64)
+        pos = np.frombuffer(g[1], "<u4").astype(np.int64)
+        if ids.size and (ids.max() >= 1 << 31 or pos.max() >= MAX_BLOCKS
+                         or np.unique(ids).size != ids.size or np.unique(pos).size != pos.size):
+            raise kvx.ProtocolError("push registration: block ids or positions out of range or repeated")
+        groups.append((ids, pos))
+    return Registration(v[1], tuple(groups), v[2], v[3])
+
+
+def push_dest(tables: Any, reg: Registration, prefill_blocks: list[list[int]], peer: str, local: Any,
+              remote: Any) -> PushDest:
+    """The :class:`PushDest` of a registered request on the prefill worker.
+
+    ``tables``: the :class:`~kvx_vllm.plan.PeerTables` of this (decode rank, prefill rank) pair
+    built as the decode rank would for a pull (local = the decode rank's layers); ``local``: this
+    worker's ``prepare(tables.remote_descs)`` (its own memory); ``remote``:
+    ``prepare(tables.local_descs, peer=peer)``; ``prefill_blocks``: the request's block ids here,
+    per group. Block ids beyond the tables' ranges raise :class:`kvx.ProtocolError`.
+    """
+    if len(reg.groups) > len(prefill_blocks):
+        raise kvx.ProtocolError(f"registration names {len(reg.groups)} KV cache groups, the request has "
+                                f"{len(prefill_blocks)}")
+    groups = [(ids, pos, np.asarray(prefill_blocks[g], np.int64)) for g, (ids, pos) in enumerate(reg.groups)]
+    per = split_by_layer(tables, groups)
+    return PushDest(peer, local, remote, {n: (w, r) for n, (r, w) in per.items()})
