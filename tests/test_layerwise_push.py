@@ -140,6 +140,24 @@ def test_two_requests_and_a_request_added_mid_pass(pair: Pair) -> None:
     pusher.close()
 
 
+def test_a_request_added_mid_pass_waits_for_the_next_pass_threaded(pair: Pair) -> None:
+    """With the poster thread and groups of 2: a request added after layer 0 was reported (but
+    before the poster posted anything) takes no part in this pass."""
+    pusher = LayerPusher(pair.p, NAMES, group=2, threaded=True)
+    pusher.add("a", pair.dest([0], [0]))
+    evs = [FakeEvent() for _ in NAMES]
+    pusher.on_layer(NAMES[0], evs[0])
+    pusher.add("b", pair.dest([1], [1]))
+    for n, ev in zip(NAMES[1:], evs[1:]):
+        pusher.on_layer(n, ev)
+    for ev in evs:
+        ev.ready.set()
+    done, failed = pusher.wait()
+    assert done == {"a"} and not failed and pusher.active() == {"b"}
+    assert not pair.block(pair.dst, 0, 1).any()
+    pusher.close()
+
+
 def test_layers_without_blocks_still_count(pair: Pair) -> None:
     """A request with nothing in some layers (another KV cache group) still sends every part."""
     pusher = LayerPusher(pair.p, NAMES, group=2)

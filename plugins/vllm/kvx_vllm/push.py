@@ -221,6 +221,10 @@ class LayerPusher:
         i = self.index.get(name)
         if i is None:
             return  # a layer this pusher does not move (another KV cache group)
+        if i == 0:  # a new forward pass: the requests added before it take part in it
+            with self._lock:
+                for p in self._active.values():
+                    p.armed = True
         if self._q is not None:
             with self._cv:
                 self._queued += 1
@@ -255,9 +259,6 @@ class LayerPusher:
             self.post_times = []
         self.post_times.append(time.perf_counter())
         with self._lock:
-            if lo == 0:  # a new forward pass: requests added before it take part in it
-                for p in self._active.values():
-                    p.armed = True
             pushes = [p for p in self._active.values() if p.armed and p.failed is None and p.posted < p.parts]
         for p in pushes:
             lidx = [p.dest.layers[n][0] for n in self.names[lo:hi] if n in p.dest.layers]
