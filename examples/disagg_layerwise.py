@@ -451,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"shape": a.shape, "config": SHAPES[a.shape], "device": a.device, "dtype": str(dtype),
            "gpus": [torch.cuda.get_device_name(i) for i in range(2)] if not cpu else [],
            "reps": a.reps, "new_tokens": a.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                        "kvx": getattr(kvx, "__version__", "?")},
+           "env": {k: v for k, v in os.environ.items() if k.startswith("KVX_") or k == "PYTORCH_CUDA_ALLOC_CONF"},
            "identical": all_same, "summary": summary, "runs": results}
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -460,6 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     print("tokens identical to single-process generation in every run" if all_same
           else "DIFFERENT tokens in some run (above)")
     return 0 if all_same else 1
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def summarize(results: list[dict[str, Any]], lens: list[int], backends: list[str],
