@@ -16,7 +16,8 @@ layer's fresh K and V into a registered staging buffer and records a CUDA event.
   later layers compute.
 
 Every write carries a kvx notification; the decode process counts them with the connector's
-decode half (``kvx_vllm.push.PushLanding``), and the KV has *landed* when the last one arrived. The figures, each the median of ``--reps`` runs:
+decode half (``kvx_vllm.push.PushLanding``), and the KV has *landed* when the last one arrived.
+The figures, each the median of ``--reps`` runs:
 
 - prefill: the forward pass on GPU 0 (the prompt's first token included);
 - transfer: in ``whole`` mode, from posting the write to the KV landed on GPU 1;
