@@ -69,17 +69,36 @@ class TierMachine(RuleBasedStateMachine):
                                     journal=os.path.join(self.dir, "objects")))
         return tiers
 
+    #: one agent for every store of the run (a class's stores, in turn): hypothesis opens
+    #: thousands of stores while it shrinks, and each private agent costs its backends' set-up
+    _agent: kvx.Agent | None = None
+
     def _open(self) -> None:
+        cls = type(self)
+        if cls.__dict__.get("_agent") is None:  # per class: a subclass needs other backends
+            cls._agent = kvx.Agent(f"model-{cls.__name__}", kvx.AgentConfig(
+                backends=("host", "posix", "s3") if self.bucket else ("host", "posix")))
+        self.regs: list[kvx.Registration] = []
         self.store = TieredStore(self._tiers(), block_bytes=BB, policy=self.policy, writeback_depth=4,
-                                 writeback_batch=2, get_chunk=2)
+                                 writeback_batch=2, get_chunk=2, agent=cls.__dict__["_agent"])
         self.store.events.subscribe(self._events)
         self.src_buf, self.src = self._lists(8)
         self.dsts = [self._lists(6) for _ in range(2)]
 
+    def _close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        for r in self.regs:
+            r.release()
+        self.regs = []
+
     def _lists(self, n: int) -> tuple[np.ndarray, kvx.PreparedList]:
         assert self.store is not None
         buf = np.zeros(n * BB, np.uint8)
-        return buf, self.store.agent.prepare(kvx.DescList.blocks(self.store.agent.register(buf), BB))
+        reg = self.store.agent.register(buf)
+        self.regs.append(reg)
+        return buf, self.store.agent.prepare(kvx.DescList.blocks(reg, BB))
 
     def _events(self, events: list[Event]) -> None:
         with self.ev_lock:
@@ -88,8 +107,7 @@ class TierMachine(RuleBasedStateMachine):
                     self.evicted.update(e.block_hashes)  # type: ignore[arg-type]
 
     def teardown(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        self._close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- rules ------------------------------------------------------------------------------
@@ -106,6 +124,10 @@ class TierMachine(RuleBasedStateMachine):
         except kvx.TierFull:  # pins (and their chains' ancestors) left no room: refused, with a reason
             with self.ev_lock:
                 self.evicted.update(keys)
+        # a key not stored right after its put was declined by the policy's admission: a miss
+        declined = [k for k in keys if self.store.lookup([k]).hits == 0]
+        with self.ev_lock:
+            self.evicted.update(declined)
         self.src_buf[:] = 0xEE  # the caller reuses its source at once
 
     @rule(keys=KEYS)
@@ -167,8 +189,7 @@ class TierMachine(RuleBasedStateMachine):
         """Close the store (its write-back drains) and open it again on the same directory: the
         persistent tiers recover; blocks deleted before must not come back."""
         assert self.store is not None
-        self.store.close()
-        self.store = None
+        self._close()
         self._open()
         assert self.store is not None
         for k in range(20):
