@@ -194,14 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             p.start()
         results: list[dict[str, Any]] = []
-        deadline = time.monotonic() + a.seconds + 300  # a store's waits are bounded (60 s each)
-        while len(results) < len(procs):
+        deadline = time.monotonic() + a.seconds + 240  # a store's waits are bounded (60 s each)
+        while len(results) < len(procs) and time.monotonic() < deadline:
             try:
-                results.append(q.get(timeout=max(0.1, deadline - time.monotonic())))
+                results.append(q.get(timeout=1.0))
             except queue.Empty:
-                break
+                if all(not p.is_alive() for p in procs):  # a child died without answering
+                    try:
+                        results.append(q.get(timeout=1.0))
+                    except queue.Empty:
+                        break
+        codes = {s: p.exitcode for s, p in zip(seeds, procs)}
         for s in set(seeds) - {r["seed"] for r in results}:
-            results.append({"seed": s, "threads": a.threads, "errors": 1, "first": ["no answer: hung"]})
+            why = "no answer: hung" if codes[s] is None else f"no answer: exited with {codes[s]}"
+            results.append({"seed": s, "threads": a.threads, "errors": 1, "first": [why]})
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
