@@ -396,6 +396,20 @@ class Pool:
         except KVXError:
             log.debug("pool: removing peer %s", c.member.name, exc_info=True)
 
+    def _landed(self, x: Any, ok: bool, m: Any, what: str, deadline: float) -> bool:
+        """Wait (until ``deadline``) for one owner's transfer ``x`` (None: nothing was posted);
+        False if it failed, which cancels it and marks the owner failed for a while."""
+        if x is None:
+            return ok
+        try:
+            x.wait(max(0.0, deadline - time.monotonic()))
+        except KVXError as exc:
+            log.info("pool: %s %s failed: %s", what, m.name, exc)
+            x.cancel()
+            self._fail(m.name)
+            return False
+        return ok
+
     def _fail(self, name: str) -> None:
         """Skip member ``name`` for ``retry`` seconds (its blocks miss meanwhile)."""
         self._stats["member_failures"] += 1
@@ -531,14 +545,7 @@ class Pool:
         commits = []
         for j, pos, slots, gid, x, ok in posted:
             m = mem[j]
-            if x is not None:
-                try:
-                    x.wait(max(0.0, deadline - time.monotonic()))
-                except KVXError as exc:
-                    log.info("pool: write to %s failed: %s", m.name, exc)
-                    x.cancel()
-                    ok = False
-                    self._fail(m.name)
+            ok = self._landed(x, ok, m, "write to", deadline)
             call = self._send(mem[j], "commit", gid=gid, slots=slots, sums=[sums[p] for p in pos], ok=ok)
             commits.append((j, pos, ok, call))
         deadline = time.monotonic() + self.opts.timeout
@@ -642,14 +649,7 @@ class Pool:
         assert dst is not None and ia is not None
         for j, pos, sums, lid, x, ok in reads:
             m = mem[j]
-            if x is not None:
-                try:
-                    x.wait(max(0.0, deadline - time.monotonic()))
-                except KVXError as exc:
-                    log.info("pool: read from %s failed: %s", m.name, exc)
-                    x.cancel()
-                    ok = False
-                    self._fail(m.name)
+            ok = self._landed(x, ok, m, "read from", deadline)
             take = bisect.bisect_left(pos.tolist(), end)
             if not ok:
                 end = min(end, int(pos[0]))
