@@ -55,17 +55,23 @@ BEST_ENV = {
 }
 
 
-def mooncake_available() -> str | None:
-    """None if the Mooncake transfer engine imports here, else the reason and the fix."""
+def importable(module: str, checking: str, missing: str, hint: str) -> str | None:
+    """None if ``module`` imports in a fresh interpreter here, else the reason and ``hint``
+    (``checking``/``missing`` name the part in the messages)."""
     try:
-        out = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
                              timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot check for Mooncake ({exc}); {INSTALL_HINT}"
+        return f"cannot check for {checking} ({exc}); {hint}"
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["import failed"])[-1]
-        return f"the Mooncake transfer engine is not importable ({tail}); {INSTALL_HINT}"
+        return f"{missing} is not importable ({tail}); {hint}"
     return None
+
+
+def mooncake_available() -> str | None:
+    """None if the Mooncake transfer engine imports here, else the reason and the fix."""
+    return importable("mooncake.engine", "Mooncake", "the Mooncake transfer engine", INSTALL_HINT)
 
 
 def mooncake_version() -> str:

@@ -39,15 +39,9 @@ INSTALL_HINT = ("pip install --no-deps mooncake-transfer-engine-non-cuda (and De
 
 def mooncake_store_available() -> str | None:
     """None if ``mooncake.store`` imports here, else the reason and the fix."""
-    try:
-        out = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot check for Mooncake Store ({exc}); {INSTALL_HINT}"
-    if out.returncode != 0:
-        tail = (out.stderr.strip().splitlines() or ["import failed"])[-1]
-        return f"Mooncake Store is not importable ({tail}); {INSTALL_HINT}"
-    return None
+    from .mooncake import importable
+
+    return importable("mooncake.store", "Mooncake Store", "Mooncake Store", INSTALL_HINT)
 
 
 def _free_port() -> int:
