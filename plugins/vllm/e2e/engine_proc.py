@@ -13,6 +13,7 @@ It answers one JSON line per command line (prompts are token ids, sampling is gr
 - ``{"cmd": "spoil", "on": true}``: from now on, blocks this (decode) engine pulls are
   overwritten with noise after they arrive and before the model reads them (negative control);
 - ``{"cmd": "lease", "seconds": s}``: the (prefill) connector's lease for requests finishing from now on;
+- ``{"cmd": "push_wait", "seconds": s}``: the (prefill) connector's ``push_wait_s`` from now on;
 - ``{"cmd": "reset_prefix_cache"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
 
 ``tp`` > 1 runs ``tensor_parallel_size`` worker processes (``VLLM_CPU_OMP_THREADS_BIND`` lists a
@@ -146,6 +147,12 @@ def main() -> None:
             ks = getattr(core.scheduler.connector, "scheduler", None)
             ks.cfg = dataclasses.replace(ks.cfg, lease_s=float(cmd["seconds"]))
             _reply(state())
+        elif c == "push_wait":
+            import dataclasses
+
+            ks = getattr(core.scheduler.connector, "scheduler", None)
+            ks.cfg = dataclasses.replace(ks.cfg, push_wait_s=float(cmd["seconds"]))
+            _reply(state())
         elif c == "reset_prefix_cache":
             ok = llm.reset_prefix_cache()
             _reply({"ok": bool(ok), **state()})
@@ -155,7 +162,9 @@ def main() -> None:
             ks = getattr(core.scheduler.connector, "scheduler", None)
             known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
             done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
+            pp = getattr(kvw, "push_prefill", None)
             _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "external": external,
+                    "push": dict(pp.stats) if pp is not None else {},
                     "scheduler_known_blocks": known, "pull_s": done, **state()})
         elif c == "quit":
             del llm

@@ -6,6 +6,10 @@ Every key is optional::
      "kv_role": "kv_producer",
      "kv_connector_extra_config": {"side_channel_host": "10.0.0.5", "side_channel_port": 5600,
                                    "lease_s": 120, "offload_host_gb": 8}}
+
+Push mode (prefill writes into blocks decode allocated up front; see :mod:`kvx_vllm.push`) is
+``"transfer_mode": "push"`` on both instances, ``"layerwise": true`` adds layer-wise streaming
+(each layer's KV is written while the next layers compute); the proxy runs with ``--mode push``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,25 @@ class KVXConnectorConfig:
         Eviction policy name (``kvx.tiers.policies.POLICIES``); empty for the store's default.
     check_model_name
         Also require equal model names (not only equal geometry) between prefill and decode.
+    transfer_mode
+        ``"pull"`` (default: decode reads what the prefill's kv_transfer_params name once the
+        prefill has finished) or ``"push"`` (decode allocates a request's blocks as soon as it
+        arrives, registers them with the prefill workers, and the prefill workers write the KV
+        into them). Both instances must agree.
+    layerwise
+        Push only: write each layer's KV (``push_group`` layers per kvx write) while the next
+        layers compute, instead of the whole request after its last layer.
+    push_group
+        Layers per kvx write in layer-wise push.
+    push_timeout_s
+        Push: bound from a decode worker's registration to the last write having landed (the
+        request fails after it, its blocks are freed once the prefill confirms or this bound has
+        passed again), and on how long a prefill instance keeps a finished request's blocks for a
+        registration that has not come.
+    push_wait_s
+        Push, prefill side: how long a request may wait for its decode's registration before it
+        is computed anyway (then written whole once the registration comes). Layer-wise streaming
+        needs the registration before the forward pass.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -79,6 +102,11 @@ class KVXConnectorConfig:
     offload_policy: str = ""
     check_model_name: bool = True
     staging_blocks: int = 64
+    transfer_mode: str = "pull"
+    layerwise: bool = False
+    push_group: int = 1
+    push_timeout_s: float = 30.0
+    push_wait_s: float = 0.5
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "KVXConnectorConfig":
@@ -95,13 +123,14 @@ class KVXConnectorConfig:
             if k not in known:
                 raise ValueError(f"unknown kv_connector_extra_config key for KVXConnector: {k!r} "
                                  f"(known: {', '.join(sorted(known))}, offload_host_gb, offload_disk_gb)")
-            if k in ("side_channel_port", "offload_host_bytes", "offload_disk_bytes", "staging_blocks"):
+            if k in ("side_channel_port", "offload_host_bytes", "offload_disk_bytes", "staging_blocks",
+                     "push_group"):
                 kw[k] = int(v)
-            elif k in ("lease_s", "load_timeout_s", "handshake_timeout_s"):
+            elif k in ("lease_s", "load_timeout_s", "handshake_timeout_s", "push_timeout_s", "push_wait_s"):
                 kw[k] = float(v)
             elif k in ("pd", "offload"):
                 kw[k] = None if v is None else _bool(v)
-            elif k == "check_model_name":
+            elif k in ("check_model_name", "layerwise"):
                 kw[k] = _bool(v)
             elif k == "backends":
                 kw[k] = tuple(v.split(",")) if isinstance(v, str) else tuple(v)
@@ -112,7 +141,18 @@ class KVXConnectorConfig:
             raise ValueError("lease_s, load_timeout_s and handshake_timeout_s must be positive")
         if cfg.offload_disk_path and cfg.offload_disk_bytes <= 0:
             raise ValueError("offload_disk_path needs offload_disk_gb (or offload_disk_bytes)")
+        if cfg.transfer_mode not in ("pull", "push"):
+            raise ValueError(f"transfer_mode must be 'pull' or 'push', not {cfg.transfer_mode!r}")
+        if cfg.layerwise and cfg.transfer_mode != "push":
+            raise ValueError("layerwise needs transfer_mode 'push' (a pull reads the request after its prefill)")
+        if cfg.push_group < 1 or cfg.push_timeout_s <= 0 or cfg.push_wait_s < 0:
+            raise ValueError("push_group and push_timeout_s must be positive, push_wait_s not negative")
         return cfg
+
+    @property
+    def push(self) -> bool:
+        """Push mode is on."""
+        return self.transfer_mode == "push"
 
     @property
     def offload_enabled(self) -> bool:

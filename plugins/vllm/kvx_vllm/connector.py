@@ -155,8 +155,27 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        """Blocks are saved or served whole once their request finishes, not layer by layer."""
-        return
+        """Push mode (prefill side): post the writes of the layers computed so far (layer-wise),
+        or of the whole request after its last layer."""
+        if self.worker is None or self.worker.push_prefill is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVXConnectorMetadata)
+        self.worker.save_layer(meta, layer_name)
+
+    def has_pending_push_work(self) -> bool:
+        """Push mode: finished requests whose writes (prefill) or abort confirmations (decode)
+        are still due keep the engine stepping."""
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise push runs Python between layers: CUDA graphs must be piecewise."""
+        try:
+            cfg = KVXConnectorConfig.from_extra(extra_config)
+        except ValueError:
+            return False
+        return cfg.push and cfg.layerwise
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():

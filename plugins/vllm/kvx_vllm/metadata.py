@@ -32,6 +32,7 @@ __all__ = [
     "LayerLayout",
     "RecvSpec",
     "LoadSpec",
+    "PushSpec",
     "SaveSpec",
     "SendSpec",
 ]
@@ -130,6 +131,21 @@ class SendSpec:
     lease_s: float
     lease: int = 0
     block_ids: list[int] = field(default_factory=list)
+    #: push mode: the request's push id and its blocks per KV cache group (written whole to the
+    #: decode instance once it registers, unless they were pushed during the forward pass)
+    push: str = ""
+    groups: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PushSpec:
+    """Prefill side, push mode: request ``req_id`` (push id ``push``) completes its prefill in
+    this step; ``block_ids`` (per group) hold its KV. Pushed during the forward pass when its
+    decode instance has registered already."""
+
+    req_id: str
+    push: str
+    block_ids: list[list[int]]
 
 
 @dataclass
@@ -149,21 +165,28 @@ class KVXConnectorMetadata(KVConnectorMetadata):
     announce: bool = False
     #: decode side: kv_transfer_params of queued requests whose prefill leases need a heartbeat
     heartbeat: list[dict[str, Any]] = field(default_factory=list)
+    #: prefill side, push mode: requests completing their prefill in this step
+    push: list[PushSpec] = field(default_factory=list)
 
 
 @dataclass
 class KVXWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler: the offload stores' events, per tensor-parallel rank.
+    """Worker → scheduler: the offload stores' events, per tensor-parallel rank, and (push mode,
+    prefill side) the push ids whose decode registrations each rank has received.
 
     Each event is ``("stored" | "removed", keys, parent_key, medium)``.
     """
 
     events: dict[int, list[tuple[str, list[bytes], bytes | None, str]]] = field(default_factory=dict)
+    registered: dict[int, list[str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge another worker's events into these."""
         assert isinstance(other, KVXWorkerMetadata)
-        out = KVXWorkerMetadata({k: list(v) for k, v in self.events.items()})
+        out = KVXWorkerMetadata({k: list(v) for k, v in self.events.items()},
+                                {k: list(v) for k, v in self.registered.items()})
         for rank, evs in other.events.items():
             out.events.setdefault(rank, []).extend(evs)
+        for rank, ids in other.registered.items():
+            out.registered.setdefault(rank, []).extend(ids)
         return out

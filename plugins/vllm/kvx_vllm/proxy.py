@@ -5,6 +5,12 @@ Each completion request goes first to a prefill server with ``max_tokens=1`` and
 (which blocks, which kvx agent, how to reach it) go with the original request to a decode
 server, whose answer (streamed or not) is relayed to the client. Servers are picked round robin.
 
+With ``--mode push`` (both servers run the connector with ``"transfer_mode": "push"``) the
+request goes to the prefill and the decode server at once, tied by a fresh push id: the decode
+server allocates its blocks and registers them with the prefill workers, which write the KV into
+them. The proxy learns each prefill server's kvx endpoint (its workers, not a request's blocks)
+from the first answer it gets from it, so a prefill server's first request goes by pull.
+
 Run::
 
     python -m kvx_vllm.proxy --port 8000 --prefill http://p0:8100 --decode http://d0:8200 [--decode ...]
@@ -19,14 +25,37 @@ import logging
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Proxy", "main"]
+__all__ = ["ENDPOINT_KEYS", "Proxy", "main", "push_params"]
 
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+#: kv_transfer_params keys that describe a prefill instance (not one request): what a decode
+#: instance needs to reach its workers in push mode
+ENDPOINT_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_agents", "tp_size", "kvx_version",
+                 "kvx_compat", "kvx_lease_s")
+
+
+def push_params(endpoint: dict[str, Any], push_id: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kv_transfer_params of one push request: ``(for the prefill, for the decode server)``.
+
+    ``endpoint``: a prefill server's kv_transfer_params from any earlier answer (only
+    :data:`ENDPOINT_KEYS` are used); ``push_id``: fresh per request (default: a random one).
+    """
+    missing = [k for k in ENDPOINT_KEYS if k not in endpoint]
+    if missing:
+        raise ValueError(f"not a kvx prefill endpoint (missing {missing})")
+    push_id = push_id or uuid.uuid4().hex
+    pre = {"do_remote_decode": True, "do_remote_prefill": False, "kvx_push": push_id}
+    dec = {k: endpoint[k] for k in ENDPOINT_KEYS}
+    dec.update(do_remote_prefill=True, do_remote_decode=False, kvx_push=push_id, remote_request_id=push_id,
+               remote_block_ids=[], kvx_lease=0)
+    return pre, dec
 
 
 class Proxy:
@@ -38,11 +67,17 @@ class Proxy:
         Base URLs (``http://host:port``) of the vLLM servers.
     timeout
         Seconds to wait for a server's answer.
+    mode
+        ``"pull"`` or ``"push"`` (see the module docstring).
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0, mode: str = "pull") -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode server")
+        if mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', not {mode!r}")
+        self.mode = mode
+        self._endpoints: dict[str, dict[str, Any]] = {}  # prefill URL -> its kvx endpoint
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self.timeout = timeout
@@ -74,15 +109,43 @@ class Proxy:
     def handle(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         """Run the two legs; returns the decode server's open response."""
         p, d = self.pick()
+        endpoint = self._endpoints.get(p) if self.mode == "push" else None
+        if endpoint is not None:
+            return self._push(p, d, path, body, headers, endpoint)
         with self._post(p + path, self.prefill_body(body), headers) as r:
             first = json.loads(r.read())
         params = first.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"prefill server {p} returned no kv_transfer_params (is it run with "
                                "kv_role kv_producer and the KVXConnector?)")
+        if self.mode == "push" and all(k in params for k in ENDPOINT_KEYS):
+            self._endpoints[p] = {k: params[k] for k in ENDPOINT_KEYS}
         dbody = dict(body)
         dbody["kv_transfer_params"] = params
         log.debug("request routed %s -> %s", p, d)
+        return self._post(d + path, dbody, headers)
+
+    def _push(self, p: str, d: str, path: str, body: dict[str, Any], headers: dict[str, str],
+              endpoint: dict[str, Any]) -> Any:
+        """Both legs at once; the prefill leg's answer is only checked (the decode server fails
+        the request by its push bound if the prefill never writes)."""
+        pre, dec = push_params(endpoint)
+        pbody = self.prefill_body(body)
+        pbody["kv_transfer_params"] = pre
+
+        def prefill_leg() -> None:
+            try:
+                with self._post(p + path, pbody, headers) as r:
+                    params = json.loads(r.read()).get("kv_transfer_params") or {}
+                if all(k in params for k in ENDPOINT_KEYS):  # a restarted server's new endpoint
+                    self._endpoints[p] = {k: params[k] for k in ENDPOINT_KEYS}
+            except Exception as exc:
+                log.warning("proxy: prefill leg of push %s to %s failed: %s", pre["kvx_push"], p, exc)
+                self._endpoints.pop(p, None)  # learn it again from the next answer
+
+        threading.Thread(target=prefill_leg, name="kvx-proxy-prefill", daemon=True).start()
+        dbody = dict(body)
+        dbody["kv_transfer_params"] = dec
         return self._post(d + path, dbody, headers)
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
@@ -148,9 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", action="append", required=True, help="prefill server URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="decode server URL (repeatable)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--mode", choices=("pull", "push"), default="pull",
+                    help="push: prefill and decode at once (servers run with transfer_mode push)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    srv = Proxy(a.prefill, a.decode, a.timeout).serve(a.host, a.port)
+    srv = Proxy(a.prefill, a.decode, a.timeout, a.mode).serve(a.host, a.port)
     log.info("kvx_vllm proxy on %s:%d: prefill %s, decode %s", a.host, a.port, a.prefill, a.decode)
     try:
         srv.serve_forever()

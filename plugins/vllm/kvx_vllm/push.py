@@ -44,8 +44,9 @@ import numpy as np
 
 import kvx
 
-__all__ = ["LayerPusher", "PushDest", "PushLanding", "Registration", "abort_note", "aborted_note",
-           "parse_push_note", "parse_registration", "push_dest", "push_note", "registration_note", "split_by_layer"]
+__all__ = ["Hello", "LayerPusher", "PushDest", "PushLanding", "Registration", "abort_note", "aborted_note",
+           "hello_note", "is_push_message", "parse_hello", "parse_push_note", "parse_registration", "push_dest",
+           "push_note", "registration_note", "split_by_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -549,3 +550,55 @@ def push_dest(tables: Any, reg: Registration, prefill_blocks: list[list[int]], p
     groups = [(ids, pos, np.asarray(prefill_blocks[g], np.int64)) for g, (ids, pos) in enumerate(reg.groups)]
     per = split_by_layer(tables, groups)
     return PushDest(peer, local, remote, {n: (w, r) for n, (r, w) in per.items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# hello: decode -> prefill, once per pair of workers: "this is how to reach my memory"
+
+_HELLO = b"kvx-push-hello\x00"
+#: bound on a hello's agent metadata (bytes) and on its layers
+MAX_META = 1 << 20
+MAX_LAYERS = 1 << 12
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A decode worker's kvx agent metadata (the prefill worker adds it as a peer to write into
+    its memory), its layers' geometry (:meth:`kvx_vllm.plan.LayerGeom.to_list`), and the memory
+    kind and device of its KV cache."""
+
+    meta: bytes
+    layout: list[Any]
+    kind: int
+    dev: int
+
+
+def hello_note(meta: bytes, layout: list[Any], kind: int, dev: int) -> bytes:
+    """Encode a :class:`Hello`."""
+    return _HELLO + msgpack.packb([1, bytes(meta), list(layout), int(kind), int(dev)], use_bin_type=True)
+
+
+def parse_hello(m: bytes) -> Hello | None:
+    """Decode a hello; None for another message; :class:`kvx.ProtocolError` for a malformed one
+    (the metadata itself is checked by ``agent.add_peer``, the layers by ``LayerGeom.from_list``)."""
+    if not m.startswith(_HELLO):
+        return None
+    try:
+        v = msgpack.unpackb(m[len(_HELLO):], raw=False, max_str_len=4096, max_bin_len=MAX_META,
+                            max_array_len=MAX_LAYERS, max_map_len=0)
+    except Exception as e:
+        raise kvx.ProtocolError(f"malformed push hello: {e}") from None
+    if (not isinstance(v, list) or len(v) != 5 or v[0] != 1 or not isinstance(v[1], bytes)
+            or not isinstance(v[2], list) or not v[2] or type(v[3]) is not int or type(v[4]) is not int
+            or not 0 <= v[4] < 1 << 16):
+        raise kvx.ProtocolError("malformed push hello")
+    try:
+        kvx.MemoryKind(v[3])
+    except ValueError:
+        raise kvx.ProtocolError(f"push hello: unknown memory kind {v[3]}") from None
+    return Hello(v[1], v[2], v[3], v[4])
+
+
+def is_push_message(m: bytes) -> bool:
+    """Whether ``m`` belongs to push mode (a part, abort, registration or hello)."""
+    return m.startswith(b"kvx-push")

@@ -7,6 +7,10 @@ It decides, per request, what the workers move:
 - **prefill side** (``"do_remote_decode"``): a finished request's blocks are kept (delay-free)
   and described in the returned kv_transfer_params until the decode instance has read them or
   the lease runs out;
+- **push mode** (``transfer_mode: push``, :mod:`kvx_vllm.pushing`): a decode instance allocates a
+  request's blocks at once and its workers register them with the prefill workers, which write
+  the KV into them (during the forward pass when the registration came first, whole afterwards
+  otherwise); a prefill instance holds a push request up to ``push_wait_s`` for that registration;
 - **offloading**: finished requests' full blocks are stored in the workers' kvx TieredStores
   under vLLM's block hashes; later prompts whose prefix is stored load it back asynchronously.
   The scheduler mirrors what the stores hold from the events the workers report.
@@ -29,6 +33,7 @@ from .metadata import (
     KVXHandshakeMetadata,
     KVXWorkerMetadata,
     LoadSpec,
+    PushSpec,
     RecvSpec,
     SaveSpec,
     SendSpec,
@@ -94,6 +99,15 @@ class KVXScheduler:
         self._lease = 0
         # decode side: request id -> [kv_transfer_params, last heartbeat] while it waits for blocks
         self._waiting: dict[str, list[Any]] = {}
+        # push mode. prefill side: request id -> push id; push id -> ranks that have its
+        # registration; request id -> when it first asked to be scheduled; requests finished
+        # whose writes are due. Decode side: request id -> push id while its writes are due.
+        self.push = cfg.push and self.pd
+        self._push_of: dict[str, str] = {}
+        self._registered: dict[str, set[int]] = {}
+        self._push_seen: dict[str, float] = {}
+        self._push_sending: set[str] = set()
+        self._push_recv: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------
     # handshake
@@ -124,14 +138,18 @@ class KVXScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` this connector can load, and whether async."""
         params = request.kv_transfer_params
-        if self.pd and params and params.get("do_remote_prefill"):
+        if self.push and params and params.get("kvx_push") and params.get("do_remote_decode"):
+            if self._hold_for_registration(request.request_id, str(params["kvx_push"])):
+                return None, False  # type: ignore[return-value]  # vLLM: ask again next step
+        elif self.pd and params and params.get("do_remote_prefill"):
             if not all(k in params for k in REQUIRED_REMOTE_KEYS):
                 log.warning("request %s asks for a remote prefill without the kvx parameters %s; "
                             "computing it locally", request.request_id, REQUIRED_REMOTE_KEYS)
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            # queued until its blocks are allocated: heartbeats keep the prefill's lease alive
-            self._waiting.setdefault(request.request_id, [params, time.monotonic()])
+            if not params.get("kvx_push"):
+                # queued until its blocks are allocated: heartbeats keep the prefill's lease alive
+                self._waiting.setdefault(request.request_id, [params, time.monotonic()])
             return (count, True) if count > 0 else (0, False)
         self._planned.pop(request.request_id, None)
         if not self.offload or request.skip_reading_prefix_cache:
@@ -151,6 +169,15 @@ class KVXScheduler:
         self._planned[request.request_id] = (first, self._keys(request, first, n))
         return (first + n) * bs - num_computed_tokens, True
 
+    def _hold_for_registration(self, rid: str, push_id: str) -> bool:
+        """Prefill side: whether a push request should wait (another step) for its decode
+        workers' registration, so that its KV can be written during its forward pass."""
+        self._push_of[rid] = push_id
+        first = self._push_seen.setdefault(rid, time.monotonic())
+        if len(self._registered.get(push_id, ())) >= self.tp_size:
+            return False
+        return time.monotonic() - first < self.cfg.push_wait_s
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         """Record the blocks allocated for a load planned by ``get_num_new_matched_tokens``."""
@@ -161,6 +188,10 @@ class KVXScheduler:
             if not all(k in params for k in REQUIRED_REMOTE_KEYS):
                 return
             remote = _as_groups(params["remote_block_ids"])
+            if params.get("kvx_push"):  # the prefill's blocks are its own business
+                remote = [[] for _ in blocks.get_block_ids()]
+                if num_external_tokens > 0:
+                    self._push_recv[rid] = str(params["kvx_push"])
             local: list[list[int]] = [[] for _ in remote]
             pos: list[list[int]] = [[] for _ in remote]
             if num_external_tokens > 0:
@@ -193,10 +224,29 @@ class KVXScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
         """This step's work for the workers; resets the step state."""
         meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send,
-                                    announce=self._announce and self.offload, heartbeat=self._heartbeats())
+                                    announce=self._announce and self.offload, heartbeat=self._heartbeats(),
+                                    push=self._push_specs(scheduler_output))
         self._recv, self._load, self._save, self._send = [], [], [], []
         self._announce = False
         return meta
+
+    def _push_specs(self, out: "SchedulerOutput") -> list[PushSpec]:
+        """Prefill side: push requests whose whole prompt is computed in this step."""
+        if not self._push_of:
+            return []
+        specs = []
+        for new in out.scheduled_new_reqs:
+            push_id = self._push_of.get(new.req_id)
+            if push_id is None or new.prompt_token_ids is None:
+                continue
+            n = out.num_scheduled_tokens.get(new.req_id, 0)
+            if new.num_computed_tokens + n >= len(new.prompt_token_ids):
+                specs.append(PushSpec(new.req_id, push_id, [list(b) for b in new.block_ids]))
+        return specs
+
+    def has_pending_push_work(self) -> bool:
+        """Push requests finished here whose writes or abort confirmations are still due."""
+        return bool(self._push_sending) or bool(self._push_recv)
 
     # ------------------------------------------------------------------------------------------
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...] | list[list[int]]
@@ -206,7 +256,20 @@ class KVXScheduler:
         rid = request.request_id
         self._planned.pop(rid, None)
         self._waiting.pop(rid, None)
+        push_id = self._push_of.pop(rid, None)
+        self._push_seen.pop(rid, None)
+        if push_id is not None:
+            self._registered.pop(push_id, None)
+        recv_push = self._push_recv.get(rid)
+        if recv_push is not None and params is not None:
+            # decode side, aborted while its writes are due: keep the blocks until the prefill
+            # confirms that nothing of it is in flight (or the bound passes)
+            self._recv.append(RecvSpec(rid, [], [], {**params, "kvx_push": recv_push, "kvx_push_abort": True}))
+            return True, None
         if self.pd and params and params.get("do_remote_prefill"):
+            if params.get("kvx_push"):  # aborted before its blocks were allocated: nothing registered
+                params["do_remote_prefill"] = False
+                return False, None
             # aborted before it was scheduled: tell the prefill instance to free its blocks
             if all(k in params for k in REQUIRED_REMOTE_KEYS):
                 self._recv.append(RecvSpec(rid, [], [], dict(params)))
@@ -221,7 +284,12 @@ class KVXScheduler:
         if self.pd and params and params.get("do_remote_decode") and finished_ok and any(groups):
             lease = self._next_lease()
             out = self._remote_params(request, groups, lease)
-            self._send.append(SendSpec(rid, self.cfg.lease_s, lease, [b for g in groups for b in g]))
+            if push_id is not None:
+                self._send.append(SendSpec(rid, self.cfg.push_timeout_s, lease, [b for g in groups for b in g],
+                                           push=push_id, groups=groups))
+                self._push_sending.add(rid)
+            else:
+                self._send.append(SendSpec(rid, self.cfg.lease_s, lease, [b for g in groups for b in g]))
             delay = True
         return delay, out
 
@@ -281,9 +349,18 @@ class KVXScheduler:
         """Mirror the workers' store events; forget finished saves."""
         for rid in output.finished_sending or ():
             self._saving.discard(rid)
+            self._push_sending.discard(rid)
+            self._push_recv.pop(rid, None)
+        for rid in output.finished_recving or ():
+            self._push_recv.pop(rid, None)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVXWorkerMetadata):
             return
+        for rank, ids in meta.registered.items():
+            for push_id in ids:
+                self._registered.setdefault(push_id, set()).add(rank)
+        while len(self._registered) > 4096:  # registrations of requests that never came here
+            del self._registered[next(iter(self._registered))]
         want = self.tp_size
         for rank, events in meta.events.items():
             for kind, keys, parent, medium in events:

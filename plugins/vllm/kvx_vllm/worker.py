@@ -48,6 +48,7 @@ from .metadata import (
 )
 from .plan import LayerGeom, PeerTables, layer_geometry, read_plan
 from .pull import MAX_HOLD, Failed, Peer, Pull, note, parse_note
+from .pushing import DecodePush, PrefillPush, split_notes
 from .util import compat_info, compat_mismatch
 
 if TYPE_CHECKING:
@@ -213,6 +214,8 @@ class KVXWorker:
         if self.serves:
             port = cfg.side_channel_port + tp_rank if cfg.side_channel_port else 0
             listen = (cfg.side_channel_host, port)
+        elif self.pd and cfg.push:  # prefill workers write into this one: it takes connections
+            listen = (cfg.side_channel_host, 0)
         self.agent = kvx.Agent(name, kvx.AgentConfig(backends=tuple(cfg.backends), listen=listen,
                                                      handshake_timeout=cfg.handshake_timeout_s))
         self.side: Any = None
@@ -259,6 +262,11 @@ class KVXWorker:
         self._invalid: set[int] = set()
         self._events_lock = threading.Lock()
         self._events: list[tuple[str, list[bytes], bytes | None, str]] = []
+        # push mode (set up once the KV caches are registered)
+        self.push_prefill: PrefillPush | None = None
+        self.push_decode: DecodePush | None = None
+        self._stash: dict[str, list[bytes]] = {}  # drained notifications that are not push messages
+        self._push_notes: dict[str, list[bytes]] = {}  # decode: drained push messages
         #: counters since start: pulls and pulled blocks (decode side), their total seconds, the
         #: seconds of those spent posting their reads (index work and kvx posts, a new peer's
         #: descriptor lists the first time); offload blocks loaded, and blocks saved
@@ -338,6 +346,11 @@ class KVXWorker:
                 layers = [lay for lay in self.layouts if lay.group == g]
                 if layers:
                     self._stores[g] = _GroupStore(self, g, layers)
+        if self.pd and self.cfg.push and self.geoms:
+            if self.serves:
+                self.push_prefill = PrefillPush(self)
+            else:
+                self.push_decode = DecodePush(self)
         log.info("kvx_vllm: registered %d layers with %s", len(kv_caches), self.agent)
 
     def handshake_metadata(self) -> KVXHandshakeMetadata | None:
@@ -358,6 +371,12 @@ class KVXWorker:
             for st in self._stores.values():
                 st.store.announce()
         for spec in meta.recv:
+            if self.push_decode is not None and spec.params.get("kvx_push"):
+                if spec.params.get("kvx_push_abort"):
+                    self.push_decode.abort(spec)
+                elif any(spec.local_block_ids):
+                    self.push_decode.start(spec)
+                continue
             ids = [b for g in spec.local_block_ids for b in g]
             self._recv_blocks[spec.req_id] = ids
             fut = self._start_pull(spec) if ids else self._pull_pool.submit(self._pull, spec)
@@ -369,8 +388,31 @@ class KVXWorker:
             self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
             self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
 
+    def save_layer(self, meta: KVXConnectorMetadata, layer_name: str) -> None:
+        """``save_kv_layer``: push mode's writes of this layer (prefill side)."""
+        if self.push_prefill is not None:
+            self.push_prefill.on_layer(layer_name, meta.push)
+
+    def _take_notes(self) -> None:
+        """Drain the agent's notifications: push messages go to push mode, the rest (lease
+        notes) wait for :meth:`get_transfer_results`."""
+        notes = self.agent.notifications()
+        if not notes:
+            return
+        if self.push_prefill is not None or self.push_decode is not None:
+            push, notes = split_notes(notes)
+            if push and self.push_prefill is not None:
+                self.push_prefill.handle(push)
+            elif push:
+                for peer, msgs in push.items():
+                    self._push_notes.setdefault(peer, []).extend(msgs)
+        for peer, msgs in notes.items():
+            self._stash.setdefault(peer, []).extend(msgs)
+
     def wait_for_save(self, meta: KVXConnectorMetadata) -> None:
         """Queue this step's offload saves; start the leases of blocks kept for decode."""
+        if self.push_prefill is not None:
+            self.push_prefill.end_pass()
         for spec in meta.save:
             self._saves[spec.req_id] = self._store_pool.submit(self._save, spec)
         now = time.monotonic()
@@ -386,14 +428,19 @@ class KVXWorker:
             if early is not None:
                 st[3], st[4] = early[1], early[2]
             self._sending[send.req_id] = st
-            if len(st[3]) >= st[4]:
+            if send.push and self.push_prefill is not None:
+                if self.push_prefill.finished(send):
+                    self._release(send.req_id)
+            elif len(st[3]) >= st[4]:
                 self._release(send.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
         self._finished_seen |= finished_req_ids
         now = time.monotonic()
-        for peer, msgs in self.agent.notifications().items():
+        self._take_notes()
+        notes, self._stash = self._stash, {}
+        for peer, msgs in notes.items():
             for m in msgs:
                 parsed = parse_note(m)
                 if parsed is None:
@@ -412,6 +459,10 @@ class KVXWorker:
                 st[3].add(peer)
                 st[4] = n
                 if len(st[3]) >= n:
+                    self._release(rid)
+        if self.push_prefill is not None:
+            for rid in self.push_prefill.poll():
+                if rid in self._sending:
                     self._release(rid)
         for rid, st in list(self._sending.items()):
             if st[0] <= now:
@@ -434,6 +485,14 @@ class KVXWorker:
         self._finished_seen -= sending
         recving: set[str] = set()
         failed: set[str] = set()
+        if self.push_decode is not None:
+            pnotes, self._push_notes = self._push_notes, {}
+            precv, pfailed, psend, pbad = self.push_decode.poll(pnotes)
+            recving |= precv
+            sending |= psend
+            self._invalid.update(pbad)
+            if len(self.kv_cache_config.kv_cache_groups) > 1:
+                failed |= pfailed
         for rid, fut in list(self._recv.items()):
             if not fut.done():
                 continue
@@ -459,10 +518,13 @@ class KVXWorker:
         return bad
 
     def build_worker_meta(self) -> KVXWorkerMetadata | None:
-        """The offload stores' events since the last call."""
+        """The offload stores' events and the push registrations received since the last call."""
         with self._events_lock:
             ev, self._events = self._events, []
-        return KVXWorkerMetadata({self.tp_rank: ev}) if ev else None
+        reg = self.push_prefill.registered() if self.push_prefill is not None else []
+        if not ev and not reg:
+            return None
+        return KVXWorkerMetadata({self.tp_rank: ev} if ev else {}, {self.tp_rank: reg} if reg else {})
 
     def _on_store_events(self, events: list[kvx_events.Event]) -> None:
         out: list[tuple[str, list[bytes], bytes | None, str]] = []
@@ -732,6 +794,8 @@ class KVXWorker:
     # ------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the background threads and release everything kvx holds."""
+        if self.push_prefill is not None:
+            self.push_prefill.close()
         self._pull_pool.shutdown(wait=True, cancel_futures=True)
         self._store_pool.shutdown(wait=True, cancel_futures=True)
         for st in self._stores.values():

