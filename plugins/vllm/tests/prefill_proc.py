@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -33,6 +34,28 @@ def main() -> None:
             params = eng.outputs[cmd["id"]].kv_transfer_params
             digests = [hashlib.sha256(U.block_bytes(eng.caches, b)).hexdigest() for b in params["remote_block_ids"][0]]
             print(json.dumps({"params": params, "digests": digests, "free": eng.free()}), flush=True)
+        elif c == "push":
+            # a push request (kv_transfer_params from kvx_vllm.proxy.push_params) run to its end;
+            # "stall": [layer, seconds] sleeps after that layer's save_kv_layer, "die_after": layer
+            # exits the process there (mid-stream)
+            stall, die = cmd.get("stall"), cmd.get("die_after")
+
+            def after_layer(name: str) -> None:
+                i = int(name.split(".")[2])
+                if stall and i == stall[0]:
+                    time.sleep(float(stall[1]))
+                if die is not None and i == die:
+                    os._exit(3)
+
+            eng.after_layer = after_layer
+            req = U.create_request(cmd["id"], cmd["tokens"], max_tokens=1, kv_transfer_params=cmd["params"])
+            eng.scheduler.add_request(req)
+            eng.run_until(lambda: cmd["id"] in eng.outputs, max_steps=2000)
+            eng.after_layer = None
+            ids = eng.scheduler.kv_cache_manager.get_block_ids(cmd["id"])[0]
+            digests = [hashlib.sha256(U.block_bytes(eng.caches, b)).hexdigest() for b in ids]
+            print(json.dumps({"digests": digests, "free": eng.free(), "stats": eng.worker.worker.push_prefill.stats}),
+                  flush=True)
         elif c == "step":
             for _ in range(int(cmd.get("n", 1))):
                 eng.step()

