@@ -213,8 +213,8 @@ def _patch_spoil(kvw: Any, spoil: dict[str, bool]) -> None:
             blocks[spec.req_id] = [b for g in spec.local_block_ids for b in g]
         start(meta)
 
-    def get_transfer_results(finished: set[str]) -> Any:
-        sending, recving, failed = results(finished)
+    def get_transfer_results(finished: set[str], *args: Any) -> Any:
+        sending, recving, failed = results(finished, *args)
         for rid in recving:
             ids = blocks.pop(rid, [])
             if spoil["on"] and ids:

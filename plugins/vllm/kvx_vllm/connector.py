@@ -189,7 +189,9 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._work().get_transfer_results(finished_req_ids)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        wait = meta.idle_wait_s if isinstance(meta, KVXConnectorMetadata) else 0.0
+        sending, recving, failed = self._work().get_transfer_results(finished_req_ids, wait)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

@@ -167,6 +167,9 @@ class KVXConnectorMetadata(KVConnectorMetadata):
     heartbeat: list[dict[str, Any]] = field(default_factory=list)
     #: prefill side, push mode: requests completing their prefill in this step
     push: list[PushSpec] = field(default_factory=list)
+    #: push mode: nothing is computed in this step and push messages are awaited; the workers
+    #: wait up to this long for one (an idle engine then sleeps instead of spinning)
+    idle_wait_s: float = 0.0
 
 
 @dataclass

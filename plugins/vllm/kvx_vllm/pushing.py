@@ -237,20 +237,20 @@ class PrefillPush:
             for m in msgs:
                 try:
                     self._one(peer, m, now)
-                except kvx.KVXError as exc:
+                except Exception as exc:  # a peer's bad message never stops the engine
                     log.warning("kvx_vllm: dropping a push message from %s: %s", peer, exc)
 
     def _one(self, peer: str, m: bytes, now: float) -> None:
         hello = parse_hello(m)
         if hello is not None:
-            name = self.w.agent.add_peer(hello.meta)
+            name = self.w.agent.parse_metadata(hello.meta).name  # checked before connecting anywhere
             if name != peer:
-                self.w.agent.remove_peer(name)
                 raise kvx.ProtocolError(f"peer {peer!r} introduced itself with the metadata of {name!r}")
             if len(hello.layout) != len(self.w.geoms):
                 raise kvx.ProtocolError(f"decode worker {peer} has {len(hello.layout)} layers, this one "
                                         f"{len(self.w.geoms)}")
             geoms = [LayerGeom.from_list(v) for v in hello.layout]
+            self.w.agent.add_peer(hello.meta)
             self._decoders[peer] = _Decoder(peer, geoms, kvx.MemoryKind(hello.kind), hello.dev)
             return
         reg = parse_registration(m)
@@ -340,7 +340,7 @@ class PrefillPush:
                     continue
                 try:
                     self.pusher.add(spec.push, self._dest(spec.push, peer, spec.block_ids))
-                except kvx.KVXError as exc:
+                except Exception as exc:  # e.g. geometries that do not pair: that request only
                     log.warning("kvx_vllm: push %s not started: %s", spec.push, exc)
                     continue
                 self._in_pass[spec.push] = spec.req_id
@@ -399,7 +399,7 @@ class PrefillPush:
             else:
                 self.w.agent.notify(peer, note)
                 late[peer] = None
-        except kvx.KVXError as exc:
+        except Exception as exc:  # that request only
             log.error("kvx_vllm: writing %s to %s failed: %s", push_id, peer, exc)
             late[peer] = exc
         self.stats["pushed_late"] += 1

@@ -53,6 +53,9 @@ __all__ = ["KVXScheduler", "REQUIRED_REMOTE_KEYS"]
 log = logging.getLogger(__name__)
 
 #: kv_transfer_params keys a decode instance needs to pull a request's blocks.
+#: longest wait of an idle engine step for a push message (a message ends it at once)
+IDLE_WAIT_S = 0.01
+
 REQUIRED_REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                         "remote_port", "remote_agents")
 
@@ -225,7 +228,8 @@ class KVXScheduler:
         """This step's work for the workers; resets the step state."""
         meta = KVXConnectorMetadata(recv=self._recv, load=self._load, save=self._save, send=self._send,
                                     announce=self._announce and self.offload, heartbeat=self._heartbeats(),
-                                    push=self._push_specs(scheduler_output))
+                                    push=self._push_specs(scheduler_output),
+                                    idle_wait_s=self._idle_wait(scheduler_output))
         self._recv, self._load, self._save, self._send = [], [], [], []
         self._announce = False
         return meta
@@ -243,6 +247,14 @@ class KVXScheduler:
             if new.num_computed_tokens + n >= len(new.prompt_token_ids):
                 specs.append(PushSpec(new.req_id, push_id, [list(b) for b in new.block_ids]))
         return specs
+
+    def _idle_wait(self, out: "SchedulerOutput") -> float:
+        """How long the workers may wait for a push message in this step: only when nothing is
+        computed and a push message is awaited (a request held for its registration, a finished
+        one whose writes are due, a decode request waiting for its writes)."""
+        if not self.push or out.total_num_scheduled_tokens:
+            return 0.0
+        return IDLE_WAIT_S if (self._push_seen or self._push_sending or self._push_recv) else 0.0
 
     def has_pending_push_work(self) -> bool:
         """Push requests finished here whose writes or abort confirmations are still due."""

@@ -393,10 +393,10 @@ class KVXWorker:
         if self.push_prefill is not None:
             self.push_prefill.on_layer(layer_name, meta.push)
 
-    def _take_notes(self) -> None:
-        """Drain the agent's notifications: push messages go to push mode, the rest (lease
-        notes) wait for :meth:`get_transfer_results`."""
-        notes = self.agent.notifications()
+    def _take_notes(self, wait: float = 0.0) -> None:
+        """Drain the agent's notifications (waiting up to ``wait`` seconds for one): push
+        messages go to push mode, the rest (lease notes) wait for :meth:`get_transfer_results`."""
+        notes = self.agent.notifications(timeout=wait) if wait > 0 else self.agent.notifications()
         if not notes:
             return
         if self.push_prefill is not None or self.push_decode is not None:
@@ -434,11 +434,13 @@ class KVXWorker:
             elif len(st[3]) >= st[4]:
                 self._release(send.req_id)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+    def get_transfer_results(self, finished_req_ids: set[str], idle_wait_s: float = 0.0
+                             ) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call; with
+        ``idle_wait_s`` (push mode, a step that computes nothing) wait that long for a message."""
         self._finished_seen |= finished_req_ids
+        self._take_notes(min(idle_wait_s, 0.05))
         now = time.monotonic()
-        self._take_notes()
         notes, self._stash = self._stash, {}
         for peer, msgs in notes.items():
             for m in msgs:
