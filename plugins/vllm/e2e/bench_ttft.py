@@ -9,9 +9,14 @@ for every mode, sent one at a time as streamed greedy completions of ``--max-tok
 TTFT is the time from sending the request to the proxy to the first streamed token. Every
 completion's text is compared with a plain server's (no connector) for the same prompt.
 
-Each mode starts its own servers (and stops them after), then sends two warm-up requests that
-are not counted (in push mode the proxy learns the prefill server's endpoint from the first, a
-pull; the second sets up the push connections). Writes ``--json`` (default ``out/bench-vllm-ttft.json``)::
+The kvx modes share their servers and take turns request by request (on a shared machine the
+load drifts; taking turns spreads it evenly over the modes): a push prefill server, a push +
+layer-wise prefill server, a push decode server, and three proxies (pull and push to the first
+prefill server, push to the second). A push-configured pair serves pull requests exactly as a
+pull pair does (the setting only adds the push path). NixlConnector runs after them on a pair of
+its own (with its proxy, the same code in pull mode). Every proxy first gets two warm-up requests
+that are not counted (in push mode the proxy learns the prefill server's endpoint from the
+first, a pull; the second sets up the push connections). Writes ``--json`` (default ``out/bench-vllm-ttft.json``)::
 
     {"prompt_tokens": [...], "modes": {"kvx-pull": {"<tokens>": {"ttft_ms_median": x,
      "ttft_ms_p99": y, "identical": true}}, "kvx-push": {...}, "kvx-push-layerwise": {...},
@@ -111,6 +116,8 @@ def stream(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[float,
 
 
 def main() -> int:
+    # a stopped run stops its servers too (finally blocks run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -164,46 +171,76 @@ def main() -> int:
         srv.close()
 
     out: dict[str, Any] = {"prompt_tokens": lengths, "modes": {}}
-    for mode in a.modes.split(","):
-        srv = Servers(work, mode)
-        try:
-            if mode == "nixl":
-                conn: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
-                extra: dict[str, Any] = {}
-            else:
-                conn = {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm"}
-                extra = {} if mode == "kvx-pull" else {"transfer_mode": "push"}
-                if mode == "kvx-push-layerwise":
-                    extra["layerwise"] = True
-            for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer")):
-                port = free_port()
-                ktc = {**conn, "kv_role": role, "kv_connector_extra_config": extra}
-                srv.start(name, [*serve, "--port", str(port), *common, "--kv-transfer-config", json.dumps(ktc)],
-                          {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, f"http://127.0.0.1:{port}")
-            pport = free_port()
-            srv.start("proxy", [sys.executable, "-m", "kvx_vllm.proxy", "--host", "127.0.0.1", "--port", str(pport),
-                                "--prefill", srv.urls["prefill"], "--decode", srv.urls["decode"], "--mode",
-                                "push" if "push" in mode else "pull"], env, f"http://127.0.0.1:{pport}")
-            srv.wait(a.timeout)
-            purl = srv.urls["proxy"] + "/v1/completions"
+    wanted = a.modes.split(",")
+    kvx_modes = [m for m in wanted if m.startswith("kvx-")]
+
+    def serve_pair(srv: Servers, conn: dict[str, Any], prefills: dict[str, dict[str, Any]],
+                   decode_extra: dict[str, Any]) -> None:
+        for name, extra in [*prefills.items(), ("decode", decode_extra)]:
+            port = free_port()
+            role = "kv_consumer" if name == "decode" else "kv_producer"
+            ktc = {**conn, "kv_role": role, "kv_connector_extra_config": extra}
+            srv.start(name, [*serve, "--port", str(port), *common, "--kv-transfer-config", json.dumps(ktc)],
+                      {**env, "VLLM_CPU_OMP_THREADS_BIND": "1" if name == "decode" else "0",
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, f"http://127.0.0.1:{port}")
+
+    def proxy(srv: Servers, name: str, prefill: str, mode: str) -> str:
+        port = free_port()
+        srv.start(name, [sys.executable, "-m", "kvx_vllm.proxy", "--host", "127.0.0.1", "--port", str(port),
+                         "--prefill", srv.urls[prefill], "--decode", srv.urls["decode"], "--mode", mode], env,
+                  f"http://127.0.0.1:{port}")
+        return name
+
+    def measure(srv: Servers, routes: dict[str, str]) -> None:
+        """``routes``: mode -> proxy name; the modes take turns request by request."""
+        urls = {m: srv.urls[p] + "/v1/completions" for m, p in routes.items()}
+        for m, u in urls.items():
             for i in range(2):  # warm-up: the proxy learns the endpoint (a pull), then connections
-                stream(purl, body(prompt(64, 7 + i, vocab)))
-            res_mode: dict[str, Any] = {}
-            for n in lengths:
-                ms, same = [], True
-                for p, want in zip(prompts[n], ref[n]):
-                    s, text = stream(purl, body(p))
-                    ms.append(s * 1e3)
-                    same &= text == want
-                res_mode[str(n)] = {"ttft_ms_median": round(statistics.median(ms), 2),
-                                    "ttft_ms_p99": round(pct(ms, .99), 2), "identical": same}
-                print(f"{mode:19s} {n:5d} tokens: TTFT median {statistics.median(ms):8.1f} ms  p99 "
-                      f"{pct(ms, .99):8.1f} ms  outputs {'identical' if same else 'DIFFERENT'}", flush=True)
-            out["modes"][mode] = res_mode
+                stream(u, body(prompt(64, 7 + i, vocab)))
+        for n in lengths:
+            ms: dict[str, list[float]] = {m: [] for m in urls}
+            same = dict.fromkeys(urls, True)
+            for k, (p, want) in enumerate(zip(prompts[n], ref[n])):
+                order = list(urls)
+                order = order[k % len(order):] + order[:k % len(order)]  # rotate who goes first
+                for m in order:
+                    s, text = stream(urls[m], body(p))
+                    ms[m].append(s * 1e3)
+                    same[m] &= text == want
+            for m in urls:
+                out["modes"].setdefault(m, {})[str(n)] = {
+                    "ttft_ms_median": round(statistics.median(ms[m]), 2), "ttft_ms_p99": round(pct(ms[m], .99), 2),
+                    "identical": same[m]}
+                print(f"{m:19s} {n:5d} tokens: TTFT median {statistics.median(ms[m]):8.1f} ms  p99 "
+                      f"{pct(ms[m], .99):8.1f} ms  outputs {'identical' if same[m] else 'DIFFERENT'}", flush=True)
+
+    groups: list[tuple[list[str], Any]] = []
+    if kvx_modes:
+        def kvx_setup(srv: Servers) -> dict[str, str]:
+            conn = {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm"}
+            push = {"transfer_mode": "push"}
+            serve_pair(srv, conn, {"prefill": push, "prefill-lw": {**push, "layerwise": True}}, push)
+            routes = {}
+            for m in kvx_modes:
+                pre = "prefill-lw" if m == "kvx-push-layerwise" else "prefill"
+                routes[m] = proxy(srv, f"proxy-{m}", pre, "pull" if m == "kvx-pull" else "push")
+            return routes
+        groups.append((kvx_modes, kvx_setup))
+    if "nixl" in wanted:
+        def nixl_setup(srv: Servers) -> dict[str, str]:
+            serve_pair(srv, {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}, {"prefill": {}}, {})
+            return {"nixl": proxy(srv, "proxy-nixl", "prefill", "pull")}
+        groups.append((["nixl"], nixl_setup))
+    for modes, setup in groups:
+        srv = Servers(work, "+".join(modes))
+        try:
+            routes = setup(srv)
+            srv.wait(a.timeout)
+            measure(srv, routes)
         except Exception as exc:
-            print(f"{mode}: FAILED: {exc}", flush=True)
-            out["modes"][mode] = {"error": str(exc)[:500]}
+            print(f"{', '.join(modes)}: FAILED: {exc}", flush=True)
+            for m in modes:
+                out["modes"][m] = {"error": str(exc)[:500]}
         finally:
             srv.close()
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
