@@ -140,7 +140,10 @@ def main() -> int:
     serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     common = ["--enforce-eager", "--block-size", "32", "--max-model-len", str(max(lengths) + 64),
               "--num-gpu-blocks-override", str(blocks), "--dtype", "float32", "--host", "127.0.0.1",
-              "--served-model-name", "m", "--max-num-batched-tokens", str(max(lengths) + 64)]
+              "--served-model-name", "m", "--max-num-batched-tokens", str(max(lengths) + 64),
+              # every mode sends the same prompts, the kvx modes to shared servers: no prefix cache,
+              # or a prompt's second mode would find its KV already there
+              "--no-enable-prefix-caching"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     prompts = {n: [prompt(n, 1000 * n + i, vocab) for i in range(a.requests)] for n in lengths}
