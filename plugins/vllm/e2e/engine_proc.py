@@ -14,6 +14,7 @@ It answers one JSON line per command line (prompts are token ids, sampling is gr
   overwritten with noise after they arrive and before the model reads them (negative control);
 - ``{"cmd": "lease", "seconds": s}``: the (prefill) connector's lease for requests finishing from now on;
 - ``{"cmd": "push_wait", "seconds": s}``: the (prefill) connector's ``push_wait_s`` from now on;
+- ``{"cmd": "push_group", "layers": n}``: layers per push write from now on (0: the whole request);
 - ``{"cmd": "reset_prefix_cache"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
 
 ``tp`` > 1 runs ``tensor_parallel_size`` worker processes (``VLLM_CPU_OMP_THREADS_BIND`` lists a
@@ -152,6 +153,15 @@ def main() -> None:
 
             ks = getattr(core.scheduler.connector, "scheduler", None)
             ks.cfg = dataclasses.replace(ks.cfg, push_wait_s=float(cmd["seconds"]))
+            _reply(state())
+        elif c == "push_group":
+            # the (prefill, TP 1) connector's layers per push write from now on: 0 = whole request
+            from kvx_vllm.push import LayerPusher
+
+            pp = getattr(getattr(worker_conn, "worker", None), "push_prefill", None)
+            n = int(cmd["layers"]) or len(pp.pusher.names)
+            pp.pusher.close()
+            pp.pusher = LayerPusher(pp.w.agent, pp.pusher.names, group=n, timeout=pp.pusher.timeout)
             _reply(state())
         elif c == "reset_prefix_cache":
             ok = llm.reset_prefix_cache()

@@ -38,9 +38,12 @@ def pd_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(why_no_cpu_engine())
     logs = tmp_path_factory.mktemp("logs-pd")
     common = {"model": tiny_model, "block_size": 32, "num_blocks": 128}
-    spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1"}, "0"),
+    # the TP 1 pair also runs push mode (test_engines_push.py); it serves pull requests as a pull
+    # pair does
+    push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
+    spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1", "extra": push}, "0"),
             "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2}, "0|1"),
-            "d1": ({"role": "kv_consumer", "engine_id": "decode-tp1"}, "1"),
+            "d1": ({"role": "kv_consumer", "engine_id": "decode-tp1", "extra": push}, "1"),
             "d2": ({"role": "kv_consumer", "engine_id": "decode-tp2", "tp": 2}, "0|1")}
     started: dict[str, EngineProcess] = {}
     try:

@@ -2,7 +2,9 @@
 prefill engine writes the KV into them, whole (``transfer_mode: push``) or layer by layer
 (``layerwise: true``). Greedy tokens must equal the decode engine's own without the connector.
 
-Both engines get their requests at the same time (as the proxy's ``--mode push`` sends them):
+The engines are conftest's TP 1 pair (push mode on; the pull tests use them too), the prefill
+switched between whole-request and one-layer writes by its ``push_group`` command. Both engines
+get their requests at the same time (as the proxy's ``--mode push`` sends them):
 the decode engine's generate is sent first and the prefill engine's right after, then both
 answers are read. The prefill engine holds each request until the decode's registration has
 come (``push_wait_s``), so its writes are posted during the forward pass; a second case gives the
@@ -33,24 +35,10 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def push_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    """Prefill engines in push mode, whole-request and layer-wise, and a push decode engine."""
-    logs = tmp_path_factory.mktemp("logs-push")
-    common = {"model": tiny_model, "block_size": BLOCK, "num_blocks": 96}
-    push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
-    spec = {"pw": ({"role": "kv_producer", "engine_id": "prefill-push", "extra": push}, "0"),
-            "pl": ({"role": "kv_producer", "engine_id": "prefill-push-lw", "extra": {**push, "layerwise": True}}, "0"),
-            "d": ({"role": "kv_consumer", "engine_id": "decode-push", "extra": push}, "1")}
-    started: dict[str, EngineProcess] = {}
-    try:
-        for name, (opts, core) in spec.items():
-            started[name] = EngineProcess({**common, **opts}, core=core, log=str(logs / f"{name}.log"))
-        for e in started.values():
-            e.ready()
-        yield started
-    finally:
-        for e in started.values():
-            e.close()
+def push_engines(pd_engines):
+    """conftest's TP 1 pair (push mode on): the prefill engine writes whole requests ("pw") or
+    one layer per write ("pl", switched by its ``push_group`` command), the decode engine."""
+    return {"p": pd_engines["p1"], "d": pd_engines["d1"]}
 
 
 def _send(e: EngineProcess, **cmd) -> None:
@@ -80,12 +68,14 @@ def _plain(decode: EngineProcess, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("which", ["pw", "pl"])
 def test_push_equals_plain(push_engines, which: str) -> None:
-    prefill, decode = push_engines[which], push_engines["d"]
+    prefill, decode = push_engines["p"], push_engines["d"]
+    prefill.call(cmd="push_group", layers=1 if which == "pl" else 0)
     ep = _endpoint(prefill, decode)
     prompts = [prompt(n, i + (50 if which == "pl" else 0)) for i, n in enumerate(LENGTHS)]
     want = _plain(decode, prompts)
     pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
     st0 = decode.call(cmd="stats")["connector"]
+    ps0 = prefill.call(cmd="stats")["push"]
     # both at once, decode first (its registrations reach the prefill while it waits for them)
     _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
     _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
@@ -98,7 +88,8 @@ def test_push_equals_plain(push_engines, which: str) -> None:
     assert st["pull_failures"] == st0["pull_failures"]
     assert st["pulls"] - st0["pulls"] == len(prompts)  # every request landed by push
     ps = prefill.call(cmd="stats")["push"]
-    assert ps["pushed_in_pass"] >= len(prompts), ps
+    assert ps["pushed_in_pass"] - ps0["pushed_in_pass"] == len(prompts), ps  # none went the late way
+    assert ps["push_failures"] == ps0["push_failures"]
     # both sides free every block again
     for e in (prefill, decode):
         r = e.call(cmd="drain", timeout=30)
@@ -108,7 +99,8 @@ def test_push_equals_plain(push_engines, which: str) -> None:
 def test_late_registration_is_written_whole(push_engines) -> None:
     """The prefill finishes before the decode registers (no wait): the blocks it keeps are
     written whole when the registration comes; tokens identical, blocks freed after."""
-    prefill, decode = push_engines["pw"], push_engines["d"]
+    prefill, decode = push_engines["p"], push_engines["d"]
+    prefill.call(cmd="push_group", layers=0)
     ep = _endpoint(prefill, decode)
     prompts = [prompt(n, 300 + i) for i, n in enumerate((70, 150))]
     want = _plain(decode, prompts)
