@@ -750,6 +750,35 @@ def test_loopback_same_and_peer_device_and_pinned(path: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", ["legacy", "caller"])
+def test_stream_order_of_the_copies(order: str) -> None:
+    """``CudaOptions.order``: ``legacy`` copies wait for work queued on the legacy default stream
+    before them (a kernel spinning ~1 s there holds a later copy), ``caller`` copies do not (the
+    caller posted ready bytes): what lets a layer's write overlap the next layers' compute."""
+    import cupy
+
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long n) {
+        long long t = clock64(); while (clock64() - t < n) { } }""", "spin")
+    with kvx.Agent("solo", _config(copy="kernel", order=order)) as a:
+        bs, n = 4096, 64
+        src = cupy.asarray(pattern(np, n * bs, 5))
+        dst = cupy.zeros(n * bs, dtype=cupy.uint8)
+        cupy.cuda.Device().synchronize()  # the source is ready before the spin is queued
+        ps, pd = (a.prepare(kvx.DescList.blocks(a.register(x), bs)) for x in (src, dst))
+        rate = int(cupy.cuda.Device().attributes["ClockRate"]) * 1000  # cycles per second
+        spin((1,), (1,), (np.int64(rate),))  # ~1 s on the legacy default stream
+        t0 = time.monotonic()
+        a.write(ps, np.arange(n), pd, np.arange(n)).wait(30)
+        took = time.monotonic() - t0
+        cupy.cuda.Device().synchronize()
+        assert np.array_equal(dst.get(), pattern(np, n * bs, 5))
+        if order == "legacy":
+            assert took > 0.4, f"the copy did not wait for the spin ({took:.3f} s)"
+        else:
+            assert took < 0.4, f"the copy waited for later work on the legacy stream ({took:.3f} s)"
+
+
+@pytest.mark.gpu
 def test_raw_region_and_unpinned_host(agent: kvx.Agent) -> None:
     import cupy
 
