@@ -765,6 +765,9 @@ def test_stream_order_of_the_copies(order: str) -> None:
         dst = cupy.zeros(n * bs, dtype=cupy.uint8)
         cupy.cuda.Device().synchronize()  # the source is ready before the spin is queued
         ps, pd = (a.prepare(kvx.DescList.blocks(a.register(x), bs)) for x in (src, dst))
+        a.write(ps, np.arange(n), pd, np.arange(n)).wait(30)  # first use: set-up that synchronises
+        dst[:] = 0
+        cupy.cuda.Device().synchronize()
         rate = int(cupy.cuda.Device().attributes["ClockRate"]) * 1000  # cycles per second
         spin((1,), (1,), (np.int64(rate),))  # ~1 s on the legacy default stream
         t0 = time.monotonic()
