@@ -492,14 +492,13 @@ def test_member_processes_kill9_turns_into_misses_within_the_bound(etcd_server: 
 @pytest.mark.services
 def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, Pool]) -> None:
     from kvx.pool import PoolTier
-    from kvx.pool.tier import PooledStore
     from kvx.tiers import HostTier, TieredStore
 
     a, b, c = trio
     s1 = TieredStore([HostTier(blocks=8), PoolTier(a)], block_bytes=BB, policy="lru")
-    s2 = TieredStore([HostTier(blocks=8), PoolTier(c)], block_bytes=BB, policy="lru")
+    s2 = TieredStore([HostTier(blocks=8)], block_bytes=BB, policy="lru", remote=PoolTier(c))
     try:
-        assert isinstance(s1, PooledStore) and s1.agent is a.agent
+        assert isinstance(s1.remote, PoolTier) and s1.agent is a.agent and len(s1.tiers) == 1
         src, dst, ps, pd = _bufs(a, 24)
         s3, d2, ps2, pd2 = _bufs(c, 24)
         ks = _keys(24, b"tier")
@@ -509,11 +508,12 @@ def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, P
         assert r.hits == 24 and set(r.tiers) == {1}
         assert s2.get(ks, pd2, np.arange(24)) == 24
         assert np.array_equal(d2, src)
-        assert s2.pool_tier.hits == 24  # type: ignore[attr-defined]
+        assert s2.remote.hits == 24  # type: ignore[union-attr]
         # instance 1's host tier (8 blocks) evicted the first 16 blocks: they come from the pool
-        got_before = s1.pool_tier.hits  # type: ignore[attr-defined]
+        got_before = s1.remote.hits  # type: ignore[union-attr]
         assert s1.get(ks, pd, np.arange(24)) == 24 and np.array_equal(dst, src)
-        assert s1.pool_tier.hits - got_before >= 16  # type: ignore[attr-defined]
+        assert s1.remote.hits - got_before >= 16  # type: ignore[union-attr]
+        assert s1.stats().remote["pool"]["hits"] >= 16  # type: ignore[index]
         with pytest.raises(kvx.BlockNotFound) as ei:
             s2.get([*ks[:3], b"absent"], pd2, np.arange(4))
         assert ei.value.args[1] == 3
