@@ -218,7 +218,9 @@ class Pool:
     capacity
         Bytes of host memory this member stores for the pool (0: a client that stores nothing).
     block_bytes
-        Size of every block (all members of a pool use the same).
+        Size of every block (all members of a pool use the same). 0, for a client that stores
+        nothing: it only looks up (``lookup``, ``members``), among members of any block size
+        (an engine's scheduler, which knows the hashes but not the workers' block layout).
     config
         The agents' settings (the owner agent listens on ``(options.host, 0)`` unless ``listen``
         is set, and runs the tcp backend only when ``strict``).
@@ -244,8 +246,8 @@ class Pool:
         for what, v in (("capacity", capacity), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UsageError(f"{what} must be a non-negative int")
-        if block_bytes < 1 or block_bytes > 1 << 30:
-            raise UsageError("block_bytes must be in 1 .. 1 GiB")
+        if block_bytes > 1 << 30 or (block_bytes < 1 and capacity):
+            raise UsageError("block_bytes must be in 1 .. 1 GiB (0: a client that only looks up)")
         if 0 < capacity < block_bytes:
             raise UsageError(f"capacity {capacity} holds no block of {block_bytes} bytes")
         self.name = name
@@ -315,7 +317,8 @@ class Pool:
 
     # ---- membership ------------------------------------------------------------------------
     def _on_members(self, view: dict[str, Member]) -> None:
-        ms = [m for m in view.values() if m.capacity > 0 and m.block_bytes == self.block_bytes]
+        bb = self.block_bytes
+        ms = [m for m in view.values() if m.capacity > 0 and (m.block_bytes == bb or not bb)]
         pl = Placement([m.name for m in ms], [float(m.capacity) for m in ms])
         byname = {m.name: m for m in ms}
         with self._lock:
@@ -423,6 +426,8 @@ class Pool:
     def _check(self, plist: Any, idx: Any, n: int, what: str) -> np.ndarray:
         if self.closed:
             raise UsageError(f"pool member {self.name!r} is closed")
+        if not self.block_bytes:
+            raise UsageError(f"pool client {self.name!r} only looks up (block_bytes=0): it moves no blocks")
         if type(plist) is not PreparedList or plist.agent is not self.agent or plist.peer is not None:
             raise UsageError(f"{what} must be a local PreparedList of this pool's agent (pool.agent.prepare)")
         if plist.kind != MemoryKind.HOST:

@@ -40,6 +40,9 @@ class PoolTier(RemoteTier):
     write_through
         Put every block the store stores into the pool as well (default). ``False``: the store
         only reads from the pool (another process fills it).
+    close_pool
+        Leave the pool (``pool.close()``) when the store closes. By default the pool belongs to
+        the caller and stays joined.
 
     Notes
     -----
@@ -50,12 +53,13 @@ class PoolTier(RemoteTier):
 
     medium = "pool"
 
-    def __init__(self, pool: Pool, write_through: bool = True) -> None:
+    def __init__(self, pool: Pool, write_through: bool = True, close_pool: bool = False) -> None:
         if not isinstance(pool, Pool):
             raise UsageError(f"PoolTier takes a kvx.pool.Pool, not {type(pool).__name__}")
         self.pool = pool
         self.agent = pool.agent
         self.write_through = bool(write_through)
+        self.close_pool = bool(close_pool)
         self.hits = 0
         self.misses = 0
         self.stored = 0
@@ -103,3 +107,7 @@ class PoolTier(RemoteTier):
     def stats(self) -> dict[str, Any]:
         return {"medium": self.medium, "hits": self.hits, "misses": self.misses, "stored": self.stored,
                 "errors": self.errors, "pool": self.pool.stats()}
+
+    def close(self) -> None:
+        if self.close_pool:
+            self.pool.close()

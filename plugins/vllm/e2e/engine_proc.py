@@ -152,10 +152,12 @@ def main() -> None:
         elif c == "stats":
             kvw = getattr(worker_conn, "worker", None)
             tiers = {str(g): st.store.stats().tiers for g, st in (kvw._stores.items() if kvw is not None else ())}
+            remote = {str(g): st.store.stats().remote for g, st in (kvw._stores.items() if kvw is not None else ())}
             ks = getattr(core.scheduler.connector, "scheduler", None)
             known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
             done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
-            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "external": external,
+            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "remote": remote,
+                    "external": external,
                     "scheduler_known_blocks": known, "pull_s": done, **state()})
         elif c == "quit":
             del llm
