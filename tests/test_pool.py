@@ -536,6 +536,22 @@ def test_pool_moves_blocks_with_a_given_agent(trio: tuple[Pool, Pool, Pool], etc
         assert not eng.closed and not eng.peers()
 
 
+@pytest.mark.services
+def test_lookup_only_client_sees_members_of_any_block_size(trio: tuple[Pool, Pool, Pool],
+                                                           etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 8)
+    assert c.put(_keys(8, b"lo"), ps, range(8)) == 8
+    name = c._members.prefix.split("/")[3]  # type: ignore[union-attr]
+    with pytest.raises(kvx.UsageError, match="block_bytes"):
+        Pool("x", etcd=etcd_server.endpoint, pool=name, capacity=BB, block_bytes=0, options=FAST)
+    with Pool("look", etcd=etcd_server.endpoint, pool=name, capacity=0, block_bytes=0, options=FAST) as lo:
+        assert lo.members() == ["a", "b"]
+        assert lo.lookup(_keys(8, b"lo")) == 8 and lo.lookup([*_keys(3, b"lo"), b"absent"]) == 3
+        with pytest.raises(kvx.UsageError, match="only looks up"):
+            lo.put(_keys(1), ps, [0])
+
+
 def test_cli_pool_bench_refuses_other_comparisons(capsys: pytest.CaptureFixture[str]) -> None:
     from kvx.cli import main
 
