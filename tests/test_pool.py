@@ -433,11 +433,11 @@ def test_full_owner_refuses_with_a_reason_and_never_blocks(etcd_server: Etcd) ->
 
 
 # ---- members in separate processes ---------------------------------------------------------
-def _member(endpoint: str, pool: str, name: str, capacity: int) -> subprocess.Popen[str]:
+def _member(endpoint: str, pool: str, name: str, capacity: int, *more: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     p = subprocess.Popen([sys.executable, "-m", "kvx.pool.member", "--etcd", endpoint, "--pool", pool,
                           "--name", name, "--capacity", str(capacity), "--block-bytes", str(BB), "--ttl", "2",
-                          "--policy", "lru", "--stdin"],
+                          "--policy", "lru", "--stdin", *more],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -486,6 +486,92 @@ def test_member_processes_kill9_turns_into_misses_within_the_bound(etcd_server: 
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+# ---- a member's disk tier -------------------------------------------------------------------
+def _commit(o: Owner, arena: np.ndarray, data: np.ndarray, ks: list[bytes]) -> None:
+    """Write blocks ``ks`` (rows of ``data``) into ``o``'s arena as a client would."""
+    from kvx._native import nh64
+
+    gid, codes, _ = o.grant(LOCAL, ks, [None] * len(ks))
+    slots = [c for c in codes if c >= 0]
+    assert len(slots) == len(ks), codes
+    for i, sl in enumerate(slots):
+        arena[sl * BB:(sl + 1) * BB] = data[i * BB:(i + 1) * BB]
+    assert o.commit(LOCAL, gid, slots, [nh64(memoryview(data[i * BB:(i + 1) * BB])) for i in range(len(ks))],
+                    True) == len(ks)
+
+
+def test_owner_disk_tier_keeps_evicted_blocks_and_serves_them_checked(tmp_path: Any) -> None:
+    from kvx.pool.disk import DiskSpill
+
+    arena = kvx.alloc_host(4 * BB)
+    disk = DiskSpill(str(tmp_path / "slab"), 8 * BB, BB)
+    o = Owner(4, BB, int(arena.ctypes.data), policy="lru", disk=disk)
+    data = np.random.default_rng(5).integers(0, 256, 12 * BB, dtype=np.uint8)
+    ks = _keys(12, b"dsk")
+    for i in range(0, 12, 2):  # two at a time: the arena of 4 spills the oldest to disk
+        _commit(o, arena, data[i * BB:(i + 2) * BB], ks[i:i + 2])
+        o.check()
+    assert len(o.index) == 4 and len(disk) == 8 and disk.stats.spilled == 8 and disk.stats.evicted == 0
+    # held (on disk) blocks are not granted again
+    _, codes, _ = o.grant(LOCAL, ks[:1], [None])
+    assert codes == [HELD]
+    # a lookup brings a disk block back into the arena, leased; its bytes are exactly as written
+    n, slots, gens, sums, lid = o.lookup("reader", ks[:2], lease=True)
+    assert n == 2 and lid is not None
+    for i, sl in enumerate(slots):
+        assert np.array_equal(arena[sl * BB:(sl + 1) * BB], data[i * BB:(i + 1) * BB])
+    assert disk.stats.restored == 2 and ks[0] in o.index and ks[0] not in disk
+    o.check()
+    # the two it evicted for them went down to disk (full: its LRU victim dropped)
+    assert len(o.index) == 4 and disk.stats.spilled == 10 and disk.stats.evicted == 1 and len(disk) == 7
+    o.release("reader", lid)
+    # a lookup of a run longer than the arena serves what fits, never a block twice in a slot
+    assert ks[2] not in disk and ks[2] not in o.index  # the disk's victim: gone
+    n, slots, *_ = o.lookup("reader", ks[3:11], lease=False)
+    assert n == 4 and len(set(slots)) == n
+    o.check()
+    # a block whose bytes changed on disk is a miss (dropped), never served
+    victim = next(k for k in ks if k in disk)
+    dslot, _ = disk.index[victim]
+    with open(tmp_path / "slab", "r+b") as f:
+        f.seek(dslot * BB + 7)
+        f.write(b"\xff\x00")
+    n, *_ = o.lookup("reader", [victim], lease=True)
+    assert n == 0 and disk.stats.corrupt == 1 and victim not in disk and victim not in o.index
+    o.check()
+    disk.close()
+    assert not (tmp_path / "slab").exists()
+
+
+@pytest.mark.services
+def test_member_process_with_a_disk_tier_serves_what_its_memory_evicted(etcd_server: Etcd,  # noqa: F811
+                                                                       tmp_path: Any) -> None:
+    slab = tmp_path / "m.slab"
+    proc = _member(etcd_server.endpoint, "disk", "d0", 8 * BB, "--disk", str(slab), "--disk-capacity",
+                   str(128 * BB))
+    try:
+        assert slab.stat().st_size == 128 * BB
+        with Pool("client", etcd=etcd_server.endpoint, pool="disk", capacity=0, block_bytes=BB,
+                  options=FAST) as c:
+            deadline = time.monotonic() + 5
+            while not c.members() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            n = 64  # 8 times the member's memory
+            src, dst, ps, pd = _bufs(c, n, seed=3)
+            ks = _keys(n, b"spill")
+            for i in range(0, n, 8):
+                assert c.put(ks[i:i + 8], ps, range(i, i + 8)) == 8
+            assert c.lookup(ks[:4]) == 4  # the oldest: on disk only
+            for i in range(0, n, 4):  # gets of a few blocks, each read from the arena after a restore
+                assert c.get(ks[i:i + 4], pd, range(i, i + 4)) == 4
+            assert np.array_equal(src, dst)
+            assert c.stats().get("corrupt", 0) == 0 and c.stats()["hits"] == n
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(10)
+    assert not slab.exists()  # scratch space: removed when the member leaves
 
 
 # ---- the pool as the last tier of a store ------------------------------------------------

@@ -51,6 +51,7 @@ from ..errors import (
 from ..memory import DescList, MemoryKind, alloc_host
 from ..net import client_handshake
 from ..tiers.policies import DEFAULT_POLICY
+from .disk import DiskSpill
 from .membership import Member, Membership, check_name
 from .owner import BUSY, HELD, LOCAL, REFUSED, Owner
 from .placement import Placement, key64, key_bytes
@@ -230,6 +231,11 @@ class Pool:
         Move blocks with this agent (an engine's own, e.g. the one its connector registered the
         KV cache with) instead of a new one; it must run the tcp backend. The pool adds its
         members as peers of it and leaves it open at :meth:`close`.
+    disk, disk_capacity
+        A storing member's disk tier: a slab file at path ``disk`` (created empty, removed at
+        :meth:`close`) of ``disk_capacity`` bytes, below the arena. Blocks the arena's policy
+        evicts go there and are still served: a lookup brings them back into the arena
+        (:mod:`kvx.pool.disk`).
 
     Attributes
     ----------
@@ -241,7 +247,7 @@ class Pool:
 
     def __init__(self, name: str, *, etcd: str, pool: str, capacity: int, block_bytes: int,
                  config: AgentConfig | None = None, options: PoolConfig | None = None,
-                 agent: Agent | None = None) -> None:
+                 agent: Agent | None = None, disk: str | None = None, disk_capacity: int = 0) -> None:
         check_name(name, "member name")
         for what, v in (("capacity", capacity), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -250,6 +256,8 @@ class Pool:
             raise UsageError("block_bytes must be in 1 .. 1 GiB (0: a client that only looks up)")
         if 0 < capacity < block_bytes:
             raise UsageError(f"capacity {capacity} holds no block of {block_bytes} bytes")
+        if disk is not None and not capacity:
+            raise UsageError("a disk tier needs a storing member (capacity > 0)")
         self.name = name
         self.block_bytes = block_bytes
         self.capacity = capacity
@@ -289,8 +297,9 @@ class Pool:
                     self._arena[::4096] = 0
                 self._reg = oa.register(self._arena)
                 base = int(self._reg.descs.addr[0])
+                spill = DiskSpill(disk, disk_capacity, block_bytes, opts.policy) if disk is not None else None
                 self.owner = Owner(nslots, block_bytes, base, opts.policy, opts.grant_ttl, opts.lease_ttl,
-                                   opts.max_batch)
+                                   opts.max_batch, disk=spill)
                 if opts.strict:
                     oa.guard = self.owner.guard
                     tcp = oa.backend("tcp")
@@ -735,6 +744,9 @@ class Pool:
             o = self.owner
             out["owner"] = {**dataclasses.asdict(o.stats), "blocks": len(o.index), "slots": o.nslots,
                             "leases_active": len(o.leases), "grants_active": len(o.grants)}
+            if o.disk is not None:
+                out["owner"]["disk"] = {**dataclasses.asdict(o.disk.stats), "blocks": len(o.disk),
+                                        "slots": o.disk.nslots}
         return out
 
     def close(self) -> None:
@@ -765,6 +777,9 @@ class Pool:
                     pass
         if self._oagent is not None:
             self._oagent.close()
+        if self.owner is not None and self.owner.disk is not None:
+            with self.owner._lock:
+                self.owner.disk.close()
 
     def __enter__(self) -> "Pool":
         return self
