@@ -203,12 +203,27 @@ _op = st.tuples(st.sampled_from(["put", "commit", "abort", "lookup", "lease", "r
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(_op, min_size=1, max_size=40), st.sampled_from(["lru", "s3fifo", "adaptive"]))
-def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[int], int]], policy: str) -> None:
+@given(st.lists(_op, min_size=1, max_size=40), st.sampled_from(["lru", "s3fifo", "adaptive"]), st.booleans())
+def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[int], int]], policy: str,
+                                                    disk: bool) -> None:
     """Random but well-formed grant/commit/lookup/lease/release/expiry sequences of three
-    clients over ten keys: the bookkeeping stays exact, a leased block is never evicted, a
-    released lease that held reports so."""
-    o = Owner(4, BB, 1 << 20, policy=policy, max_batch=8)
+    clients over ten keys, with and without a disk tier (6 blocks) below the arena (4): the
+    bookkeeping stays exact, a leased block is never evicted, a released lease that held reports
+    so, and a block restored from disk is never corrupt."""
+    import tempfile
+
+    from kvx._native import nh64
+    from kvx.pool.disk import DiskSpill
+
+    if disk:
+        arena = kvx.alloc_host(4 * BB)  # zeros: every block's checksum is the zero block's
+        tmp = tempfile.TemporaryDirectory()
+        spill = DiskSpill(os.path.join(tmp.name, "slab"), 6 * BB, BB, policy)
+        o = Owner(4, BB, int(arena.ctypes.data), policy=policy, max_batch=8, disk=spill)
+        want = nh64(memoryview(np.zeros(BB, np.uint8)))
+    else:
+        o = Owner(4, BB, 1 << 20, policy=policy, max_batch=8)
+        want = 7
     grants: list[tuple[str, bytes, list[int]]] = []
     leases: list[tuple[str, bytes, list[bytes]]] = []
     for op, ks, who in ops:
@@ -222,12 +237,12 @@ def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[in
         elif op in ("commit", "abort") and grants:
             client, gid, slots = grants.pop(0)
             try:
-                o.commit(client, gid, slots, [7] * len(slots), op == "commit")
+                o.commit(client, gid, slots, [want] * len(slots), op == "commit")
             except ProtocolError:
                 pass  # expired meanwhile
         elif op in ("lookup", "lease"):
             n, slots, gens, sums, lid = o.lookup(client, keys, op == "lease")
-            assert n <= len(keys) and all(x == 7 for x in sums)
+            assert n <= len(keys) and all(x == want for x in sums)
             if lid is not None:
                 leases.append((client, lid, keys[:n]))
         elif op == "release" and leases:
@@ -245,6 +260,10 @@ def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[in
         o.check()
         for _c, _lid, held in leases:  # every live lease's blocks are still there
             assert all(k in o.index for k in held)
+    if disk:
+        assert spill.stats.corrupt == 0 and spill.stats.errors == 0
+        spill.close()
+        tmp.cleanup()
 
 
 def test_owner_refuses_oversized_batches() -> None:
