@@ -10,6 +10,7 @@ It answers one JSON line per command line (prompts are token ids, sampling is gr
   -> ``{"outputs": [{"tokens", "kv_transfer_params", "num_cached_tokens", "ttft_s"}], ...}``
 - ``{"cmd": "drain", "timeout": s}``: step the engine until every KV block is free again (the
   prefill side frees a request's blocks once its decode instance has read them) or ``timeout``;
+- ``{"cmd": "remote"}``: the offload stores' remote tier (the pool) counters, per KV cache group;
 - ``{"cmd": "spoil", "on": true}``: from now on, blocks this (decode) engine pulls are
   overwritten with noise after they arrive and before the model reads them (negative control);
 - ``{"cmd": "lease", "seconds": s}``: the (prefill) connector's lease for requests finishing from now on;
@@ -136,6 +137,10 @@ def main() -> None:
                 core.step()
                 time.sleep(0.01)
             _reply(state())
+        elif c == "remote":
+            # the offload stores' remote tier (a kvx pool) as each store sees it, per KV cache group
+            kvw = getattr(worker_conn, "worker", None)
+            _reply({str(g): st.store.stats().remote for g, st in (kvw._stores.items() if kvw is not None else ())})
         elif c == "spoil":
             spoil["on"] = bool(cmd.get("on", True))
             _reply(state())
@@ -152,12 +157,10 @@ def main() -> None:
         elif c == "stats":
             kvw = getattr(worker_conn, "worker", None)
             tiers = {str(g): st.store.stats().tiers for g, st in (kvw._stores.items() if kvw is not None else ())}
-            remote = {str(g): st.store.stats().remote for g, st in (kvw._stores.items() if kvw is not None else ())}
             ks = getattr(core.scheduler.connector, "scheduler", None)
             known = len(getattr(ks, "_stored", ()))  # blocks the scheduler knows kvx holds
             done = {r: t[1] - t[0] for r, t in pull_times.items() if len(t) == 2}
-            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "remote": remote,
-                    "external": external,
+            _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "external": external,
                     "scheduler_known_blocks": known, "pull_s": done, **state()})
         elif c == "quit":
             del llm

@@ -48,7 +48,7 @@ def test_second_engine_loads_the_prefix_the_first_computed(tiny_model: str, tmp_
         assert r["free"] == r["initial"]
         st = a.call(cmd="stats")
         assert st["connector"]["saved_blocks"] == FULL, st
-        (ra,) = st["remote"].values()
+        (ra,) = a.call(cmd="remote").values()
         assert ra["store"]["stored"] == FULL, ra  # every block went to the pool too
         assert ra["pool"]["members"] == 2, ra
 
@@ -59,7 +59,7 @@ def test_second_engine_loads_the_prefix_the_first_computed(tiny_model: str, tmp_
         assert again["num_cached_tokens"] == FULL * BLOCK, st
         assert st["connector"]["loaded_blocks"] == FULL, st
         assert again["tokens"] == first["tokens"]
-        (rb,) = st["remote"].values()
+        (rb,) = b.call(cmd="remote").values()
         assert rb["hits"] == FULL and rb["store"]["hits"] == FULL, rb
         # the blocks B read from A's member crossed processes over tcp (B's own member, if it
         # owns some, served them in place)
