@@ -110,6 +110,9 @@ class PoolSettings:
                     raise ValueError(f"{key} must be a non-empty string without '/' (at most 100 characters), "
                                      f"not {v!r}")
                 kw[field] = v
+        if kw.get("host") in ("0.0.0.0", "::"):
+            raise ValueError("pool_host is the address other members dial: give this machine's address, "
+                             "not a wildcard")
         if "pool_capacity_gb" in got:
             kw["capacity_bytes"] = int(_number(got["pool_capacity_gb"], "pool_capacity_gb", 0.0) * (1 << 30))
         if "pool_replicas" in got:

@@ -39,6 +39,7 @@ def test_pool_keys_parse_and_validate() -> None:
         ({"offload_host_gb": 1, "pool_etcd": "http://e:1", "pool_timeout_s": 0}, "positive"),
         ({"offload_host_gb": 1, "pool_etcd": "http://e:1", "pool_name": "a/b"}, "without '/'"),
         ({"offload_host_gb": 1, "pool_etcd": "http://e:1", "pool_member": ""}, "non-empty"),
+        ({"offload_host_gb": 1, "pool_etcd": "http://e:1", "pool_host": "0.0.0.0"}, "wildcard"),
         ({"offload_host_gb": 1, "pool_etcd": "http://e:1", "pool_size": 3}, "unknown"),
         ({"offload_host_gb": 1, "pool_name": "x"}, "without pool_etcd"),
         ({"offload_host_gb": 1, "pool": "x"}, "unknown"),
