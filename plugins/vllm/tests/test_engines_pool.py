@@ -4,7 +4,8 @@ Each engine offloads to a host tier with the pool below it, and each is a storin
 pool (its own member name, its own memory) in a real etcd. Engine A computes a prompt; engine
 B, which never saw it, finds the prefix in the pool from its scheduler (external tokens counted),
 loads it through its worker (from A's memory and its own, wherever the blocks' owners are) and
-generates the same greedy tokens as A computed them.
+generates the same greedy tokens as A computed them. Then A is killed (-9): B still loads the
+blocks its own member owns from the pool, A's are a miss that B computes, and the tokens stay A's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,27 @@ def test_second_engine_loads_the_prefix_the_first_computed(tiny_model: str, tmp_
         # the blocks B read from A's member crossed processes over tcp (B's own member, if it
         # owns some, served them in place)
         assert rb["pool"]["owner"]["blocks"] + ra["pool"]["owner"]["blocks"] == FULL, (ra, rb)
+
+        # more prompts through A, then A is killed (-9): B, its local copies dropped, still loads
+        # the leading blocks its own member owns; A's are a miss (computed), never wrong tokens
+        more = [prompt(PROMPT_LEN, 20 + i) for i in range(4)]
+        want = [o["tokens"] for o in a.generate(more, MAX_TOKENS)["outputs"]]
+        a.call(cmd="drain", timeout=30)
+        (ra,) = a.call(cmd="remote").values()
+        assert ra["store"]["stored"] == 5 * FULL, ra
+        a.proc.kill()
+        a.proc.wait(30)
+        assert b.call(cmd="forget_local")["dropped"] == FULL
+        b.generate([prompt(20, 99)], 1)  # a step: B's scheduler learns that its store dropped them
+        before = b.call(cmd="stats")["external"]["tokens"]
+        outs = [b.generate([p], MAX_TOKENS)["outputs"][0] for p in more]  # one at a time
+        st = b.call(cmd="stats")
+        assert [o["tokens"] for o in outs] == want
+        served = [o["num_cached_tokens"] // BLOCK for o in outs]
+        assert st["external"]["tokens"] - before == sum(served) * BLOCK, (served, st)
+        assert 0 < sum(served) < 4 * FULL, served  # B's member owns some blocks, A owned others
+        (rb,) = b.call(cmd="remote").values()
+        assert rb["pool"].get("corrupt", 0) == 0, rb
     finally:
         b.close()
         a.close()
