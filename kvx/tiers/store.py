@@ -1390,8 +1390,8 @@ class TieredStore:
                      "pinned": sum(1 for k in self._pins if k in t.index), "held": len(t.deferred)}
                 d.update({k: getattr(t.stats, k) for k in TierStats.__dataclass_fields__})
                 s.tiers.append(d)
-            if self.remote is not None:
-                s.remote = {**self.remote.stats(), "store": dict(self._rstats)}
+        if self.remote is not None:  # outside the lock: the remote's counters are its own
+            s.remote = {**self.remote.stats(), "store": dict(self._rstats)}
         self.events.emit(events)
         return s
 
