@@ -51,6 +51,7 @@ from ..errors import (
 from ..memory import DescList, MemoryKind, alloc_host
 from ..net import client_handshake
 from ..tiers.policies import DEFAULT_POLICY
+from .disk import DiskSpill
 from .membership import Member, Membership, check_name
 from .owner import BUSY, HELD, LOCAL, REFUSED, Owner
 from .placement import Placement, key64, key_bytes
@@ -218,7 +219,9 @@ class Pool:
     capacity
         Bytes of host memory this member stores for the pool (0: a client that stores nothing).
     block_bytes
-        Size of every block (all members of a pool use the same).
+        Size of every block (all members of a pool use the same). 0, for a client that stores
+        nothing: it only looks up (``lookup``, ``members``), among members of any block size
+        (an engine's scheduler, which knows the hashes but not the workers' block layout).
     config
         The agents' settings (the owner agent listens on ``(options.host, 0)`` unless ``listen``
         is set, and runs the tcp backend only when ``strict``).
@@ -228,6 +231,11 @@ class Pool:
         Move blocks with this agent (an engine's own, e.g. the one its connector registered the
         KV cache with) instead of a new one; it must run the tcp backend. The pool adds its
         members as peers of it and leaves it open at :meth:`close`.
+    disk, disk_capacity
+        A storing member's disk tier: a slab file at path ``disk`` (created empty, removed at
+        :meth:`close`) of ``disk_capacity`` bytes, below the arena. Blocks the arena's policy
+        evicts go there and are still served: a lookup brings them back into the arena
+        (:mod:`kvx.pool.disk`).
 
     Attributes
     ----------
@@ -239,15 +247,17 @@ class Pool:
 
     def __init__(self, name: str, *, etcd: str, pool: str, capacity: int, block_bytes: int,
                  config: AgentConfig | None = None, options: PoolConfig | None = None,
-                 agent: Agent | None = None) -> None:
+                 agent: Agent | None = None, disk: str | None = None, disk_capacity: int = 0) -> None:
         check_name(name, "member name")
         for what, v in (("capacity", capacity), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UsageError(f"{what} must be a non-negative int")
-        if block_bytes < 1 or block_bytes > 1 << 30:
-            raise UsageError("block_bytes must be in 1 .. 1 GiB")
+        if block_bytes > 1 << 30 or (block_bytes < 1 and capacity):
+            raise UsageError("block_bytes must be in 1 .. 1 GiB (0: a client that only looks up)")
         if 0 < capacity < block_bytes:
             raise UsageError(f"capacity {capacity} holds no block of {block_bytes} bytes")
+        if disk is not None and not capacity:
+            raise UsageError("a disk tier needs a storing member (capacity > 0)")
         self.name = name
         self.block_bytes = block_bytes
         self.capacity = capacity
@@ -287,8 +297,9 @@ class Pool:
                     self._arena[::4096] = 0
                 self._reg = oa.register(self._arena)
                 base = int(self._reg.descs.addr[0])
+                spill = DiskSpill(disk, disk_capacity, block_bytes, opts.policy) if disk is not None else None
                 self.owner = Owner(nslots, block_bytes, base, opts.policy, opts.grant_ttl, opts.lease_ttl,
-                                   opts.max_batch)
+                                   opts.max_batch, disk=spill)
                 if opts.strict:
                     oa.guard = self.owner.guard
                     tcp = oa.backend("tcp")
@@ -315,7 +326,8 @@ class Pool:
 
     # ---- membership ------------------------------------------------------------------------
     def _on_members(self, view: dict[str, Member]) -> None:
-        ms = [m for m in view.values() if m.capacity > 0 and m.block_bytes == self.block_bytes]
+        bb = self.block_bytes
+        ms = [m for m in view.values() if m.capacity > 0 and (m.block_bytes == bb or not bb)]
         pl = Placement([m.name for m in ms], [float(m.capacity) for m in ms])
         byname = {m.name: m for m in ms}
         with self._lock:
@@ -423,6 +435,8 @@ class Pool:
     def _check(self, plist: Any, idx: Any, n: int, what: str) -> np.ndarray:
         if self.closed:
             raise UsageError(f"pool member {self.name!r} is closed")
+        if not self.block_bytes:
+            raise UsageError(f"pool client {self.name!r} only looks up (block_bytes=0): it moves no blocks")
         if type(plist) is not PreparedList or plist.agent is not self.agent or plist.peer is not None:
             raise UsageError(f"{what} must be a local PreparedList of this pool's agent (pool.agent.prepare)")
         if plist.kind != MemoryKind.HOST:
@@ -730,6 +744,9 @@ class Pool:
             o = self.owner
             out["owner"] = {**dataclasses.asdict(o.stats), "blocks": len(o.index), "slots": o.nslots,
                             "leases_active": len(o.leases), "grants_active": len(o.grants)}
+            if o.disk is not None:
+                out["owner"]["disk"] = {**dataclasses.asdict(o.disk.stats), "blocks": len(o.disk),
+                                        "slots": o.disk.nslots}
         return out
 
     def close(self) -> None:
@@ -760,6 +777,9 @@ class Pool:
                     pass
         if self._oagent is not None:
             self._oagent.close()
+        if self.owner is not None and self.owner.disk is not None:
+            with self.owner._lock:
+                self.owner.disk.close()
 
     def __enter__(self) -> "Pool":
         return self

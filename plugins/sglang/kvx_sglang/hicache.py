@@ -17,6 +17,7 @@ never reported as loaded.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -80,6 +81,22 @@ class _HostView:
         return combine(out.reshape(len(pages), nf))
 
 
+def _pool_tier(cfg: HiCacheKVXConfig, frag: int, name: str) -> Any:
+    """The kvx pool of this model and rank (``name``) as the tiered store's last tier; the store's
+    close leaves it."""
+    import socket
+
+    from kvx.pool import Pool, PoolConfig, PoolTier
+
+    cap = cfg.bytes_of(cfg.pool_capacity_gb)
+    cap -= cap % frag
+    member = f"{cfg.pool_member or f'{socket.gethostname()}-{os.getpid()}'}-{name}"
+    pool = Pool(member[:200], etcd=cfg.pool_etcd or "", pool=f"{cfg.pool_name}.{name}"[:200], capacity=cap,
+                block_bytes=frag, options=PoolConfig(host=cfg.pool_host, replicas=int(cfg.pool_replicas),
+                                                     timeout=cfg.pool_timeout_s))
+    return PoolTier(pool, close_pool=True)
+
+
 class _TieredPages:
     """Pages in a ``kvx.tiers.TieredStore``: one block per page fragment, keyed ``key/f``."""
 
@@ -97,6 +114,9 @@ class _TieredPages:
         if cfg.s3_bucket:
             tiers.append(ObjectTier(cfg.s3_bucket, nbytes=max(cfg.bytes_of(cfg.s3_gb), frag), prefix=name))
         kw: dict[str, Any] = {} if cfg.policy is None else {"policy": cfg.policy}
+        self._digest = bool(cfg.pool_etcd)
+        if cfg.pool_etcd:
+            kw["remote"] = _pool_tier(cfg, frag, name)
         self.store = TieredStore(tiers, frag, **kw)
         try:
             self._reg = self.store.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
@@ -110,7 +130,10 @@ class _TieredPages:
 
     def _fkeys(self, keys: list[str]) -> list[bytes]:
         nf = self.geom.nfrag
-        return [f"{k}/{f}".encode() for k in keys for f in range(nf)]
+        fk = [f"{k}/{f}".encode() for k in keys for f in range(nf)]
+        if self._digest:  # a pool keys blocks by at most 64 bytes: SGLang's keys are longer
+            return [hashlib.blake2b(k, digest_size=32).digest() for k in fk]
+        return fk
 
     def prefix(self, keys: list[str]) -> int:
         return self.store.lookup(self._fkeys(keys)).hits // self.geom.nfrag

@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvx
+from kvx.testing.etcd import etcd_server  # noqa: F401  (fixture)
 
 EXTRA = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
          "interface_v1": 1}
@@ -196,6 +197,13 @@ def test_unsupported_layout_is_refused(tmp_path):
     ({"fsync": "yes"}, "must be a bool"),
     ({"prefault_gb": -1}, "must be a number >= 0"),
     ({"capacity_gb": float("inf")}, "positive number"),
+    ({"pool_name": "x"}, "need pool_etcd"),
+    ({"pool_etcd": "http://e:1"}, "tiered"),
+    ({"store": "tiered", "pool_etcd": "e:1"}, "http"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_replicas": 1.5}, "1..8"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_host": "0.0.0.0"}, "wildcard"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_member": "a/b"}, "without '/'"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_capacity_gb": -1}, "number >= 0"),
 ])
 def test_bad_extra_config_is_a_clear_error(tmp_path, extra, msg):
     cfg = storage_config(dict(EXTRA, path=str(tmp_path), **extra))
@@ -441,3 +449,36 @@ def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_pa
         assert [page_bytes(pool, p) for p in src] == want[2]
     finally:
         b.close()
+
+
+def test_two_instances_share_pages_through_a_kvx_pool(tmp_path, etcd_server):  # noqa: F811
+    """Two HiCache backends of two instances (their own host pools and members) over one kvx
+    pool in a real etcd: what A stores, B finds and loads, byte for byte."""
+    import time
+
+    common = {"pool_etcd": etcd_server.endpoint, "pool_name": f"sg{time.monotonic_ns()}", "pool_timeout_s": 3}
+    pa, pb = mha_pool("page_first"), mha_pool("page_first")
+    fill(pa, 3)
+    cap = 64 * pa.page_size * pa.size_per_token / (1 << 30)
+    a = make(tmp_path, pa, "tiered", disk_path=str(tmp_path / "disk-a"), pool_member="inst-a", pool_capacity_gb=cap,
+             **common)
+    b = make(tmp_path, pb, "tiered", disk_path=str(tmp_path / "disk-b"), pool_member="inst-b", pool_capacity_gb=cap,
+             **common)
+    try:
+        pools = [x.pages.store.remote.pool for x in (a, b)]
+        end = time.monotonic() + 5
+        while any(len(p.members()) < 2 for p in pools) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert all(len(p.members()) == 2 for p in pools)
+        src = [3, 7, 8, 20, 41, 63]
+        ks = keys(len(src), "pool")
+        assert b.batch_exists(ks) == 0
+        assert a.batch_set_v1(ks, token_indices(src, pa.page_size)) == [True] * len(src)
+        assert b.batch_exists(ks) == len(src)  # B's own tiers hold nothing: the pool does
+        dst = [50, 2, 30, 31, 5, 6]
+        assert b.batch_get_v1(ks, token_indices(dst, pb.page_size)) == [True] * len(src)
+        assert [page_bytes(pb, p) for p in dst] == [page_bytes(pa, p) for p in src]
+        assert b.pages.store.stats().remote["store"]["hits"] == 2 * len(src)  # two fragments a page
+    finally:
+        b.close()
+        a.close()
