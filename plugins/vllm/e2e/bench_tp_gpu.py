@@ -42,6 +42,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 from typing import Any
 
@@ -195,30 +196,55 @@ def _rank(conn: Any, o: dict[str, Any]) -> None:
             return
 
 
-class Rank:
-    """One rank process (``target``: kvx's ``_rank`` or ``nixl_tp.nixl_rank``), driven by JSON commands."""
+def _serve(conn: Any, o: dict[str, Any], impl: str) -> None:
+    """A rank process: kvx's rank or NIXL's; whatever it raises goes to the parent before it exits."""
+    try:
+        if impl == "nixl":
+            from nixl_tp import nixl_rank
 
-    def __init__(self, ctx: Any, target: Any = None, **o: Any) -> None:
+            nixl_rank(conn, o)
+        else:
+            _rank(conn, o)
+    except BaseException as exc:
+        try:
+            conn.send_bytes(json.dumps({"error": f"{type(exc).__name__}: {exc}",
+                                        "trace": traceback.format_exc()[-3000:]}).encode())
+        except Exception:
+            pass
+        raise
+
+
+class Rank:
+    """One rank process (``impl``: kvx's worker or NIXL), driven by JSON commands."""
+
+    def __init__(self, ctx: Any, impl: str = "kvx", **o: Any) -> None:
         self.o = o
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target or _rank, args=(child, o), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, o, impl), daemon=True)
         self.proc.start()
         self.hello: dict[str, Any] = {}
 
     def ready(self) -> dict[str, Any]:
         if not self.hello:
             self.hello = self.recv(600)
-            if "error" in self.hello:
-                raise RuntimeError(f"rank {self.o} failed to start: {self.hello['error']}")
         return self.hello
 
     def send(self, **cmd: Any) -> None:
         self.conn.send_bytes(json.dumps(cmd).encode())
 
     def recv(self, timeout: float = 600) -> dict[str, Any]:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"rank {self.o} did not answer within {timeout} s (alive: {self.proc.is_alive()})")
-        return json.loads(self.conn.recv_bytes())  # type: ignore[no-any-return]
+        """The rank's answer; a rank that failed or died raises at once (not after ``timeout``)."""
+        who = f"{self.o['role']} rank {self.o['rank']} of TP {self.o['tp']} ({self.o['layout']})"
+        end = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                raise RuntimeError(f"{who} exited with status {self.proc.exitcode}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"{who} did not answer within {timeout} s")
+        msg: dict[str, Any] = json.loads(self.conn.recv_bytes())
+        if "error" in msg:
+            raise RuntimeError(f"{who} failed: {msg['error']}\n{msg.get('trace', '')}")
+        return msg
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         self.send(**cmd)
@@ -241,16 +267,11 @@ CASES = {"same": (1, 1), "1to2": (1, 2), "2to1": (2, 1), "2to2": (2, 2)}
 
 def start_ranks(ctx: Any, impl: str, gpus: list[int], common: dict[str, Any]) -> tuple[dict[int, list[Rank]], ...]:
     """Prefill ranks at TP 1 and 2 and decode ranks at TP 1 and 2, started and ready."""
-    target: Any = None
-    if impl == "nixl":
-        from nixl_tp import nixl_rank
-
-        target = nixl_rank
-    pre = {1: [Rank(ctx, target, role="kv_producer", engine="p1", tp=1, rank=0, gpu=gpus[0], **common)],
-           2: [Rank(ctx, target, role="kv_producer", engine="p2", tp=2, rank=r, gpu=gpus[r], **common)
+    pre = {1: [Rank(ctx, impl, role="kv_producer", engine="p1", tp=1, rank=0, gpu=gpus[0], **common)],
+           2: [Rank(ctx, impl, role="kv_producer", engine="p2", tp=2, rank=r, gpu=gpus[r], **common)
                for r in (0, 1)]}
-    dec = {1: [Rank(ctx, target, role="kv_consumer", engine="d1", tp=1, rank=0, gpu=gpus[1], **common)],
-           2: [Rank(ctx, target, role="kv_consumer", engine="d2", tp=2, rank=r, gpu=gpus[1 - r], **common)
+    dec = {1: [Rank(ctx, impl, role="kv_consumer", engine="d1", tp=1, rank=0, gpu=gpus[1], **common)],
+           2: [Rank(ctx, impl, role="kv_consumer", engine="d2", tp=2, rank=r, gpu=gpus[1 - r], **common)
                for r in (0, 1)]}
     try:
         for r in [*pre[1], *pre[2], *dec[1], *dec[2]]:
@@ -333,6 +354,7 @@ def main() -> None:
         impls.append("nixl")
     ctx = mp.get_context("spawn")
     results: list[dict[str, Any]] = []
+    failures: list[str] = []
     import numpy as np
 
     lease = int(time.time_ns() // 1000) * 2
@@ -343,7 +365,13 @@ def main() -> None:
             if impl == "nixl" and layout != "HND":
                 continue  # NixlConnector refuses NHD across TP sizes; MLA is not a head-slice case
             rng = np.random.default_rng(0)  # the same block ids for kvx and NIXL
-            pre, dec = start_ranks(ctx, impl, gpus, common)
+            try:
+                pre, dec = start_ranks(ctx, impl, gpus, common)
+            except Exception as exc:
+                if impl == "kvx":
+                    raise
+                failures.append(f"NIXL ({layout}) did not start: {exc}")  # kvx's rows still count
+                continue
             try:
                 for case in cases:
                     tp_p, tp_d = CASES[case]
@@ -352,16 +380,22 @@ def main() -> None:
                         row = run_case(impl, pre[tp_p], dec[tp_d], layout, case, n, a, blocks, rng, lease)
                         results.append(row)
                         print(json.dumps(row), flush=True)
+            except Exception as exc:
+                if impl == "kvx":
+                    raise
+                failures.append(f"NIXL ({layout}) failed: {exc}")
             finally:
                 for r in [*pre[1], *pre[2], *dec[1], *dec[2]]:
                     r.close()
     print()
     print(table(results, a.iters))
+    for f in failures:
+        print(f"\n{f}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if not all(r["verified"] for r in results):
-        sys.exit("some pulls failed or moved wrong bytes (verified: NO)")
+        with open(a.json, "w") as fh:
+            json.dump({"rows": results, "failures": failures}, fh, indent=1)
+    if failures or not all(r["verified"] for r in results):
+        sys.exit("some pulls failed or moved wrong bytes (verified: NO), or NIXL failed (above)")
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -404,6 +438,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _rate(gbps: float) -> str:
+    return f"{gbps:.1f}" if gbps >= 10 else f"{gbps:.3g}"
+
+
 def table(results: list[dict[str, Any]], iters: int) -> str:
     """The markdown table: kvx's rows, each with the same-TP reference and NIXL's same case."""
     nixl = any(r["impl"] == "nixl" for r in results)
@@ -420,13 +458,13 @@ def table(results: list[dict[str, Any]], iters: int) -> str:
             continue
         ref = next((x for x in results if x["impl"] == "kvx" and x["layout"] == row["layout"]
                     and x["case"] == "same" and x["tokens"] == row["tokens"]), None)
-        rel = row["GBps"] / ref["GBps"] if ref else float("nan")
+        rel = f"{row['GBps'] / ref['GBps']:.2f}x" if ref else "-"
         line = (f"| {row['layout']} | {row['case']} | {row['tokens']} | {row['ms']:.2f} | {row['post_ms']:.2f} | "
-                f"{row['GBps']:.1f} | {rel:.2f}x | {yes[row['verified']]} |")
+                f"{_rate(row['GBps'])} | {rel} | {yes[row['verified']]} |")
         if nixl:
             x = next((x for x in results if x["impl"] == "nixl" and x["layout"] == row["layout"]
                       and x["case"] == row["case"] and x["tokens"] == row["tokens"]), None)
-            line += (f" {x['ms']:.2f} | {x['GBps']:.1f} | {yes[x['verified']]} | {x['ms'] / row['ms']:.2f}x |"
+            line += (f" {x['ms']:.2f} | {_rate(x['GBps'])} | {yes[x['verified']]} | {x['ms'] / row['ms']:.2f}x |"
                      if x else " - | - | - | - |")
         lines.append(line)
     return "\n".join(lines)

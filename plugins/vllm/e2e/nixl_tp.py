@@ -170,31 +170,27 @@ def nixl_rank(conn: Any, o: dict[str, Any]) -> None:
     from bench_tp_gpu import cells, request_kv, token_places
     from kvx_vllm.plan import heads_of
 
-    try:
-        api = import_nixl()
-        if o["layout"] != "HND":
-            raise ValueError(f"NixlConnector plans TP mismatch for HND only, not {o['layout']}")
-        dev = torch.device("cuda", o["gpu"]) if o["device"] == "cuda" else torch.device("cpu")
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)  # UCX's cuda_ipc uses this thread's context
-        L, H, D, bs, nb, tp, rank = (o["layers"], o["heads"], o["head_dim"], o["block"], o["blocks"], o["tp"],
-                                     o["rank"])
-        h0, nh = heads_of(H, tp, rank)
-        caches = [torch.zeros(nb, nh, bs, 2 * D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
-        mem = "VRAM" if dev.type == "cuda" else "DRAM"
-        devid = dev.index or 0
-        block_len = caches[0][0].nbytes
-        stride = caches[0].stride(0) * caches[0].element_size()
-        bases = [int(c.data_ptr()) for c in caches]
-        agent = api.nixl_agent(f"{o['engine']}-{rank}-{uuid.uuid4().hex[:8]}",
-                               api.nixl_agent_config(num_threads=4, capture_telemetry=True))
-        reg = agent.register_memory(agent.get_reg_descs([(b, c.nbytes, devid, "") for b, c in zip(bases, caches)],
-                                                        mem), backends=["UCX"])
-        mine = local_descs(bases, block_len, stride, nb, devid)
-        whole = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(mine, mem))
-    except Exception as exc:
-        conn.send_bytes(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
-        return
+    if o["layout"] != "HND":
+        raise ValueError(f"NixlConnector plans TP mismatch for HND only, not {o['layout']}")
+    api = import_nixl()
+    dev = torch.device("cuda", o["gpu"]) if o["device"] == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # UCX's cuda_ipc uses this thread's context
+    L, H, D, bs, nb, tp, rank = (o["layers"], o["heads"], o["head_dim"], o["block"], o["blocks"], o["tp"],
+                                 o["rank"])
+    h0, nh = heads_of(H, tp, rank)
+    caches = [torch.zeros(nb, nh, bs, 2 * D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    mem = "VRAM" if dev.type == "cuda" else "DRAM"
+    devid = dev.index or 0
+    block_len = caches[0][0].nbytes
+    stride = caches[0].stride(0) * caches[0].element_size()
+    bases = [int(c.data_ptr()) for c in caches]
+    agent = api.nixl_agent(f"{o['engine']}-{rank}-{uuid.uuid4().hex[:8]}",
+                           api.nixl_agent_config(num_threads=4, capture_telemetry=True))
+    reg = agent.register_memory(agent.get_reg_descs([(b, c.nbytes, devid, "") for b, c in zip(bases, caches)],
+                                                    mem), backends=["UCX"])
+    mine = local_descs(bases, block_len, stride, nb, devid)
+    whole = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(mine, mem))
     hello = {"md": base64.b64encode(agent.get_agent_metadata()).decode(), "bases": bases, "stride": stride,
              "blocks": nb, "dev": devid, "rank": rank}
     conn.send_bytes(json.dumps({"ready": True, "hs": hello}).encode())

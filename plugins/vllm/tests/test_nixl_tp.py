@@ -160,3 +160,22 @@ def test_bench_arguments() -> None:
                 ["--layouts", "XYZ"], ["--tokens", "0"], ["--tokens", "x"], ["--heads", "3"]):
         with pytest.raises(SystemExit):
             arguments(bad)
+
+
+def test_a_failing_rank_is_reported_at_once() -> None:
+    """A rank that raises (here: NIXL asked for NHD) makes the parent raise its error, not wait."""
+    import multiprocessing as mp
+    import time
+
+    from bench_tp_gpu import Rank
+
+    t = time.monotonic()
+    r = Rank(mp.get_context("spawn"), "nixl", role="kv_consumer", engine="d1", tp=1, rank=0, gpu=0, device="cpu",
+             layout="NHD", layers=1, heads=2, head_dim=4, latent=8, block=16, blocks=4)
+    try:
+        with pytest.raises(RuntimeError, match="kv_consumer rank 0 of TP 1 .NHD. failed: ValueError: NixlConnector "
+                                               "plans TP mismatch for HND only"):
+            r.ready()
+        assert time.monotonic() - t < 120
+    finally:
+        r.close()
