@@ -51,7 +51,7 @@ from disagg_hf import greedy, prompt_ids, sync  # noqa: E402  (the Llama example
 
 KV_LORA, ROPE = 512, 64  # DeepSeek-V3's latent: 512 + 64 = 576 values per token and layer
 SHAPES: dict[str, dict[str, Any]] = {
-    # ~0.4 B parameters: DeepSeek-V3's attention dimensions at a smaller width and depth
+    # ~0.22 B parameters: DeepSeek-V3's latent (512 + 64) and head dims (128 + 64) at a smaller width and depth
     "small": {"hidden_size": 1024, "intermediate_size": 4096, "moe_intermediate_size": 512, "num_hidden_layers": 8,
               "num_attention_heads": 16, "q_lora_rank": 384, "qk_nope_head_dim": 128, "v_head_dim": 128,
               "vocab_size": 32000},
