@@ -337,20 +337,23 @@ def main() -> None:
     cases = a.cases.split(",")
     blocks = -(-max(tokens) // a.block) + 16
     gpus = [0, 1] if a.device == "cuda" else [0, 0]
-    if a.device == "cuda":
-        import torch
+    import torch
 
-        if torch.cuda.device_count() < 2:
-            sys.exit(f"needs two GPUs, found {torch.cuda.device_count()} (--device cpu checks the script on CPU)")
+    if a.device == "cuda" and torch.cuda.device_count() < 2:
+        sys.exit(f"needs two GPUs, found {torch.cuda.device_count()} (--device cpu checks the script on CPU)")
+    where = (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if a.device == "cuda"
+             else "CPU (host memory)")
+    print(f"== {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     impls = ["kvx"]
     if a.compare == "nixl":
-        from nixl_tp import import_nixl
+        from nixl_tp import import_nixl, nixl_version
 
         try:
             api = import_nixl()
         except RuntimeError as exc:
             sys.exit(str(exc))
-        print(f"NIXL: {api.__name__} from {os.path.dirname(str(api.__file__))}", flush=True)
+        print(f"== NIXL: {nixl_version()} ({api.__name__} from {os.path.dirname(str(api.__file__))}), UCX_TLS="
+              f"{os.environ.get('UCX_TLS', '(UCX default)')}", flush=True)
         impls.append("nixl")
     ctx = mp.get_context("spawn")
     results: list[dict[str, Any]] = []

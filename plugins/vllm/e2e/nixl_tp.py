@@ -153,13 +153,25 @@ def import_nixl() -> ModuleType:
             with tarfile.open(CARRY) as t:
                 t.extractall(os.path.dirname(SITE), filter="data")
         sys.path.insert(0, SITE)
-        os.environ["PYTHONPATH"] = SITE + os.pathsep + os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
         importlib.invalidate_caches()
     raise RuntimeError(f"NIXL is not importable ({'; '.join(errors)}); {INSTALL_HINT}")
 
 
 # ---------------------------------------------------------------------------------------------
 # one rank (a process of its own; the same command protocol as bench_tp_gpu's kvx ranks)
+
+def nixl_version() -> str:
+    """The installed or carried NIXL wheel's version ("unknown" when not found)."""
+    from importlib import metadata
+
+    for dist in ("nixl-cu13", "nixl-cu12", "nixl"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
 
 def nixl_rank(conn: Any, o: dict[str, Any]) -> None:
     """One TP rank with a NIXL agent: prefill ranks register and fill, decode ranks read."""
