@@ -34,7 +34,7 @@ from kvx.tiers.checksum import keep_digests
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
-from .slab import FirstFill, SlabStore
+from .slab import PwritevWriter, SlabStore
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class HiCacheKVX(HiCacheStorage):
                 if not self.cfg.direct_io:  # checksums taken by the posix copy itself
                     moved = keep_digests(self.agent, self._host)
                 view = _HostView(ranges, geom, moved)
-                fill = None if self.cfg.direct_io or not self.writer else self._first_fill(ranges, geom)
+                fill = None if self.cfg.direct_io or not self.writer else self._pwritev_writer(ranges, geom)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
                                        writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
@@ -250,8 +250,8 @@ class HiCacheKVX(HiCacheStorage):
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
                  geom.layout, geom.nfrag, ",".join(map(str, sorted(set(geom.sizes.tolist())))))
 
-    def _first_fill(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> FirstFill:
-        """A second agent for the slab's never-written slots: posix with ``pwritev`` (no mapping)."""
+    def _pwritev_writer(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> PwritevWriter:
+        """A second agent that writes the slab's pages: posix with ``pwritev`` (no mapping)."""
         agent = kvx.Agent(f"hicache-kvx-fill-{os.getpid()}-{id(self):x}",
                           kvx.AgentConfig(backends=("posix",), options={"posix": PosixOptions(mmap=False)},
                                           **self._inline()))
@@ -259,7 +259,7 @@ class HiCacheKVX(HiCacheStorage):
         agent.register([kvx.RawRegion(a, n) for a, n in ranges])
         host = agent.prepare(DescList.from_arrays(kind=MemoryKind.HOST, addr=geom.host_addrs(),
                                                   nbytes=geom.host_sizes()))
-        return FirstFill(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
+        return PwritevWriter(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
 
     def _inline(self) -> dict[str, Any]:
         """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""

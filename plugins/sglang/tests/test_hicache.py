@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from kvx_sglang.hicache import HiCacheKVX
@@ -406,15 +407,16 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     assert not any(t.name == "kvx-slab-prefault" and t.is_alive() for t in threading.enumerate())
 
 
-def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_path):
-    """Never-written slots are written by the first-fill agent (posix without a mapping: pwritev),
-    alternate slots per transfer; slots reused after eviction by the main agent (the mapping).
-    Every page reads back exact, also after the store is opened again."""
+def test_every_write_goes_through_pwritev(tmp_path):
+    """Pages are written by the pwritev agent (posix without a mapping), alternate slots per
+    transfer, both into never-written slots and into slots reused after eviction (whose pages
+    were read back through the mapping: mapped read-only); nothing through the main agent's
+    mapping. Every page reads back exact, also after the store is opened again."""
     pool = mha_pool("page_first")
     fill(pool, 21)
     pb = pool.page_size * pool.size_per_token
     b = make(tmp_path, pool, capacity_gb=8 * pb / (1 << 30))  # 8 slots: the third batch evicts
-    calls = {"fill": [], "main": []}
+    calls: dict[str, list[np.ndarray]] = {"fill": [], "main": []}
     try:
         slab = b.pages
         assert slab._fill is not None and b.pages.prefault_seconds == 0  # the default: no prefault
@@ -422,20 +424,26 @@ def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_pa
             real = agent.write
 
             def spy(local, lidx, remote, ridx, *a, _real=real, _who=who, **kw):
-                calls[_who].append(len(ridx))
+                calls[_who].append(np.asarray(ridx).copy())
                 return _real(local, lidx, remote, ridx, *a, **kw)
 
             agent.write = spy
         src = list(range(4))
         want = {}
+        nf = slab.geom.nfrag
         for r in range(3):
             ks = keys(4, f"f{r}")
             fill(pool, 30 + r)
             want[r] = [page_bytes(pool, p) for p in src]
             assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
-            if r < 2:  # fresh slots: two pwritev transfers (even, odd slots), nothing through the mapping
-                assert len(calls["fill"]) == 2 * (r + 1) and not calls["main"]
-        assert calls["main"] and len(calls["fill"]) == 4  # the third batch rewrote evicted slots
+            assert len(calls["fill"]) == 2 * (r + 1) and not calls["main"]  # two transfers: even, odd slots
+            for ridx in calls["fill"][-2:]:
+                slots = np.unique(ridx // nf)
+                assert len(set((slots % 2).tolist())) == 1 and len(ridx) == 2 * nf  # no two adjacent pages
+            if r == 0:
+                assert all(b.batch_get_v1(ks, token_indices(src, pool.page_size)))  # read back: mapped
+        reused = np.unique(np.concatenate(calls["fill"][-2:]) // nf)
+        assert set(reused.tolist()) <= set(np.unique(np.concatenate(calls["fill"][:2]) // nf).tolist())
         fill(pool, 99)
         for r in (1, 2):
             assert all(b.batch_get_v1(keys(4, f"f{r}"), token_indices(src, pool.page_size)))
