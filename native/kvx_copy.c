@@ -181,6 +181,7 @@ static uintptr_t mm_first_missing(uintptr_t a, uintptr_t b) {
 static int mm_probe_resident(uintptr_t a, uintptr_t b) {
     const uintptr_t probe[3] = {a, a + ((b - a) / mm_page / 2) * mm_page, b - mm_page};
     for (int p = 0; p < 3; p++) {
+        if (p && probe[p] == probe[p - 1]) continue; /* a run of one or two pages */
         unsigned char v = 0;
         if (mincore((void *)probe[p], mm_page, &v) != 0 || !(v & 1)) return 0; /* cannot tell: as if missing */
     }
