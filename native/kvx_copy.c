@@ -388,6 +388,8 @@ int run_range(job_t *j, size_t lo, size_t hi) {
         return mmwrite_range(j, lo, hi);
     case OP_MMREAD:
         return mmread_range(j, lo, hi);
+    case OP_STRIDED:
+        return strided_range(j, lo, hi);
     case OP_MEMCPY:
         if (j->nbytes >= STREAM_MIN) {
             for (size_t i = lo; i < hi; i++) {
