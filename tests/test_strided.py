@@ -110,7 +110,8 @@ def test_local_strided_copy_is_native_and_exact() -> None:
         exp = np.zeros_like(dst)
         for di, si in zip(perm, range(4)):
             for k in range(COUNT):
-                exp[di * RSTEP + k * RS: di * RSTEP + k * RS + LEN] = src[si * LSTEP + k * LS: si * LSTEP + k * LS + LEN]
+                d0, s0 = di * RSTEP + k * RS, si * LSTEP + k * LS
+                exp[d0: d0 + LEN] = src[s0: s0 + LEN]
         assert np.array_equal(dst, exp)
         # a plan posts the same
         dst[:] = 0
