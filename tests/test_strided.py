@@ -228,3 +228,38 @@ def test_strided_transfers_with_a_peer(backend: str, config: dict[str, Any], mem
                                                 stride=RS), peer=name)
     finally:
         peer.close()
+
+
+def test_native_strided_submit_refuses_bad_input() -> None:
+    """kvx._native.submit_strided checks its arrays and indices before anything moves."""
+    from kvx import _native
+
+    buf = np.zeros(4096, np.uint8)
+    a = np.array([buf.ctypes.data, buf.ctypes.data + 1024], np.uint64)
+    ln = np.array([16, 16], np.uint64)
+    c = np.array([4, 4], np.uint64)
+    s = np.array([64, 64], np.uint64)
+    i = np.array([0, 1], np.int64)
+
+    def go(**kw: Any) -> Any:
+        args = {"da": a, "dl": ln, "dc": c, "ds": s, "di": i, "sa": a[::-1].copy(), "sl": ln, "sc": c, "ss": s,
+                "si": i, **kw}
+        return _native.submit_strided(args["da"], args["dl"], args["dc"], args["ds"], args["di"], args["sa"],
+                                      args["sl"], args["sc"], args["ss"], args["si"], None, 1, 1 << 20)
+
+    assert go() == 2 * 4 * 16
+    for kw, exc in (({"di": np.array([0, 2], np.int64)}, IndexError),
+                    ({"si": np.array([-1, 0], np.int64)}, IndexError),
+                    ({"di": np.array([0], np.int64)}, ValueError),
+                    ({"di": np.array([0, 1], np.int32)}, TypeError),
+                    ({"dl": np.array([16], np.uint64)}, ValueError),
+                    ({"dc": np.array([4, 3], np.uint64)}, ValueError),
+                    ({"ds": None}, ValueError),
+                    ({"dl": None}, ValueError),
+                    ({"sl": np.array([16, 17], np.uint64)}, ValueError),
+                    ({"da": np.zeros(3, np.uint8)}, TypeError)):
+        with pytest.raises(exc):
+            go(**kw)
+    # a plain side (no counts) pairs with a strided side of count 1
+    one = np.array([1, 1], np.uint64)
+    assert go(dc=one, sc=None, ss=None) == 2 * 16
