@@ -389,6 +389,8 @@ int run_range(job_t *j, size_t lo, size_t hi) {
     case OP_MMREAD:
         return mmread_range(j, lo, hi);
     case OP_STRIDED:
+    case OP_STRIDED_CMA_WRITE:
+    case OP_STRIDED_CMA_READ:
         return strided_range(j, lo, hi);
     case OP_MEMCPY:
         if (j->nbytes >= STREAM_MIN) {

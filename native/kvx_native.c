@@ -54,6 +54,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OP_MMWRITE", OP_MMWRITE);
     PyModule_AddIntConstant(m, "OP_MMREAD", OP_MMREAD);
     PyModule_AddIntConstant(m, "OP_STRIDED", OP_STRIDED);
+    PyModule_AddIntConstant(m, "OP_STRIDED_CMA_WRITE", OP_STRIDED_CMA_WRITE);
+    PyModule_AddIntConstant(m, "OP_STRIDED_CMA_READ", OP_STRIDED_CMA_READ);
     PyModule_AddIntConstant(m, "MMWRITE_POPULATE", MM_POPULATE);
     PyModule_AddIntConstant(m, "MMWRITE_RESIDENT", MM_RESIDENT);
     return m;

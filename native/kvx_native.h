@@ -41,10 +41,10 @@
  * descriptor, kept for sync) */
 /* OP_MMREAD: a file -> memory through its shared mapping (src = mapped address, fd = the file's
  * descriptor and off = the file offset of src, for the preadv of runs not in the page cache) */
-/* OP_STRIDED: memcpy of strided descriptor pairs (kvx_strided.c: triplet fd = count, off = dst stride,
- * tag = src stride) */
+/* OP_STRIDED*: strided descriptor pairs (kvx_strided.c: triplet fd = count, off = dst stride, tag = src stride),
+ * by memcpy, or by process_vm_writev (dst in process pid) / process_vm_readv (src in process pid) */
 enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5, OP_MMREAD = 6,
-       OP_STRIDED = 7 };
+       OP_STRIDED = 7, OP_STRIDED_CMA_WRITE = 8, OP_STRIDED_CMA_READ = 9 };
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22

@@ -1,14 +1,43 @@
 /*
  * Strided copies: a descriptor that is ``count`` pieces of ``len`` bytes, piece k at
- * ``addr + k * stride`` (a head slice of every token of a block), copied with one triplet per
- * descriptor pair instead of one per piece. The job's triplet carries the pattern in the fields
+ * ``addr + k * stride`` (a head slice of every token of a block), copied (memcpy, or CMA with the
+ * pieces as iovecs) with one triplet per descriptor pair instead of one per piece. The job's triplet carries the pattern in the fields
  * memcpy jobs leave unused: ``fd`` = count, ``off`` = destination stride, ``tag`` = source stride
  * (OP_STRIDED jobs only). The job runs on the same pool, guards and completion as every other.
  */
 #include "kvx_native.h"
 
-/* Copy triplets [lo, hi) of an OP_STRIDED job. */
+/* Triplets [lo, hi) of an OP_STRIDED_CMA_* job: the pieces as iovecs, IOV_MAX per system call. */
+static int strided_cma(job_t *j, size_t lo, size_t hi) {
+    struct iovec liov[IOV_MAX], riov[IOV_MAX];
+    const int w = j->op == OP_STRIDED_CMA_WRITE;
+    const triplet_t *t = j->t;
+    size_t i = lo;
+    uint64_t k = 0; /* next piece of triplet i */
+    while (i < hi) {
+        if (atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
+        size_t n = 0;
+        ssize_t want = 0;
+        while (i < hi && n < IOV_MAX) {
+            const triplet_t *x = &t[i];
+            const uintptr_t d = (uintptr_t)(x->dst + k * x->off), s = (uintptr_t)(x->src + k * (uint64_t)x->tag);
+            liov[n].iov_base = (void *)(w ? s : d); /* the local side */
+            riov[n].iov_base = (void *)(w ? d : s); /* the side in process pid */
+            liov[n].iov_len = riov[n].iov_len = x->len;
+            want += (ssize_t)x->len;
+            n++;
+            if (++k == (uint64_t)x->fd) { k = 0; i++; }
+        }
+        ssize_t got = w ? process_vm_writev(j->pid, liov, n, riov, n, 0) : process_vm_readv(j->pid, liov, n, riov, n, 0);
+        if (got < 0) return errno ? errno : EIO;
+        if (got != want) return EFAULT; /* a piece the target does not map: the whole job fails */
+    }
+    return 0;
+}
+
+/* Copy triplets [lo, hi) of an OP_STRIDED* job. */
 int strided_range(job_t *j, size_t lo, size_t hi) {
+    if (j->op != OP_STRIDED) return strided_cma(j, lo, hi);
     const triplet_t *t = j->t;
     for (size_t i = lo; i < hi; i++) {
         if ((i & 63) == 0 && atomic_load_explicit(&j->cancelled, memory_order_relaxed)) return ECANCELED;
@@ -46,18 +75,25 @@ static int get_opt(PyObject *o, Py_buffer *b, int *have, Py_ssize_t n, const cha
     return 0;
 }
 
-/* submit_strided(dst_addr, dst_len, dst_count, dst_stride, dst_idx, src_addr, src_len, src_count, src_stride,
- *                src_idx, guards, nthreads, inline_bytes)
- * A memcpy job over descriptor pairs (dst_idx[i], src_idx[i]); counts and strides may be None (a plain
- * side: count 1). Each pair must agree in len and count. Returns the byte count (ran inline) or a Job. */
+/* submit_strided(code, pid, dst_addr, dst_len, dst_count, dst_stride, dst_idx, src_addr, src_len, src_count,
+ *                src_stride, src_idx, guards, nthreads, inline_bytes)
+ * A job over descriptor pairs (dst_idx[i], src_idx[i]) by memcpy (code OP_MEMCPY), process_vm_writev
+ * (OP_CMA_WRITE: dst in process pid) or process_vm_readv (OP_CMA_READ: src in process pid); counts and
+ * strides may be None (a plain side: count 1). Each pair must agree in len and count. Returns the byte
+ * count (ran inline) or a Job. */
 PyObject *py_submit_strided(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *da, *dl, *dc, *dst_, *di, *sa, *sl, *sc, *sst, *si, *guards_o;
-    int nthreads;
+    int code, nthreads;
+    long long pid;
     unsigned long long inline_bytes;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOiK", &da, &dl, &dc, &dst_, &di, &sa, &sl, &sc, &sst, &si, &guards_o,
-                          &nthreads, &inline_bytes))
+    if (!PyArg_ParseTuple(args, "iLOOOOOOOOOOOiK", &code, &pid, &da, &dl, &dc, &dst_, &di, &sa, &sl, &sc, &sst, &si,
+                          &guards_o, &nthreads, &inline_bytes))
         return NULL;
+    if ((code != OP_MEMCPY && code != OP_CMA_WRITE && code != OP_CMA_READ) || (code != OP_MEMCPY && pid <= 0)) {
+        PyErr_SetString(PyExc_ValueError, "bad op (memcpy, or CMA with a process id)");
+        return NULL;
+    }
     Py_buffer b[11];
     int have[11] = {0};
     PyObject *ret = NULL;
@@ -120,7 +156,8 @@ PyObject *py_submit_strided(PyObject *self, PyObject *args) {
     }
     j->nt = (size_t)n;
     j->nbytes = total;
-    j->op = OP_STRIDED;
+    j->op = code == OP_MEMCPY ? OP_STRIDED : code == OP_CMA_WRITE ? OP_STRIDED_CMA_WRITE : OP_STRIDED_CMA_READ;
+    j->pid = (pid_t)pid;
     if (have[10]) {
         size_t ng = (size_t)(b[10].len / 24);
         j->g = malloc((ng ? ng : 1) * sizeof(guard_t));

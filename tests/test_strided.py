@@ -1,8 +1,8 @@
 """Strided descriptor lists (``DescList.strided``): count pieces of nbytes at a stride, per descriptor.
 
-The host backend copies them natively (one triplet per descriptor pair, memcpy loop in C) where it
-copies with memcpy (local lists, a peer's shared mappings); every other path (CMA, AF_UNIX, tcp,
-posix) moves their expansion through the agent's FlatRoute. Each path is checked byte for byte
+The host backend copies them natively (one job entry per descriptor pair; a memcpy loop in C, or
+the pieces as CMA iovecs) on its memcpy and CMA paths; every other path (AF_UNIX, tcp, posix)
+moves their expansion through the agent's FlatRoute. Each path is checked byte for byte
 against numpy with odd counts, lengths and strides, and every prepare checks a descriptor's whole
 span against the registrations.
 """
@@ -183,7 +183,7 @@ def test_storage_moves_the_expansion(tmp_path: Any) -> None:
 # ---- another process --------------------------------------------------------------------------------
 
 PATHS = [("host", {"host_path": "auto"}, "alloc", True),  # shared mapping: native
-         ("host", {"host_path": "cma"}, "numpy", False),
+         ("host", {"host_path": "cma"}, "numpy", True),  # CMA: native (the pieces as iovecs)
          ("host", {"host_path": "uds"}, "numpy", False),
          ("tcp", {}, "numpy", False)]
 
@@ -244,8 +244,9 @@ def test_native_strided_submit_refuses_bad_input() -> None:
     def go(**kw: Any) -> Any:
         args = {"da": a, "dl": ln, "dc": c, "ds": s, "di": i, "sa": a[::-1].copy(), "sl": ln, "sc": c, "ss": s,
                 "si": i, **kw}
-        return _native.submit_strided(args["da"], args["dl"], args["dc"], args["ds"], args["di"], args["sa"],
-                                      args["sl"], args["sc"], args["ss"], args["si"], None, 1, 1 << 20)
+        return _native.submit_strided(_native.OP_MEMCPY, 0, args["da"], args["dl"], args["dc"], args["ds"],
+                                      args["di"], args["sa"], args["sl"], args["sc"], args["ss"], args["si"], None, 1,
+                                      1 << 20)
 
     assert go() == 2 * 4 * 16
     for kw, exc in (({"di": np.array([0, 2], np.int64)}, IndexError),
@@ -263,3 +264,24 @@ def test_native_strided_submit_refuses_bad_input() -> None:
     # a plain side (no counts) pairs with a strided side of count 1
     one = np.array([1, 1], np.uint64)
     assert go(dc=one, sc=None, ss=None) == 2 * 16
+    with pytest.raises(ValueError):  # CMA needs a process
+        _native.submit_strided(_native.OP_CMA_READ, 0, a, ln, c, s, i, a, ln, c, s, i, None, 1, 1 << 20)
+    with pytest.raises(ValueError):  # file ops are not strided
+        _native.submit_strided(_native.OP_PWRITE, 1, a, ln, c, s, i, a, ln, c, s, i, None, 1, 1 << 20)
+    # CMA from this very process: the pieces as iovecs
+    import os
+
+    src = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    dst = np.zeros(4096, np.uint8)
+    sa_ = np.array([src.ctypes.data, src.ctypes.data + 2048], np.uint64)
+    da_ = np.array([dst.ctypes.data + 100, dst.ctypes.data + 3000], np.uint64)
+    try:
+        got = _native.submit_strided(_native.OP_CMA_READ, os.getpid(), da_, ln, c, np.array([20, 17], np.uint64),
+                                     i, sa_, ln, c, s, i, None, 1, 1 << 20)
+    except PermissionError:
+        pytest.skip("process_vm_readv not permitted here")
+    assert got == 2 * 4 * 16
+    for p, (d0, ds_) in enumerate(((100, 20), (3000, 17))):
+        for k in range(4):
+            s0 = p * 2048 + k * 64
+            assert np.array_equal(dst[d0 + k * ds_: d0 + k * ds_ + 16], src[s0:s0 + 16])

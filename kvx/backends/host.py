@@ -191,7 +191,7 @@ class HostBackend(SameNodeLink, Backend):
     remote = True
     local = True
     notifications = True
-    strided = True  # natively where it copies with memcpy (local lists, shared mappings)
+    strided = True  # natively on its memcpy and CMA paths
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -450,15 +450,15 @@ class HostBackend(SameNodeLink, Backend):
         return mode
 
     def takes_strided(self, plist: PreparedList) -> bool:
-        """Strided lists are copied natively where the copy is a memcpy (local lists, a peer's
-        shared mappings); CMA and AF_UNIX move their expansion."""
+        """Strided lists are copied natively by memcpy (local lists, a peer's shared mappings) and
+        CMA (the pieces as iovecs); the AF_UNIX path moves their expansion."""
         if plist.peer is None:
             return True
         p = self._peers.get(plist.peer)
         if p is None or not p.chan.alive:
             return False
         try:
-            return self._mode(p, plist) == "shm"
+            return self._mode(p, plist) in ("shm", "cma")
         except KVXError:
             return False
 
@@ -478,7 +478,7 @@ class HostBackend(SameNodeLink, Backend):
         t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
         used = plist.used
         mode = self._mode(p, plist)
-        if cnt is not None and mode != "shm":
+        if cnt is not None and mode == "uds":
             raise BackendUnavailable(f"the host backend's {mode} path moves plain descriptors only")
         g3 = np.empty((len(used), 3), dtype=np.uint64)
         for i, s in enumerate(used.tolist()):
@@ -487,7 +487,7 @@ class HostBackend(SameNodeLink, Backend):
         if mode == "uds":
             return _Prep("uds", addr, nb, None, raw=addr, maps=p.m)
         if mode == "cma":
-            return _Prep("cma", addr, nb, guards, maps=p.m)
+            return _Prep("cma", addr, nb, guards, maps=p.m, count=cnt, stride=stride)
         delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
         for s in used.tolist():
             delta[s] = np.uint64(self._map(p, s, plist.gens[s], int(t[s, 1]), int(t[s, 2]))[2])
@@ -663,11 +663,11 @@ class _HostRoute(Route):
         self._threads, self._inline = backend.threads, backend.inline
         # (dst addr, dst nbytes, src addr, src nbytes)
         self._a = (rp.addr, rp.nbytes, lp.addr, lp.nbytes) if self._write else (lp.addr, lp.nbytes, rp.addr, rp.nbytes)
-        # strided lists (memcpy only): (dst count, dst stride, src count, src stride), else None
+        # strided lists (memcpy and CMA): (dst count, dst stride, src count, src stride), else None
         self._s = None
         if lp.count is not None or rp.count is not None:
-            if code != 0:
-                raise BackendUnavailable("the host backend copies strided lists with memcpy only")
+            if self._uds:
+                raise BackendUnavailable("the host backend's AF_UNIX path moves plain descriptors only")
             d, s = (rp, lp) if self._write else (lp, rp)
             self._s = (d.count, d.stride, s.count, s.stride)
 
@@ -708,8 +708,8 @@ class _HostRoute(Route):
         if self._s is not None:
             dc, ds, sc, ss = self._s
             di, si = (ridx, lidx) if self._write else (lidx, ridx)
-            return _native.submit_strided(da, dl, dc, ds, index_vector(di), sa, sl, sc, ss, index_vector(si),
-                                          self._guards, self._threads, self._inline)
+            return _native.submit_strided(self._code, self._pid, da, dl, dc, ds, index_vector(di), sa, sl, sc, ss,
+                                          index_vector(si), self._guards, self._threads, self._inline)
         if self._write:
             return _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
                                   self._threads, self._inline, 0)
