@@ -185,12 +185,19 @@ def test_storage_moves_the_expansion(tmp_path: Any) -> None:
 PATHS = [("host", {"host_path": "auto"}, "alloc", True),  # shared mapping: native
          ("host", {"host_path": "cma"}, "numpy", True),  # CMA: native (the pieces as iovecs)
          ("host", {"host_path": "uds"}, "numpy", False),
-         ("tcp", {}, "numpy", False)]
+         ("tcp", {}, "numpy", False),
+         ("ucx", {}, "numpy", False)]
 
 
-@pytest.mark.parametrize("backend, config, mem, native", PATHS, ids=["host-shm", "host-cma", "host-uds", "tcp"])
+@pytest.mark.parametrize("backend, config, mem, native", PATHS, ids=["host-shm", "host-cma", "host-uds", "tcp", "ucx"])
 def test_strided_transfers_with_a_peer(backend: str, config: dict[str, Any], mem: str, native: bool) -> None:
     nbytes = 4096
+    if backend == "ucx":
+        from kvx.backends.registry import get
+
+        why = get("ucx").unavailable_reason()
+        if why is not None:
+            pytest.skip(why)
     peer = PeerProcess("target", {**config, "backends": [backend]})
     try:
         with kvx.Agent("initiator", kvx.AgentConfig(backends=(backend,), **config)) as ag:
