@@ -544,6 +544,10 @@ class Agent:
     def prepare(self, descs: DescList | Registration, peer: str | None = None) -> PreparedList:
         """Validate a descriptor list once (local, or against ``peer``'s registrations).
 
+        A strided list (:meth:`DescList.strided`) is checked over each descriptor's whole span;
+        backends that do not move strided descriptors natively get its expansion (one descriptor
+        per piece) at the first transfer that routes through them.
+
         Raises
         ------
         RegistrationError
