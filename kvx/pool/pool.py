@@ -199,10 +199,24 @@ class _Done:
 
 
 def _ints(v: Any, n: int, lo: int, hi: int, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) != n or not all(
-            isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
+    """``v`` checked to be a list of ``n`` ints in ``lo..hi`` (vectorised: no per-item Python)."""
+    if not isinstance(v, list) or len(v) != n:
         raise ProtocolError(f"pool member answered a malformed {what}")
+    if n:
+        # every item an int (type, not isinstance: no bool; numpy would convert floats), then
+        # the range on an array (an int outside the dtype raises OverflowError)
+        if set(map(type, v)) != {int}:
+            raise ProtocolError(f"pool member answered a malformed {what}")
+        try:
+            a = np.array(v, dtype=np.uint64 if hi > _I64_MAX else np.int64)
+        except OverflowError:
+            raise ProtocolError(f"pool member answered a malformed {what}") from None
+        if int(a.min()) < lo or int(a.max()) > hi:
+            raise ProtocolError(f"pool member answered a malformed {what}")
     return v
+
+
+_I64_MAX = (1 << 63) - 1
 
 
 class Pool:
@@ -720,7 +734,7 @@ class Pool:
         if c is None or not c.chan.alive:
             return  # the owner drops the lease at its deadline
         try:
-            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid))
+            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid, ack=False))
         except KVXError:
             pass
 
