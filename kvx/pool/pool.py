@@ -145,10 +145,6 @@ class _Conn:
     arena: PreparedList
 
 
-def _mem(addr: int, n: int) -> Any:
-    return (ctypes.c_char * n).from_address(addr)
-
-
 class _Ev(threading.Event):
     """An answer's event that also tells a queue which call it answered (``tag``)."""
 
@@ -548,8 +544,8 @@ class Pool:
         self._stats["puts"] += 1
         self._stats["put_blocks"] += n
         addr = src.descs.addr[ia]
-        bb = self.block_bytes
-        sums = [nh64(_mem(int(a), bb)) for a in addr]
+        block = ctypes.c_char * self.block_bytes
+        sums = [nh64(block.from_address(a)) for a in addr.tolist()]
         parents: list[bytes | None] = [None, *keys[:-1]]
         own, mem = self._owners(keys)
         stored = np.zeros(n, dtype=bool)
@@ -790,9 +786,9 @@ class Pool:
 
     def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int]) -> int:
         """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none)."""
-        bb = self.block_bytes
-        for i, (a, want) in enumerate(zip(dst.descs.addr[ia], sums)):
-            if nh64(_mem(int(a), bb)) != want:
+        block = ctypes.c_char * self.block_bytes  # one array type, every block a view of it
+        for i, (a, want) in enumerate(zip(dst.descs.addr[ia].tolist(), sums)):
+            if nh64(block.from_address(a)) != want:
                 return i
         return len(sums)
 
