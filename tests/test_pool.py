@@ -725,3 +725,115 @@ def test_control_channel_survives_fuzzed_frames(trio: tuple[Pool, Pool, Pool], f
     src, dst, ps, pd = _bufs(c, 2)
     ks = _keys(2, b"after-fuzz")
     assert c.put(ks, ps, range(2)) == 2 and c.get(ks, pd, range(2)) == 2
+
+
+# ---- the get path: one-way release, checked answers, answers taken as they come -------------
+def test_owner_release_without_answer_ends_the_lease_quietly() -> None:
+    o = Owner(8, BB, 1 << 20, "lru")
+    gid, codes, _ = o.grant(LOCAL, [b"x"], [None])
+    o.commit(LOCAL, gid, codes, [7], True)
+    n, _s, _g, _sums, lid = o.lookup(LOCAL, [b"x"], True)
+    assert n == 1 and lid is not None and len(o.leases) == 1
+    with pytest.raises(ProtocolError):  # a malformed ack changes nothing
+        o.handle(LOCAL, {"t": "release", "lid": lid, "ack": 1})
+    assert len(o.leases) == 1
+    assert o.handle(LOCAL, {"t": "release", "lid": lid, "ack": False}) == ("", {})
+    assert not o.leases and o.readers.sum() == 0
+    assert o.handle(LOCAL, {"t": "release", "lid": lid, "ack": False}) == ("", {})  # spent: quiet, harmless
+    assert o.handle(LOCAL, {"t": "release", "lid": lid}) == ("released", {"ok": False})  # old clients: answered
+    o.check()
+
+
+def test_lookup_answers_are_checked_item_by_item() -> None:
+    from kvx.pool.pool import _ints
+
+    assert _ints([0, 3, 5], 3, 0, 5, "x") == [0, 3, 5] and _ints([], 0, 0, 5, "x") == []
+    assert _ints([(1 << 64) - 1, 0], 2, 0, (1 << 64) - 1, "x")
+    for bad in ([0, True, 2], [0, 1.0, 2], [0, 1, 6], [-1, 1, 2], [0, 1], (0, 1, 2), [0, None, 1], [1 << 70, 0, 0],
+                [0, b"1", 2]):
+        with pytest.raises(ProtocolError):
+            _ints(bad, 3, 0, 5, "x")
+    with pytest.raises(ProtocolError):
+        _ints([-1, 0], 2, 0, (1 << 64) - 1, "x")
+
+
+def test_arrivals_come_in_answer_order_and_stop_at_the_deadline() -> None:
+    import queue
+
+    q: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for g in (2, 0, 2, 1):  # a repeated tag counts once
+        q.put(g)
+    assert list(Pool._arrivals(q, 3, time.monotonic() + 5)) == [2, 0, 1]
+    q.put(1)
+    t = time.monotonic()
+    assert list(Pool._arrivals(q, 3, t + 0.2)) == [1, 0, 2]  # 0 and 2 never answer: given up at the deadline
+    assert time.monotonic() - t < 2.0
+
+
+@pytest.mark.services
+def test_one_way_release_over_the_wire_gets_no_answer(trio: tuple[Pool, Pool, Pool]) -> None:
+    import threading
+
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 8)
+    ks = _keys(8, b"oneway")
+    assert c.put(ks, ps, range(8)) == 8
+    m = next(mm for mm in c._place[1] if mm.name == "a")  # type: ignore[index]
+    cc = c._conn(m)
+    assert cc is not None
+    found = cc.chan.request("lookup", 5.0, keys=[k for k in ks if a.owner.index.get(k) is not None],  # type: ignore[union-attr]
+                            lease=True)[0]
+    assert found["n"] > 0 and a.stats()["owner"]["leases_active"] == 1
+    rid = next(cc.chan._ids)
+    slot: list[Any] = [threading.Event(), None]
+    with cc.chan._wlock:
+        cc.chan._waiters[rid] = slot
+    from kvx import wire
+
+    cc.chan.send(wire.pack("release", rid=rid, pl=False, lid=found["lid"], ack=False))
+    deadline = time.monotonic() + 5
+    while a.stats()["owner"]["leases_active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.stats()["owner"]["leases_active"] == 0
+    assert not slot[0].wait(0.3)  # and no answer came
+    with cc.chan._wlock:
+        cc.chan._waiters.pop(rid, None)
+    # a get's own releases: no lease left behind on either owner
+    assert c.get(ks, pd, range(8)) == 8 and np.array_equal(src, dst)
+    deadline = time.monotonic() + 5
+    while any(p.stats()["owner"]["leases_active"] for p in (a, b)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(p.stats()["owner"]["leases_active"] == 0 for p in (a, b))
+    a.owner.check()  # type: ignore[union-attr]
+
+
+@pytest.mark.services
+def test_a_slow_owner_does_not_hold_back_the_others_reads(trio: tuple[Pool, Pool, Pool],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 32)
+    ks = _keys(32, b"slow")
+    assert c.put(ks, ps, range(32)) == 32
+    assert 0 < a.stats()["owner"]["blocks"] < 32
+    events: list[tuple[str, float]] = []
+    assert a.owner is not None
+    slow_lookup = a.owner.lookup
+
+    def lookup(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.4)
+        out = slow_lookup(*args, **kw)
+        events.append(("a answered", time.monotonic()))
+        return out
+
+    real_read = c._read
+
+    def read(m: Any, *args: Any) -> Any:
+        events.append((f"read {m.name}", time.monotonic()))
+        return real_read(m, *args)
+
+    monkeypatch.setattr(a.owner, "lookup", lookup)
+    monkeypatch.setattr(c, "_read", read)
+    assert c.get(ks, pd, range(32)) == 32 and np.array_equal(src, dst)
+    order = [e for e, _ in sorted(events, key=lambda x: x[1])]
+    assert order.index("read b") < order.index("a answered"), order
+    assert "read a" in order

@@ -336,8 +336,8 @@ class Owner:
                         self.policy.set_evictable(self.key_of[s], True)  # type: ignore[arg-type]
             self.stats.hits += n
             self.stats.misses += len(keys) - n
-            gens = [int(self.gen[s]) for s in slots]
-            sums = [int(self.sums[s]) for s in slots]
+            gens = self.gen[slots].tolist()
+            sums = self.sums[slots].tolist()
             lid = None
             if lease and n:
                 lid = os.urandom(16)
@@ -450,7 +450,8 @@ class Owner:
     # ---- the wire ------------------------------------------------------------------------------
     def handle(self, client: Any, msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Serve one control message (already a checked msgpack envelope); returns the reply's
-        type and fields. Raises ProtocolError on a malformed or refused request (nothing changed)."""
+        type and fields (type ``""``: no reply, a ``release`` sent with ``ack=False``). Raises
+        ProtocolError on a malformed or refused request (nothing changed)."""
         t = msg.get("t")
         try:
             if t == "grant":
@@ -480,7 +481,11 @@ class Owner:
                 return "found", {"n": n, "slots": slots, "gens": gens, "sums": sums, "lid": lid}
             if t == "release":
                 lid = _token(msg.get("lid"), "release.lid")
-                return "released", {"ok": self.release(client, lid)}
+                ack = msg.get("ack", True)
+                if not isinstance(ack, bool):
+                    raise ProtocolError("release.ack must be a bool")
+                ok = self.release(client, lid)
+                return ("released", {"ok": ok}) if ack else ("", {})
             raise ProtocolError(f"unknown pool request {str(t)[:40]!r}")
         except ProtocolError:
             self.stats.bad_requests += 1

@@ -26,12 +26,13 @@ import bisect
 import ctypes
 import dataclasses
 import logging
+import queue
 import socket
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -144,20 +145,30 @@ class _Conn:
     arena: PreparedList
 
 
-def _mem(addr: int, n: int) -> Any:
-    return (ctypes.c_char * n).from_address(addr)
+class _Ev(threading.Event):
+    """An answer's event that also tells a queue which call it answered (``tag``)."""
+
+    def __init__(self, q: "queue.SimpleQueue[int]", tag: int) -> None:
+        super().__init__()
+        self.q, self.tag = q, tag
+
+    def set(self) -> None:
+        super().set()
+        self.q.put(self.tag)
 
 
 class _Call:
-    """One request to one owner, sent now, answered later (all owners' at once)."""
+    """One request to one owner, sent now, answered later (all owners' at once). With ``q``,
+    the call's ``tag`` is put on it when the answer (or the connection's failure) comes."""
 
     __slots__ = ("chan", "ev", "res", "rid", "t")
 
-    def __init__(self, chan: Channel, t: str, **fields: Any) -> None:
+    def __init__(self, chan: Channel, t: str, q: "queue.SimpleQueue[int] | None" = None, tag: int = 0,
+                 **fields: Any) -> None:
         self.chan = chan
         self.t = t
         self.rid = next(chan._ids)
-        self.ev = threading.Event()
+        self.ev = threading.Event() if q is None else _Ev(q, tag)
         self.res: Any = None
         slot = [self.ev, None]
         self.res = slot
@@ -199,10 +210,24 @@ class _Done:
 
 
 def _ints(v: Any, n: int, lo: int, hi: int, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) != n or not all(
-            isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
+    """``v`` checked to be a list of ``n`` ints in ``lo..hi`` (vectorised: no per-item Python)."""
+    if not isinstance(v, list) or len(v) != n:
         raise ProtocolError(f"pool member answered a malformed {what}")
+    if n:
+        # every item an int (type, not isinstance: no bool; numpy would convert floats), then
+        # the range on an array (an int outside the dtype raises OverflowError)
+        if set(map(type, v)) != {int}:
+            raise ProtocolError(f"pool member answered a malformed {what}")
+        try:
+            a = np.array(v, dtype=np.uint64 if hi > _I64_MAX else np.int64)
+        except OverflowError:
+            raise ProtocolError(f"pool member answered a malformed {what}") from None
+        if int(a.min()) < lo or int(a.max()) > hi:
+            raise ProtocolError(f"pool member answered a malformed {what}")
     return v
+
+
+_I64_MAX = (1 << 63) - 1
 
 
 class Pool:
@@ -465,25 +490,31 @@ class Pool:
                 out.append((int(j), pos[i:i + mb]))
         return out
 
-    def _send(self, m: Member, t: str, **fields: Any) -> Any:
-        """Send one request to ``m`` (the local owner answers at once); None if unreachable."""
+    def _send(self, m: Member, t: str, q: "queue.SimpleQueue[int] | None" = None, tag: int = 0,
+              **fields: Any) -> Any:
+        """Send one request to ``m`` (the local owner answers at once); None if unreachable.
+        With ``q``, ``tag`` is put on it once the answer is in (at once if None or local)."""
         if self._local(m):
             assert self.owner is not None
             try:
                 rt, rf = self.owner.handle(LOCAL, {"t": t, **fields})
             except ProtocolError as exc:
                 log.info("pool: the local owner refused %s: %s", t, exc)
-                return None
-            return _Done(rt, rf)
+                rt = ""
+            if q is not None:
+                q.put(tag)
+            return _Done(rt, rf) if rt else None
         c = self._conn(m)
-        if c is None:
-            return None
-        try:
-            return _Call(c.chan, t, **fields)
-        except KVXError as exc:
-            log.info("pool: %s to %s failed: %s", t, m.name, exc)
-            self._fail(m.name)
-            return None
+        call = None
+        if c is not None:
+            try:
+                call = _Call(c.chan, t, q, tag, **fields)
+            except KVXError as exc:
+                log.info("pool: %s to %s failed: %s", t, m.name, exc)
+                self._fail(m.name)
+        if call is None and q is not None:
+            q.put(tag)
+        return call
 
     def _answer(self, m: Member, call: Any, deadline: float) -> dict[str, Any] | None:
         if call is None:
@@ -513,8 +544,8 @@ class Pool:
         self._stats["puts"] += 1
         self._stats["put_blocks"] += n
         addr = src.descs.addr[ia]
-        bb = self.block_bytes
-        sums = [nh64(_mem(int(a), bb)) for a in addr]
+        block = ctypes.c_char * self.block_bytes
+        sums = [nh64(block.from_address(a)) for a in addr.tolist()]
         parents: list[bytes | None] = [None, *keys[:-1]]
         own, mem = self._owners(keys)
         stored = np.zeros(n, dtype=bool)
@@ -622,10 +653,13 @@ class Pool:
         lease = dst is not None
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(start, n))
-        calls = [self._send(mem[j], "lookup", keys=[keys[p] for p in pos], lease=lease) for j, pos in groups]
+        answered: queue.SimpleQueue[int] = queue.SimpleQueue()
+        calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
+                 for g, (j, pos) in enumerate(groups)]
         reads: list[tuple[int, np.ndarray, list[int], Any, Any, bool]] = []
         end = n
-        for (j, pos), call in zip(groups, calls):
+        for g in self._arrivals(answered, len(groups), deadline):  # each owner's answer as it comes
+            (j, pos), call = groups[g], calls[g]
             m = mem[j]
             rep = self._answer(m, call, deadline)
             if rep is None:
@@ -661,7 +695,7 @@ class Pool:
         if not lease:
             return end
         assert dst is not None and ia is not None
-        for j, pos, sums, lid, x, ok in reads:
+        for j, pos, sums, lid, x, ok in self._landings(reads):
             m = mem[j]
             ok = self._landed(x, ok, m, "read from", deadline)
             take = bisect.bisect_left(pos.tolist(), end)
@@ -676,6 +710,32 @@ class Pool:
             if lid is not None:
                 self._release(m, lid)
         return end
+
+    @staticmethod
+    def _landings(reads: list[Any]) -> Iterator[Any]:
+        """``reads`` (their transfer 5th) with those already landed first, so that their checksums
+        are taken while the others are still on the wire; then the rest, in order."""
+        left = list(range(len(reads)))
+        while left:
+            ready = [i for i in left if reads[i][4] is None or reads[i][4].done()] or left[:1]
+            for i in ready:  # (left[:1]: none landed yet; the caller waits for it, bounded)
+                yield reads[i]
+            left = [i for i in left if i not in ready]
+
+    @staticmethod
+    def _arrivals(q: "queue.SimpleQueue[int]", n: int, deadline: float) -> Iterator[int]:
+        """The tags ``0..n-1`` in the order their answers come on ``q``; by ``deadline``, the
+        ones still out (their ``_answer`` then times out at once)."""
+        left = set(range(n))
+        while left:
+            try:
+                g = q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if g in left:
+                left.discard(g)
+                yield g
+        yield from sorted(left)
 
     def _write(self, m: Member, src: PreparedList, sidx: np.ndarray, slots: list[int]) -> tuple[Any, bool]:
         """Post the write of ``src[sidx]`` into ``slots`` of ``m``: (transfer or None, posted)."""
@@ -720,15 +780,15 @@ class Pool:
         if c is None or not c.chan.alive:
             return  # the owner drops the lease at its deadline
         try:
-            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid))
+            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid, ack=False))
         except KVXError:
             pass
 
     def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int]) -> int:
         """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none)."""
-        bb = self.block_bytes
-        for i, (a, want) in enumerate(zip(dst.descs.addr[ia], sums)):
-            if nh64(_mem(int(a), bb)) != want:
+        block = ctypes.c_char * self.block_bytes  # one array type, every block a view of it
+        for i, (a, want) in enumerate(zip(dst.descs.addr[ia].tolist(), sums)):
+            if nh64(block.from_address(a)) != want:
                 return i
         return len(sums)
 
