@@ -39,7 +39,7 @@ setup(
         Extension(
             "kvx._native",
             sources=["native/kvx_native.c", "native/kvx_copy.c", "native/kvx_jobs.c", "native/kvx_gpu.c",
-                     "native/kvx_hash.c"],
+                     "native/kvx_hash.c", "native/kvx_strided.c"],
             depends=["native/kvx_buf.h", "native/kvx_native.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
             extra_link_args=["-pthread"],

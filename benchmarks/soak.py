@@ -89,7 +89,9 @@ class Proc:
         if self.proc is not None and self.proc.poll() is None:
             self.expected_death = True
             self.proc.kill()
-            self.proc.wait(10)
+            # SIGKILL cannot be refused, but tearing down a process's mappings took over 10 s on a
+            # 2-core machine at load 16+ (counted as a failed chaos kill before)
+            self.proc.wait(60)
 
     def log_tail(self, n: int = 6000) -> str:
         try:

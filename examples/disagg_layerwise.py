@@ -272,7 +272,18 @@ def _prefill_main(conn: Any, a: dict[str, Any]) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(a["shape"], dev, dtype)
     streamer = Streamer(model, dev)
-    agents = {b: kvx.Agent(f"prefill-{b}", kvx.AgentConfig(backends=(b,))) for b in a["backends"]}
+    # Every write is posted after its bytes are ready (a layer's CUDA event executed, or the whole
+    # prefill synchronised), so the copies may run on a non-blocking stream ("caller" order): on the
+    # default blocking stream a layer's copy would wait for the layers queued after it.
+    opts: dict[str, Any] = {}
+    if cuda and a["order"] == "caller":
+        from kvx.backends.cuda import CudaOptions
+        from kvx.backends.tcp import TcpOptions
+
+        opts = {"cuda": CudaOptions(order="caller"), "tcp": TcpOptions(cuda_order="caller")}
+    agents = {b: kvx.Agent(f"prefill-{b}", kvx.AgentConfig(backends=(b,), options={k: v for k, v in opts.items()
+                                                                                  if k == b}))
+              for b in a["backends"]}
     conn.send_bytes(pack({"weights": weights_digest(model)}))
     state: dict[str, Any] = {}
     try:
@@ -339,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default=None, help="comma-separated kvx backends; default cuda,tcp (cpu: host,tcp)")
     ap.add_argument("--modes", default=None,
                     help="comma-separated: whole, layer:G (G layers per write); default whole,layer:1,layer:2,layer:4")
+    ap.add_argument("--order", choices=("caller", "legacy"), default="caller",
+                    help="stream order of the prefill's GPU copies (KVX_CUDA_ORDER): caller, a non-blocking stream "
+                         "(the writes are posted once their layer's event executed); legacy, a blocking stream "
+                         "(each copy also waits for the layers queued after it)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--json", default=None,
@@ -372,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if cpu else torch.bfloat16
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=prefill_proc, args=(child, {"device": a.device, "shape": a.shape, "backends": backends}))
+    p = ctx.Process(target=prefill_proc, args=(child, {"device": a.device, "shape": a.shape, "backends": backends,
+                                                        "order": a.order}))
     p.start()
     results: list[dict[str, Any]] = []
     all_same = True
@@ -451,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, a, dtype)
     doc = {"shape": a.shape, "config": SHAPES[a.shape], "device": a.device, "dtype": str(dtype),
            "gpus": [torch.cuda.get_device_name(i) for i in range(2)] if not cpu else [],
-           "reps": a.reps, "new_tokens": a.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "reps": a.reps, "order": a.order, "new_tokens": a.new_tokens,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                         "kvx": getattr(kvx, "__version__", "?")},
            "env": {k: v for k, v in os.environ.items() if k.startswith("KVX_") or k == "PYTORCH_CUDA_ALLOC_CONF"},

@@ -7,6 +7,7 @@ OP_PWRITE: int
 OP_PREAD: int
 OP_MMWRITE: int
 OP_MMREAD: int
+OP_STRIDED: int
 MMWRITE_POPULATE: int
 MMWRITE_RESIDENT: int
 
@@ -26,6 +27,9 @@ def submit(op: int, pid: int, dst_addr: Any, dst_len: Any, dst_idx: Any, src_add
 def plan(op: int, pid: int, dst_addr: Any, dst_len: Any, dst_idx: Any, src_addr: Any, src_len: Any,
          src_idx: Any, fds: Any, guards: Any, nthreads: int, inline_bytes: int, sync: int,
          file_off: Any = None) -> Plan: ...
+def submit_strided(code: int, pid: int, dst_addr: Any, dst_len: Any, dst_count: Any, dst_stride: Any,
+                   dst_idx: Any, src_addr: Any, src_len: Any, src_count: Any, src_stride: Any, src_idx: Any,
+                   guards: Any, nthreads: int, inline_bytes: int) -> int | Job: ...
 def nh64(data: Any) -> int: ...
 def nh64_portable(data: Any) -> int: ...
 def map_fd(fd: int, size: int, offset: int, writable: bool) -> int: ...

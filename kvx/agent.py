@@ -21,6 +21,7 @@ from .backends.base import (
     Backend,
     BackendContext,
     DoneRequest,
+    FlatRoute,
     Op,
     PeerInfo,
     Request,
@@ -48,6 +49,9 @@ __all__ = ["Agent", "Registration", "PreparedList", "MAX_SLOTS"]
 log = logging.getLogger(__name__)
 
 _U64 = np.uint64
+#: ``PreparedList.bdata[name]`` of a strided list that backend ``name`` moves as its expansion
+#: (prepared on ``PreparedList.flat`` at the first route through that backend)
+_FLAT = object()
 
 
 class Registration:
@@ -105,8 +109,8 @@ class PreparedList:
         Per descriptor, the registration slot (region) that contains it.
     """
 
-    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "froutes", "gens", "peer", "pinfo", "rroutes",
-                 "slots", "used", "wroutes")
+    __slots__ = ("__weakref__", "agent", "bdata", "descs", "epoch", "flat", "fmap", "froutes", "gens", "peer", "pinfo",
+                 "rroutes", "slots", "used", "wroutes")
 
     def __init__(self, agent: "Agent", peer: str | None, descs: DescList, slots: np.ndarray, gens: dict[int, int],
                  pinfo: PeerInfo | None) -> None:
@@ -127,6 +131,10 @@ class PreparedList:
         self.wroutes: dict[PreparedList, Route] = {}
         # the same for posts that name their backend, by (op, remote list, backend name)
         self.froutes: dict[tuple[Op, PreparedList, str], Route] = {}
+        # a strided list's expansion (one descriptor per piece) for backends that move plain
+        # descriptors only, and the map from a descriptor to its pieces: (first piece, count)
+        self.flat: PreparedList | None = None
+        self.fmap: tuple[np.ndarray, np.ndarray] | None = None
 
     def routes(self, op: Op) -> dict[PreparedList, Route]:
         """The routes of this (local) list for ``op``, by remote list."""
@@ -536,6 +544,10 @@ class Agent:
     def prepare(self, descs: DescList | Registration, peer: str | None = None) -> PreparedList:
         """Validate a descriptor list once (local, or against ``peer``'s registrations).
 
+        A strided list (:meth:`DescList.strided`) is checked over each descriptor's whole span;
+        backends that do not move strided descriptors natively get its expansion (one descriptor
+        per piece) at the first transfer that routes through them.
+
         Raises
         ------
         RegistrationError
@@ -556,7 +568,9 @@ class Agent:
         else:
             pinfo = self._peer(peer)
             table = pinfo.regions
-        slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, table)
+        # a strided descriptor is checked over its whole span: every piece inside one registration
+        span = descs.span
+        slots, ok = validate(descs.kind, descs.addr, span, descs.dev, table)
         if not ok.all() and peer is not None:
             # the peer may have registered more since we saw its metadata: refresh once
             for b in self.backends:
@@ -564,13 +578,13 @@ class Agent:
                     rows = b.refresh_regions(peer)
                     if rows is not None:
                         pinfo.regions = table = rows  # type: ignore[union-attr]
-                        slots, ok = validate(descs.kind, descs.addr, descs.nbytes, descs.dev, rows)
+                        slots, ok = validate(descs.kind, descs.addr, span, descs.dev, rows)
                         break
         if not ok.all():
             bad = int(np.argmin(ok))
             where = f"peer {peer!r}" if peer else f"agent {self.name!r}"
             raise RegistrationError(
-                f"descriptor {bad} ({descs.kind.name} 0x{int(descs.addr[bad]):x}+{int(descs.nbytes[bad])} "
+                f"descriptor {bad} ({descs.kind.name} 0x{int(descs.addr[bad]):x}+{int(span[bad])} "
                 f"dev {int(descs.dev[bad])}) is outside the live registrations of {where}"
             )
         # the generations of the very table the descriptors were checked against: another thread's
@@ -582,12 +596,39 @@ class Agent:
         for b in self.backends:
             if descs.kind in b.kinds and (peer is None or b.name in pinfo.sections.get("_reached", ())):  # type: ignore[union-attr]
                 try:
+                    if descs.is_strided and not (b.strided and b.takes_strided(pl)):
+                        pl.bdata[b.name] = _FLAT
+                        continue
                     pl.bdata[b.name] = b.prepare(pl)
                 except RegistrationError:
                     raise  # the target itself refuses a descriptor that its metadata claimed
                 except KVXError:
                     log.debug("backend %s cannot prepare %r", b.name, pl, exc_info=True)
         return pl
+
+    def _flat(self, pl: PreparedList, b: Backend) -> PreparedList | None:
+        """``pl`` as backend ``b`` moves it: itself if plain or prepared natively, else its
+        expansion (made once per list, prepared by ``b`` at its first use); None if ``b``
+        cannot prepare the expansion."""
+        if not pl.descs.is_strided:
+            return pl
+        with self._lock:
+            fl = pl.flat
+            if fl is None:
+                count = pl.descs.count.astype(np.int64)
+                fl = PreparedList(self, pl.peer, pl.descs.flatten(), np.repeat(pl.slots, count), pl.gens, pl.pinfo)
+                fl.epoch = pl.epoch
+                pl.fmap = (np.cumsum(count) - count, count)
+                pl.flat = fl
+        if b.name not in fl.bdata:
+            try:
+                fl.bdata[b.name] = b.prepare(fl)
+            except RegistrationError:
+                raise
+            except KVXError:
+                log.debug("backend %s cannot prepare the expansion of %r", b.name, pl, exc_info=True)
+                return None
+        return fl
 
     def _check_live(self, pl: PreparedList) -> None:
         if pl.epoch == self._epoch:
@@ -641,7 +682,14 @@ class Agent:
             if b.name not in local.bdata or b.name not in remote.bdata:
                 continue
             if b.serves(local.kind, remote.kind, loopback):
-                r = b.route(op, local, remote)
+                if local.bdata[b.name] is _FLAT or remote.bdata[b.name] is _FLAT:
+                    lf, rf = self._flat(local, b), self._flat(remote, b)
+                    if lf is None or rf is None:
+                        continue
+                    r = FlatRoute(b.route(op, lf, rf), local, remote, local.fmap if lf is not local else None,
+                                  remote.fmap if rf is not remote else None)
+                else:
+                    r = b.route(op, local, remote)
                 if backend is None:
                     self._drop_stale(routes, lambda k: k)
                     if len(routes) >= 64:
@@ -709,7 +757,7 @@ class Agent:
         self._check_post(local, remote)
         r = self._route(Op(op), local, remote, backend)
         post = r.plan(local_idx, remote_idx, bytes(notify) if notify is not None else None)
-        nb = int(local.descs.nbytes[index_array(local_idx, len(local), "local index")].sum())
+        nb = int(local.descs.piece_bytes[index_array(local_idx, len(local), "local index")].sum())
         return TransferPlan(self, post, r.backend.name, (local, remote), nb)
 
     def read(self, local: PreparedList, local_idx: Any, remote: PreparedList, remote_idx: Any, *,

@@ -165,6 +165,12 @@ SETTINGS: dict[str, Setting] = {
                 "Microseconds a waiter on a GPU transfer polls its CUDA event natively (no GIL, one busy "
                 "core) before sleeping between polls; 0 or less: no native spin (a Python poll loop, which "
                 "notices a finished copy tens of microseconds later)."),
+        Setting("KVX_CUDA_ORDER", _choice("legacy", "caller"), "legacy",
+                "How a copy of GPU memory (cuda backend, tcp staging) is ordered with the caller's GPU work: "
+                "legacy (on a blocking stream: after everything queued on the legacy default stream before the "
+                "post, and before what is queued after it) or caller (on a non-blocking stream: the caller "
+                "makes sure the bytes are ready before it posts, e.g. waits for a CUDA event; later GPU work "
+                "is never held behind the copy -- what lets layer-wise writes overlap the next layers)."),
         Setting("KVX_CUDA_EXEC", _choice("initiator", "owner", "pull"), "initiator",
                 "Which GPU runs a GPU<->GPU copy: initiator (the caller's), owner (the target memory's GPU), "
                 "pull (the destination's GPU)."),

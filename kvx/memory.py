@@ -410,6 +410,30 @@ def _check_descs(a: np.ndarray, n: np.ndarray, d: np.ndarray) -> None:
         raise ArgumentValueError("descriptor address or length out of range (addr at most 2**63, nbytes 2**62)")
 
 
+#: bounds on a strided descriptor: pieces per descriptor, and its stride
+MAX_COUNT = 1 << 32
+MAX_STRIDE = 1 << 48
+
+
+def _strided_problem(n: np.ndarray, c: np.ndarray, s: np.ndarray) -> str | None:
+    """Why ``(nbytes, count, stride)`` arrays do not describe strided descriptors (None: they do)."""
+    if c.shape != n.shape or s.shape != n.shape:
+        return f"count and stride must hold one value per descriptor ({n.shape[0]}), not {c.shape} and {s.shape}"
+    if not n.size:
+        return None
+    if int(c.min()) == 0 or int(c.max()) > MAX_COUNT:
+        return f"count must be from 1 to {MAX_COUNT}"
+    if int(s.max()) > MAX_STRIDE:
+        return f"stride must be at most {MAX_STRIDE}"
+    many = c > 1
+    if many.any() and (s[many] < n[many]).any():
+        return "a strided descriptor's stride must be at least its nbytes (pieces may not overlap)"
+    # the span ((count - 1) * stride + nbytes) stays below 2**62: no wrap in any check built on it
+    if (float(((c.astype(np.float64) - 1) * s.astype(np.float64) + n.astype(np.float64)).max()) > float(1 << 62)):
+        return "a strided descriptor spans more than 2**62 bytes"
+    return None
+
+
 class DescList:
     """Descriptors of one memory kind: three parallel ``uint64`` arrays.
 
@@ -418,22 +442,107 @@ class DescList:
     arrays, gathered copies. The constructor checks its arrays as :meth:`from_arrays` does
     (non-negative integers, lengths > 0, in range; ``UsageError`` otherwise); the attributes are
     read-only.
+
+    A *strided* list (:meth:`strided`) describes a regular pattern once per descriptor: ``count``
+    pieces of ``nbytes`` bytes each, the k-th at ``addr + k * stride`` (a head slice of every
+    token of a block, say). Such a descriptor pairs with one of equal ``nbytes`` and ``count``
+    (strides may differ); backends that cannot move it natively see it expanded into its pieces.
+    For a plain list ``count`` is all ones and ``stride`` all zeros.
     """
 
-    __slots__ = ("_addr", "_dev", "_kind", "_nbytes")
+    __slots__ = ("_addr", "_count", "_dev", "_kind", "_nbytes", "_stride")
 
     def __init__(self, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> None:
         k = _kind(kind, "DescList kind")
         a, n, d = _as_u64(addr, "addr"), _as_u64(nbytes, "nbytes"), _as_u64(dev, "dev")
         _check_descs(a, n, d)
         self._kind, self._addr, self._nbytes, self._dev = k, a, n, d
+        self._count: np.ndarray | None = None
+        self._stride: np.ndarray | None = None
 
     @classmethod
-    def _wrap(cls, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray) -> "DescList":
+    def _wrap(cls, kind: MemoryKind, addr: np.ndarray, nbytes: np.ndarray, dev: np.ndarray,
+              count: np.ndarray | None = None, stride: np.ndarray | None = None) -> "DescList":
         # arrays already checked (or derived from checked ones): no second pass over them
         self = cls.__new__(cls)
         self._kind, self._addr, self._nbytes, self._dev = kind, addr, nbytes, dev
+        self._count, self._stride = count, stride
         return self
+
+    @classmethod
+    def strided(cls, *, kind: MemoryKind, addr: Any, nbytes: Any, count: Any, stride: Any,
+                dev: Any = 0) -> "DescList":
+        """Build a strided DescList: descriptor ``i`` is ``count[i]`` pieces of ``nbytes[i]`` bytes,
+        piece ``k`` at ``addr[i] + k * stride[i]``. ``nbytes``, ``count``, ``stride`` and ``dev``
+        may be scalars.
+
+        Raises
+        ------
+        ArgumentTypeError, ArgumentValueError
+            As :meth:`from_arrays`; also for a count of 0 or above ``2**32``, a stride above
+            ``2**48``, a stride smaller than ``nbytes`` where ``count > 1`` (overlapping pieces),
+            or a descriptor whose span reaches past ``2**63``.
+        """
+        base = cls.from_arrays(kind=kind, addr=addr, nbytes=nbytes, dev=dev)
+        a = base._addr
+        c = _as_u64(count, "count", scalar=True)
+        s = _as_u64(stride, "stride", scalar=True)
+        for arr, what in ((c, "count"), (s, "stride")):
+            if arr.ndim == 1 and arr.shape != a.shape:
+                raise ArgumentValueError(f"{what} must be one int or hold one per address ({a.shape[0]}), "
+                                         f"not {arr.shape[0]}")
+        c = np.ascontiguousarray(np.broadcast_to(c, a.shape))
+        s = np.ascontiguousarray(np.broadcast_to(s, a.shape))
+        why = _strided_problem(base._nbytes, c, s)
+        if why is not None:
+            raise ArgumentValueError(why)
+        out = cls._wrap(base.kind, a, base._nbytes, base._dev, c, s)
+        if a.size and int((a + out.span).max()) > (1 << 63):
+            raise ArgumentValueError("a strided descriptor reaches past address 2**63")
+        return out
+
+    @property
+    def is_strided(self) -> bool:
+        """Whether the list carries counts and strides (see :meth:`strided`)."""
+        return self._count is not None
+
+    @property
+    def count(self) -> np.ndarray:
+        """Pieces per descriptor, ``uint64`` (all ones for a plain list)."""
+        return self._count if self._count is not None else np.ones(self._addr.shape, dtype=_U64)
+
+    @property
+    def stride(self) -> np.ndarray:
+        """Bytes from one piece's start to the next's, ``uint64`` (all zeros for a plain list)."""
+        return self._stride if self._stride is not None else np.zeros(self._addr.shape, dtype=_U64)
+
+    @property
+    def span(self) -> np.ndarray:
+        """Bytes from a descriptor's first byte to one past its last: ``(count - 1) * stride +
+        nbytes`` (``nbytes`` for a plain list), ``uint64``: what must lie inside a registration."""
+        c, s = self._count, self._stride
+        if c is None or s is None:
+            return self._nbytes
+        return (c - np.uint64(1)) * s + self._nbytes
+
+    @property
+    def piece_bytes(self) -> np.ndarray:
+        """Bytes each descriptor moves: ``count * nbytes``, ``uint64``."""
+        return self._nbytes if self._count is None else self._count * self._nbytes
+
+    def flatten(self) -> "DescList":
+        """The same bytes as a plain list, one descriptor per piece, in order (itself if plain)."""
+        if self._count is None or self._stride is None:
+            return self
+        c = self._count.astype(np.int64)
+        total = int(c.sum())
+        try:
+            first = np.repeat(np.cumsum(c) - c, c)
+            k = (np.arange(total, dtype=np.int64) - first).astype(_U64)
+            addr = np.repeat(self._addr, c) + k * np.repeat(self._stride, c)
+        except (MemoryError, ValueError):
+            raise ArgumentValueError(f"{total} pieces are too many to describe one by one") from None
+        return DescList._wrap(self._kind, addr, np.repeat(self._nbytes, c), np.repeat(self._dev, c))
 
     @property
     def kind(self) -> MemoryKind:
@@ -549,14 +658,18 @@ class DescList:
                 idx = idx.astype(np.intp)
             elif int(idx.max()) >= n or int(idx.min()) < -n:
                 raise IndexOutOfRange(f"descriptor index out of range for a list of {n}")
+        if self._count is not None and self._stride is not None:
+            return DescList._wrap(self._kind, self._addr[idx], self._nbytes[idx], self._dev[idx], self._count[idx],
+                                  self._stride[idx])
         return DescList._wrap(self._kind, self._addr[idx], self._nbytes[idx], self._dev[idx])
 
     def __iter__(self) -> Iterable[tuple[int, int, int]]:  # type: ignore[override]
         return iter(zip(self.addr.tolist(), self.nbytes.tolist(), self.dev.tolist()))
 
     def __repr__(self) -> str:
-        tot = int(self.nbytes.sum()) if len(self) else 0
-        return f"DescList({self.kind.name}, n={len(self)}, bytes={tot})"
+        tot = int(self.piece_bytes.sum()) if len(self) else 0
+        strided = ", strided" if self._count is not None else ""
+        return f"DescList({self.kind.name}, n={len(self)}, bytes={tot}{strided})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DescList):
@@ -566,29 +679,33 @@ class DescList:
             and np.array_equal(self.addr, other.addr)
             and np.array_equal(self.nbytes, other.nbytes)
             and np.array_equal(self.dev, other.dev)
+            and self.is_strided == other.is_strided
+            and np.array_equal(self.count, other.count)
+            and np.array_equal(self.stride, other.stride)
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     @property
     def total_bytes(self) -> int:
-        """Sum of the descriptor lengths."""
-        return int(self.nbytes.sum())
+        """Sum of the bytes the descriptors move (``count * nbytes`` each)."""
+        return int(self.piece_bytes.sum())
 
     def to_bytes(self) -> bytes:
         """Serialize for a peer (versioned msgpack; see :meth:`from_bytes`)."""
-        return msgpack.packb(
-            {
-                "v": WIRE_VERSION,
-                "t": "descs",
-                "kind": int(self.kind),
-                "n": len(self),
-                "addr": np.ascontiguousarray(self.addr, _U64).tobytes(),
-                "nbytes": np.ascontiguousarray(self.nbytes, _U64).tobytes(),
-                "dev": np.ascontiguousarray(self.dev, _U64).tobytes(),
-            },
-            use_bin_type=True,
-        )
+        msg = {
+            "v": WIRE_VERSION,
+            "t": "descs",
+            "kind": int(self.kind),
+            "n": len(self),
+            "addr": np.ascontiguousarray(self.addr, _U64).tobytes(),
+            "nbytes": np.ascontiguousarray(self.nbytes, _U64).tobytes(),
+            "dev": np.ascontiguousarray(self.dev, _U64).tobytes(),
+        }
+        if self._count is not None:
+            msg["count"] = np.ascontiguousarray(self._count, _U64).tobytes()
+            msg["stride"] = np.ascontiguousarray(self._stride, _U64).tobytes()
+        return msgpack.packb(msg, use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, max_bytes: int | None = None) -> "DescList":
@@ -609,7 +726,19 @@ class DescList:
         arrs = [np.frombuffer(msg[k], dtype=_U64).copy() for k in ("addr", "nbytes", "dev")]
         if n and (int(arrs[1].min()) == 0 or int(arrs[0].max()) > (1 << 63) or int(arrs[1].max()) > (1 << 62)):
             raise ProtocolError("descriptor with zero length or out-of-range address")
-        return cls._wrap(kind, *arrs)
+        if "count" not in msg and "stride" not in msg:
+            return cls._wrap(kind, *arrs)
+        cs = [msg.get(k) for k in ("count", "stride")]
+        if not all(isinstance(v, bytes) and len(v) == 8 * n for v in cs):
+            raise ProtocolError("strided descriptor arrays do not match the declared count")
+        c, s = (np.frombuffer(v, dtype=_U64).copy() for v in cs)  # type: ignore[arg-type]
+        why = _strided_problem(arrs[1], c, s)
+        out = cls._wrap(kind, arrs[0], arrs[1], arrs[2], c, s)
+        if why is None and n and int((arrs[0] + out.span).max()) > (1 << 63):
+            why = "a strided descriptor reaches past address 2**63"
+        if why is not None:
+            raise ProtocolError(f"malformed strided descriptors: {why}")
+        return out
 
 
 def require_torch(feature: str) -> Any:

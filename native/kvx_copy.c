@@ -177,6 +177,17 @@ static uintptr_t mm_first_missing(uintptr_t a, uintptr_t b) {
     return b;
 }
 
+/* Whether the first, middle and last page of [a, b) (page-aligned, mapped) are in the page cache. */
+static int mm_probe_resident(uintptr_t a, uintptr_t b) {
+    const uintptr_t probe[3] = {a, a + ((b - a) / mm_page / 2) * mm_page, b - mm_page};
+    for (int p = 0; p < 3; p++) {
+        if (p && probe[p] == probe[p - 1]) continue; /* a run of one or two pages */
+        unsigned char v = 0;
+        if (mincore((void *)probe[p], mm_page, &v) != 0 || !(v & 1)) return 0; /* cannot tell: as if missing */
+    }
+    return 1;
+}
+
 /* Whether the file may have data on disk in [from, to): what a write fault there would read.
  * Preallocated never-written (unwritten) extents, holes and what lies past EOF have none. */
 static int mm_has_data(int fd, uint64_t from, uint64_t to) {
@@ -308,12 +319,20 @@ out:
 
 /* OP_MMREAD: copies out of a shared file mapping, under the same SIGBUS guard as OP_MMWRITE.
  *
- * Per run of adjacent sources (same file, at most MM_RUN_MAX bytes): a run not wholly in the page
- * cache (mincore) goes through preadv (a fault per missing page would read the file page by page);
- * a cached run is mapped in with madvise(MADV_POPULATE_READ) (next to free for pages mapped already;
- * EFAULT past the end of a truncated file) and copied with the streaming copy. Reading a cached file
- * this way skips preadv's per-page lookups and its cached stores into the destination (measured 3x
- * faster than preadv on the shared test VM). A truncate racing the copy is caught by the guard. */
+ * Per run of adjacent sources (same file, at most MM_RUN_MAX bytes): a run that is not in the page
+ * cache goes through preadv (a fault per missing page would read the file a little at a time); a
+ * cached run is copied straight out of the mapping with the streaming copy, its pages faulted in
+ * by the copy itself (a read fault maps the cached pages around it, fault_around_bytes, in one
+ * go). Reading a cached file this way skips preadv's per-page lookups and its cached stores into
+ * the destination.
+ *
+ * Neither residency nor the mapping is prepared page by page: madvise(MADV_POPULATE_READ) walks
+ * every page of the run even where all are mapped already, and mincore looks every page up in the
+ * page cache until they are mapped, each costing close to the copy itself (docs/benchmarks.md,
+ * "HiCache gets"), while the copy's own faults map many pages each. So residency is probed on the
+ * first, middle and last page of a run: a file evicted or truncated under a run (what the probe is
+ * for) loses those too, and a run with a hole the probe misses is still read right, by the copy's
+ * faults. A truncate racing the copy, or missed by the probe, is caught by the guard (EFAULT). */
 static __attribute__((noinline)) int mmread_range(job_t *j, size_t lo, size_t hi) {
     triplet_t *t = j->t;
     const int stream = j->nbytes >= STREAM_MIN;
@@ -341,23 +360,11 @@ static __attribute__((noinline)) int mmread_range(job_t *j, size_t lo, size_t hi
         int flags = atomic_load_explicit(&mm_flags, memory_order_relaxed);
         uintptr_t a = (uintptr_t)start & ~(mm_page - 1);
         uintptr_t b = ((uintptr_t)end + mm_page - 1) & ~(mm_page - 1);
-        if ((flags & MM_RESIDENT) && mm_first_missing(a, b) < b) {
+        if ((flags & MM_RESIDENT) && !mm_probe_resident(a, b)) {
             e = mm_rw_run(j, i, k, 0);
             if (e) goto out;
             i = k;
             continue;
-        }
-        if ((flags & MM_POPULATE) && !atomic_load_explicit(&mm_no_populate, memory_order_relaxed)) {
-            while (madvise((void *)a, b - a, MADV_POPULATE_READ) != 0) {
-                int er = errno;
-                if (er == EINTR || er == EAGAIN) continue;
-                if (er == EINVAL || er == ENOSYS) { /* the kernel lacks it (< 5.14): copy under the guard only */
-                    atomic_store_explicit(&mm_no_populate, 1, memory_order_relaxed);
-                    break;
-                }
-                e = er; /* EFAULT: past the end of the file; ENOMEM; EIO; ... */
-                goto out;
-            }
         }
         for (; i < k; i++) {
             if (j->dig) j->dig[i] = copy_hash((void *)(uintptr_t)t[i].dst, (const void *)(uintptr_t)t[i].src, t[i].len, stream);
@@ -381,6 +388,10 @@ int run_range(job_t *j, size_t lo, size_t hi) {
         return mmwrite_range(j, lo, hi);
     case OP_MMREAD:
         return mmread_range(j, lo, hi);
+    case OP_STRIDED:
+    case OP_STRIDED_CMA_WRITE:
+    case OP_STRIDED_CMA_READ:
+        return strided_range(j, lo, hi);
     case OP_MEMCPY:
         if (j->nbytes >= STREAM_MIN) {
             for (size_t i = lo; i < hi; i++) {

@@ -150,7 +150,7 @@ static int run_inline(job_t *j) {
 /* Run a built job: inline (returns the byte count) or on the pool (returns a Job).
  * With owned=1 the job is consumed; with owned=0 (a plan's template) only inline runs are
  * allowed to use it directly and async runs work on a copy. */
-static PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned, PyObject *dig_out) {
+PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned, PyObject *dig_out) {
     uint64_t total = j->nbytes;
     int ge = guards_enter(j->g, j->ng);
     if (ge) {

@@ -13,6 +13,7 @@
 
 static PyMethodDef methods[] = {
     {"submit", py_submit, METH_VARARGS, "Build and start a batched copy job (int bytes if done inline, else Job)."},
+    {"submit_strided", py_submit_strided, METH_VARARGS, "Build and start a memcpy job of strided descriptor pairs."},
     {"plan", py_plan, METH_VARARGS, "Build a batched copy once (same arguments as submit) for many posts."},
     {"map_fd", py_map_fd, METH_VARARGS, "mmap a file descriptor shared; returns the address."},
     {"unmap", py_unmap, METH_VARARGS, "munmap(addr, size)."},
@@ -52,6 +53,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OP_PREAD", OP_PREAD);
     PyModule_AddIntConstant(m, "OP_MMWRITE", OP_MMWRITE);
     PyModule_AddIntConstant(m, "OP_MMREAD", OP_MMREAD);
+    PyModule_AddIntConstant(m, "OP_STRIDED", OP_STRIDED);
+    PyModule_AddIntConstant(m, "OP_STRIDED_CMA_WRITE", OP_STRIDED_CMA_WRITE);
+    PyModule_AddIntConstant(m, "OP_STRIDED_CMA_READ", OP_STRIDED_CMA_READ);
     PyModule_AddIntConstant(m, "MMWRITE_POPULATE", MM_POPULATE);
     PyModule_AddIntConstant(m, "MMWRITE_RESIDENT", MM_RESIDENT);
     return m;

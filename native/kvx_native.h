@@ -41,7 +41,10 @@
  * descriptor, kept for sync) */
 /* OP_MMREAD: a file -> memory through its shared mapping (src = mapped address, fd = the file's
  * descriptor and off = the file offset of src, for the preadv of runs not in the page cache) */
-enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5, OP_MMREAD = 6 };
+/* OP_STRIDED*: strided descriptor pairs (kvx_strided.c: triplet fd = count, off = dst stride, tag = src stride),
+ * by memcpy, or by process_vm_writev (dst in process pid) / process_vm_readv (src in process pid) */
+enum { OP_MEMCPY = 0, OP_CMA_WRITE = 1, OP_CMA_READ = 2, OP_PWRITE = 3, OP_PREAD = 4, OP_MMWRITE = 5, OP_MMREAD = 6,
+       OP_STRIDED = 7, OP_STRIDED_CMA_WRITE = 8, OP_STRIDED_CMA_READ = 9 };
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -128,6 +131,11 @@ KVX_INTERNAL PyObject *py_load64(PyObject *self, PyObject *arg);
 KVX_INTERNAL PyObject *py_load32(PyObject *self, PyObject *arg);
 KVX_INTERNAL PyObject *py_drain(PyObject *self, PyObject *args);
 KVX_INTERNAL PyObject *py_cma_probe(PyObject *self, PyObject *args);
+KVX_INTERNAL PyObject *job_start(job_t *j, int nthreads, unsigned long long inline_bytes, int owned, PyObject *dig_out);
+
+/* kvx_strided.c: copies of strided descriptors (count pieces of len bytes at a stride) */
+KVX_INTERNAL int strided_range(job_t *j, size_t lo, size_t hi);
+KVX_INTERNAL PyObject *py_submit_strided(PyObject *self, PyObject *args);
 
 /* kvx_gpu.c: the cuda backend's post path: index staging, one launch sequence, event polls, routes */
 extern KVX_INTERNAL PyTypeObject RouteType;

@@ -750,6 +750,38 @@ def test_loopback_same_and_peer_device_and_pinned(path: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", ["legacy", "caller"])
+def test_stream_order_of_the_copies(order: str) -> None:
+    """``CudaOptions.order``: ``legacy`` copies wait for work queued on the legacy default stream
+    before them (a kernel spinning ~1 s there holds a later copy), ``caller`` copies do not (the
+    caller posted ready bytes): what lets a layer's write overlap the next layers' compute."""
+    import cupy
+
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long n) {
+        long long t = clock64(); while (clock64() - t < n) { } }""", "spin")
+    with kvx.Agent("solo", _config(copy="kernel", order=order)) as a:
+        bs, n = 4096, 64
+        src = cupy.asarray(pattern(np, n * bs, 5))
+        dst = cupy.zeros(n * bs, dtype=cupy.uint8)
+        cupy.cuda.Device().synchronize()  # the source is ready before the spin is queued
+        ps, pd = (a.prepare(kvx.DescList.blocks(a.register(x), bs)) for x in (src, dst))
+        a.write(ps, np.arange(n), pd, np.arange(n)).wait(30)  # first use: set-up that synchronises
+        dst[:] = 0
+        cupy.cuda.Device().synchronize()
+        rate = int(cupy.cuda.Device().attributes["ClockRate"]) * 1000  # cycles per second
+        spin((1,), (1,), (np.int64(rate),))  # ~1 s on the legacy default stream
+        t0 = time.monotonic()
+        a.write(ps, np.arange(n), pd, np.arange(n)).wait(30)
+        took = time.monotonic() - t0
+        cupy.cuda.Device().synchronize()
+        assert np.array_equal(dst.get(), pattern(np, n * bs, 5))
+        if order == "legacy":
+            assert took > 0.4, f"the copy did not wait for the spin ({took:.3f} s)"
+        else:
+            assert took < 0.4, f"the copy waited for later work on the legacy stream ({took:.3f} s)"
+
+
+@pytest.mark.gpu
 def test_raw_region_and_unpinned_host(agent: kvx.Agent) -> None:
     import cupy
 
@@ -1029,3 +1061,94 @@ def test_bad_copy_setting() -> None:
             del os.environ["KVX_CUDA_COPY"]
         else:
             os.environ["KVX_CUDA_COPY"] = old
+
+
+# ---- strided lists (head slices): the strided kernel -----------------------------------------------
+
+STRIDED_SEGS = [("vram", "vram", 0), ("vram", "vram", 1), ("vram", "pinned", 0), ("pinned", "vram", 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lseg,rseg,rdev", STRIDED_SEGS)
+@pytest.mark.parametrize("piece", [1024, 13, 70000])  # an NHD head slice, odd, several chunks per piece
+def test_strided_lists_through_the_strided_kernel(make_agent: Any, helper: Helper, lseg: str, rseg: str, rdev: int,
+                                                  piece: int) -> None:
+    """Strided lists of one count move through the strided kernel (one index pair per descriptor
+    pair; no FlatRoute), byte-exact both ways, with other strides on each side, between processes."""
+    from kvx.backends.base import FlatRoute
+
+    if rdev >= _ndev():
+        pytest.skip("needs two GPUs")
+    agent = make_agent()
+    n, count = 24, 7
+    lrow, rrow = piece * 3 + 16, piece * 2 + 8  # stride of the pieces on each side
+    lblk, rblk = count * lrow, count * rrow
+    rid, rdescs = helper.register(rseg, n * rblk, rdev)
+    try:
+        peer = agent.add_peer(helper.meta)
+        obj, view = _local(lseg, n * lblk)
+        xp = _xp(view)
+        view[:] = pattern(xp, n * lblk, 3)
+        reg = agent.register(obj)
+        la = int(reg.descs.addr[0]) + np.arange(n, dtype=np.uint64) * np.uint64(lblk) + np.uint64(piece)
+        ra = int(rdescs.addr[0]) + np.arange(n, dtype=np.uint64) * np.uint64(rblk) + np.uint64(8)
+        ld = kvx.DescList.strided(kind=reg.descs.kind, addr=la, nbytes=piece, count=count, stride=lrow,
+                                  dev=int(reg.descs.dev[0]))
+        rd = kvx.DescList.strided(kind=rdescs.kind, addr=ra, nbytes=piece, count=count, stride=rrow,
+                                  dev=int(rdescs.dev[0]))
+        local = agent.prepare(ld)
+        remote = agent.prepare(kvx.DescList.from_bytes(rd.to_bytes()), peer=peer)
+        assert local.bdata["cuda"].count == count and remote.bdata["cuda"].count == count
+        perm = np.random.default_rng(piece).permutation(n)
+        x = agent.write(local, np.arange(n), remote, perm)
+        assert x.wait(30).status is kvx.Status.DONE and x.nbytes == n * count * piece
+        assert not isinstance(local.wroutes[remote], FlatRoute)
+        src = _host(view).copy()
+        there = np.frombuffer(helper.peek(rid, 0, n * rblk), np.uint8)
+        want = np.zeros(n * rblk, np.uint8)
+        for i, j in enumerate(perm):
+            for k in range(count):
+                s0, d0 = i * lblk + piece + k * lrow, j * rblk + 8 + k * rrow
+                want[d0:d0 + piece] = src[s0:s0 + piece]
+        assert np.array_equal(there, want)
+        view[:] = 0
+        agent.read(local, perm, remote, np.arange(n)).wait(30)
+        back = _host(view)
+        for i, j in enumerate(perm):
+            for k in range(count):
+                s0, d0 = i * rblk + 8 + k * rrow, j * lblk + piece + k * lrow
+                assert np.array_equal(back[d0:d0 + piece], there[s0:s0 + piece])
+        # a count that differs is refused before anything moves
+        other = agent.prepare(kvx.DescList.strided(kind=reg.descs.kind, addr=la[:1], nbytes=piece, count=count - 1,
+                                                   stride=lrow, dev=int(reg.descs.dev[0])))
+        with pytest.raises(kvx.UsageError):
+            agent.write(other, [0], remote, [0])
+        reg.release()
+    finally:
+        helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+def test_strided_lists_of_mixed_counts_move_as_pieces(agent: kvx.Agent) -> None:
+    """Counts that differ inside a list: the cuda backend moves the expansion (FlatRoute), byte-exact."""
+    from kvx.backends.base import FlatRoute
+
+    if _reason() is not None:
+        pytest.skip(_reason() or "")
+    import cupy
+
+    src = cupy.arange(1 << 16, dtype=cupy.uint32).view(cupy.uint8)
+    dst = cupy.zeros(1 << 18, dtype=cupy.uint8)
+    agent.register(src)
+    agent.register(dst)
+    s = agent.prepare(kvx.DescList.strided(kind=kvx.MemoryKind.CUDA, addr=[src.data.ptr, src.data.ptr + 4096],
+                                           nbytes=100, count=[3, 5], stride=1000, dev=0))
+    d = agent.prepare(kvx.DescList.strided(kind=kvx.MemoryKind.CUDA, addr=[dst.data.ptr, dst.data.ptr + 65536],
+                                           nbytes=100, count=[3, 5], stride=[300, 7000], dev=0))
+    agent.read(d, [0, 1], s, [0, 1]).wait(30)
+    assert isinstance(d.rroutes[s], FlatRoute)
+    h, g = src.get(), dst.get()
+    for k in range(3):
+        assert np.array_equal(g[k * 300:k * 300 + 100], h[k * 1000:k * 1000 + 100])
+    for k in range(5):
+        assert np.array_equal(g[65536 + k * 7000:65536 + k * 7000 + 100], h[4096 + k * 1000:4096 + k * 1000 + 100])

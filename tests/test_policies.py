@@ -258,3 +258,27 @@ def test_adaptive_bookkeeping_is_bounded_by_capacity() -> None:
     assert dict_keys <= 6 * cap, dict_keys
     tables = pol._hist.nbytes + pol._door.t.nbytes + pol._ghost.t.nbytes
     assert tables <= 250 * cap, tables
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_chain_through_a_descendant_closes_no_loop(name: str) -> None:
+    """Issue 26, found by the two-thread stress loop: block 278 stored with child 308, 278 deleted
+    (308 stays), then a put of the chain [308, 278] names 308 as 278's parent. The tree had a loop
+    (278 -> 308 -> 278) and the next eviction walked it forever, holding the store's lock while its
+    path list grew by gigabytes. The key that comes back is a root instead."""
+    p = make_policy(name, 8)
+    p.inserted(278, None)
+    p.inserted(308, 278)
+    p.removed(278)          # deleted while its child stays
+    p.inserted(278, 308)    # the chain [308, 278]: 308 is now named as 278's parent
+    p.inserted(999, 278)
+    order = [p.victim() for _ in range(1)]
+    for k in order:
+        p.removed(k)
+    left = {308, 278, 999} - set(order)
+    while left:             # everything is evicted in a bounded number of steps
+        k = p.victim()
+        assert k in left
+        p.removed(k)
+        left.discard(k)

@@ -203,12 +203,27 @@ _op = st.tuples(st.sampled_from(["put", "commit", "abort", "lookup", "lease", "r
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(_op, min_size=1, max_size=40), st.sampled_from(["lru", "s3fifo", "adaptive"]))
-def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[int], int]], policy: str) -> None:
+@given(st.lists(_op, min_size=1, max_size=40), st.sampled_from(["lru", "s3fifo", "adaptive"]), st.booleans())
+def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[int], int]], policy: str,
+                                                    disk: bool) -> None:
     """Random but well-formed grant/commit/lookup/lease/release/expiry sequences of three
-    clients over ten keys: the bookkeeping stays exact, a leased block is never evicted, a
-    released lease that held reports so."""
-    o = Owner(4, BB, 1 << 20, policy=policy, max_batch=8)
+    clients over ten keys, with and without a disk tier (6 blocks) below the arena (4): the
+    bookkeeping stays exact, a leased block is never evicted, a released lease that held reports
+    so, and a block restored from disk is never corrupt."""
+    import tempfile
+
+    from kvx._native import nh64
+    from kvx.pool.disk import DiskSpill
+
+    if disk:
+        arena = kvx.alloc_host(4 * BB)  # zeros: every block's checksum is the zero block's
+        tmp = tempfile.TemporaryDirectory()
+        spill = DiskSpill(os.path.join(tmp.name, "slab"), 6 * BB, BB, policy)
+        o = Owner(4, BB, int(arena.ctypes.data), policy=policy, max_batch=8, disk=spill)
+        want = nh64(memoryview(np.zeros(BB, np.uint8)))
+    else:
+        o = Owner(4, BB, 1 << 20, policy=policy, max_batch=8)
+        want = 7
     grants: list[tuple[str, bytes, list[int]]] = []
     leases: list[tuple[str, bytes, list[bytes]]] = []
     for op, ks, who in ops:
@@ -222,12 +237,12 @@ def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[in
         elif op in ("commit", "abort") and grants:
             client, gid, slots = grants.pop(0)
             try:
-                o.commit(client, gid, slots, [7] * len(slots), op == "commit")
+                o.commit(client, gid, slots, [want] * len(slots), op == "commit")
             except ProtocolError:
                 pass  # expired meanwhile
         elif op in ("lookup", "lease"):
             n, slots, gens, sums, lid = o.lookup(client, keys, op == "lease")
-            assert n <= len(keys) and all(x == 7 for x in sums)
+            assert n <= len(keys) and all(x == want for x in sums)
             if lid is not None:
                 leases.append((client, lid, keys[:n]))
         elif op == "release" and leases:
@@ -245,6 +260,10 @@ def test_owner_valid_sequences_keep_every_invariant(ops: list[tuple[str, list[in
         o.check()
         for _c, _lid, held in leases:  # every live lease's blocks are still there
             assert all(k in o.index for k in held)
+    if disk:
+        assert spill.stats.corrupt == 0 and spill.stats.errors == 0
+        spill.close()
+        tmp.cleanup()
 
 
 def test_owner_refuses_oversized_batches() -> None:
@@ -433,11 +452,11 @@ def test_full_owner_refuses_with_a_reason_and_never_blocks(etcd_server: Etcd) ->
 
 
 # ---- members in separate processes ---------------------------------------------------------
-def _member(endpoint: str, pool: str, name: str, capacity: int) -> subprocess.Popen[str]:
+def _member(endpoint: str, pool: str, name: str, capacity: int, *more: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     p = subprocess.Popen([sys.executable, "-m", "kvx.pool.member", "--etcd", endpoint, "--pool", pool,
                           "--name", name, "--capacity", str(capacity), "--block-bytes", str(BB), "--ttl", "2",
-                          "--policy", "lru", "--stdin"],
+                          "--policy", "lru", "--stdin", *more],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -488,18 +507,103 @@ def test_member_processes_kill9_turns_into_misses_within_the_bound(etcd_server: 
                     p.kill()
 
 
+# ---- a member's disk tier -------------------------------------------------------------------
+def _commit(o: Owner, arena: np.ndarray, data: np.ndarray, ks: list[bytes]) -> None:
+    """Write blocks ``ks`` (rows of ``data``) into ``o``'s arena as a client would."""
+    from kvx._native import nh64
+
+    gid, codes, _ = o.grant(LOCAL, ks, [None] * len(ks))
+    slots = [c for c in codes if c >= 0]
+    assert len(slots) == len(ks), codes
+    for i, sl in enumerate(slots):
+        arena[sl * BB:(sl + 1) * BB] = data[i * BB:(i + 1) * BB]
+    assert o.commit(LOCAL, gid, slots, [nh64(memoryview(data[i * BB:(i + 1) * BB])) for i in range(len(ks))],
+                    True) == len(ks)
+
+
+def test_owner_disk_tier_keeps_evicted_blocks_and_serves_them_checked(tmp_path: Any) -> None:
+    from kvx.pool.disk import DiskSpill
+
+    arena = kvx.alloc_host(4 * BB)
+    disk = DiskSpill(str(tmp_path / "slab"), 8 * BB, BB)
+    o = Owner(4, BB, int(arena.ctypes.data), policy="lru", disk=disk)
+    data = np.random.default_rng(5).integers(0, 256, 12 * BB, dtype=np.uint8)
+    ks = _keys(12, b"dsk")
+    for i in range(0, 12, 2):  # two at a time: the arena of 4 spills the oldest to disk
+        _commit(o, arena, data[i * BB:(i + 2) * BB], ks[i:i + 2])
+        o.check()
+    assert len(o.index) == 4 and len(disk) == 8 and disk.stats.spilled == 8 and disk.stats.evicted == 0
+    # held (on disk) blocks are not granted again
+    _, codes, _ = o.grant(LOCAL, ks[:1], [None])
+    assert codes == [HELD]
+    # a lookup brings a disk block back into the arena, leased; its bytes are exactly as written
+    n, slots, gens, sums, lid = o.lookup("reader", ks[:2], lease=True)
+    assert n == 2 and lid is not None
+    for i, sl in enumerate(slots):
+        assert np.array_equal(arena[sl * BB:(sl + 1) * BB], data[i * BB:(i + 1) * BB])
+    assert disk.stats.restored == 2 and ks[0] in o.index and ks[0] not in disk
+    o.check()
+    # the two it evicted for them went down to disk (full: its LRU victim dropped)
+    assert len(o.index) == 4 and disk.stats.spilled == 10 and disk.stats.evicted == 1 and len(disk) == 7
+    o.release("reader", lid)
+    # a lookup of a run longer than the arena serves what fits, never a block twice in a slot
+    assert ks[2] not in disk and ks[2] not in o.index  # the disk's victim: gone
+    n, slots, *_ = o.lookup("reader", ks[3:11], lease=False)
+    assert n == 4 and len(set(slots)) == n
+    o.check()
+    # a block whose bytes changed on disk is a miss (dropped), never served
+    victim = next(k for k in ks if k in disk)
+    dslot, _ = disk.index[victim]
+    with open(tmp_path / "slab", "r+b") as f:
+        f.seek(dslot * BB + 7)
+        f.write(b"\xff\x00")
+    n, *_ = o.lookup("reader", [victim], lease=True)
+    assert n == 0 and disk.stats.corrupt == 1 and victim not in disk and victim not in o.index
+    o.check()
+    disk.close()
+    assert not (tmp_path / "slab").exists()
+
+
+@pytest.mark.services
+def test_member_process_with_a_disk_tier_serves_what_its_memory_evicted(etcd_server: Etcd,  # noqa: F811
+                                                                       tmp_path: Any) -> None:
+    slab = tmp_path / "m.slab"
+    proc = _member(etcd_server.endpoint, "disk", "d0", 8 * BB, "--disk", str(slab), "--disk-capacity",
+                   str(128 * BB))
+    try:
+        assert slab.stat().st_size == 128 * BB
+        with Pool("client", etcd=etcd_server.endpoint, pool="disk", capacity=0, block_bytes=BB,
+                  options=FAST) as c:
+            deadline = time.monotonic() + 5
+            while not c.members() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            n = 64  # 8 times the member's memory
+            src, dst, ps, pd = _bufs(c, n, seed=3)
+            ks = _keys(n, b"spill")
+            for i in range(0, n, 8):
+                assert c.put(ks[i:i + 8], ps, range(i, i + 8)) == 8
+            assert c.lookup(ks[:4]) == 4  # the oldest: on disk only
+            for i in range(0, n, 4):  # gets of a few blocks, each read from the arena after a restore
+                assert c.get(ks[i:i + 4], pd, range(i, i + 4)) == 4
+            assert np.array_equal(src, dst)
+            assert c.stats().get("corrupt", 0) == 0 and c.stats()["hits"] == n
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(10)
+    assert not slab.exists()  # scratch space: removed when the member leaves
+
+
 # ---- the pool as the last tier of a store ------------------------------------------------
 @pytest.mark.services
 def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, Pool]) -> None:
     from kvx.pool import PoolTier
-    from kvx.pool.tier import PooledStore
     from kvx.tiers import HostTier, TieredStore
 
     a, b, c = trio
     s1 = TieredStore([HostTier(blocks=8), PoolTier(a)], block_bytes=BB, policy="lru")
-    s2 = TieredStore([HostTier(blocks=8), PoolTier(c)], block_bytes=BB, policy="lru")
+    s2 = TieredStore([HostTier(blocks=8)], block_bytes=BB, policy="lru", remote=PoolTier(c))
     try:
-        assert isinstance(s1, PooledStore) and s1.agent is a.agent
+        assert isinstance(s1.remote, PoolTier) and s1.agent is a.agent and len(s1.tiers) == 1
         src, dst, ps, pd = _bufs(a, 24)
         s3, d2, ps2, pd2 = _bufs(c, 24)
         ks = _keys(24, b"tier")
@@ -509,11 +613,12 @@ def test_pool_tier_serves_what_another_instance_stored(trio: tuple[Pool, Pool, P
         assert r.hits == 24 and set(r.tiers) == {1}
         assert s2.get(ks, pd2, np.arange(24)) == 24
         assert np.array_equal(d2, src)
-        assert s2.pool_tier.hits == 24  # type: ignore[attr-defined]
+        assert s2.remote.hits == 24  # type: ignore[union-attr]
         # instance 1's host tier (8 blocks) evicted the first 16 blocks: they come from the pool
-        got_before = s1.pool_tier.hits  # type: ignore[attr-defined]
+        got_before = s1.remote.hits  # type: ignore[union-attr]
         assert s1.get(ks, pd, np.arange(24)) == 24 and np.array_equal(dst, src)
-        assert s1.pool_tier.hits - got_before >= 16  # type: ignore[attr-defined]
+        assert s1.remote.hits - got_before >= 16  # type: ignore[union-attr]
+        assert s1.stats().remote["pool"]["hits"] >= 16  # type: ignore[index]
         with pytest.raises(kvx.BlockNotFound) as ei:
             s2.get([*ks[:3], b"absent"], pd2, np.arange(4))
         assert ei.value.args[1] == 3
@@ -534,6 +639,22 @@ def test_pool_moves_blocks_with_a_given_agent(trio: tuple[Pool, Pool, Pool], etc
             assert c.lookup(_keys(8, b"eng")) == 8
             assert p.get(_keys(8, b"eng"), pd, range(8)) == 8 and np.array_equal(src, dst)
         assert not eng.closed and not eng.peers()
+
+
+@pytest.mark.services
+def test_lookup_only_client_sees_members_of_any_block_size(trio: tuple[Pool, Pool, Pool],
+                                                           etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 8)
+    assert c.put(_keys(8, b"lo"), ps, range(8)) == 8
+    name = c._members.prefix.split("/")[3]  # type: ignore[union-attr]
+    with pytest.raises(kvx.UsageError, match="block_bytes"):
+        Pool("x", etcd=etcd_server.endpoint, pool=name, capacity=BB, block_bytes=0, options=FAST)
+    with Pool("look", etcd=etcd_server.endpoint, pool=name, capacity=0, block_bytes=0, options=FAST) as lo:
+        assert lo.members() == ["a", "b"]
+        assert lo.lookup(_keys(8, b"lo")) == 8 and lo.lookup([*_keys(3, b"lo"), b"absent"]) == 3
+        with pytest.raises(kvx.UsageError, match="only looks up"):
+            lo.put(_keys(1), ps, [0])
 
 
 def test_cli_pool_bench_refuses_other_comparisons(capsys: pytest.CaptureFixture[str]) -> None:
@@ -604,3 +725,115 @@ def test_control_channel_survives_fuzzed_frames(trio: tuple[Pool, Pool, Pool], f
     src, dst, ps, pd = _bufs(c, 2)
     ks = _keys(2, b"after-fuzz")
     assert c.put(ks, ps, range(2)) == 2 and c.get(ks, pd, range(2)) == 2
+
+
+# ---- the get path: one-way release, checked answers, answers taken as they come -------------
+def test_owner_release_without_answer_ends_the_lease_quietly() -> None:
+    o = Owner(8, BB, 1 << 20, "lru")
+    gid, codes, _ = o.grant(LOCAL, [b"x"], [None])
+    o.commit(LOCAL, gid, codes, [7], True)
+    n, _s, _g, _sums, lid = o.lookup(LOCAL, [b"x"], True)
+    assert n == 1 and lid is not None and len(o.leases) == 1
+    with pytest.raises(ProtocolError):  # a malformed ack changes nothing
+        o.handle(LOCAL, {"t": "release", "lid": lid, "ack": 1})
+    assert len(o.leases) == 1
+    assert o.handle(LOCAL, {"t": "release", "lid": lid, "ack": False}) == ("", {})
+    assert not o.leases and o.readers.sum() == 0
+    assert o.handle(LOCAL, {"t": "release", "lid": lid, "ack": False}) == ("", {})  # spent: quiet, harmless
+    assert o.handle(LOCAL, {"t": "release", "lid": lid}) == ("released", {"ok": False})  # old clients: answered
+    o.check()
+
+
+def test_lookup_answers_are_checked_item_by_item() -> None:
+    from kvx.pool.pool import _ints
+
+    assert _ints([0, 3, 5], 3, 0, 5, "x") == [0, 3, 5] and _ints([], 0, 0, 5, "x") == []
+    assert _ints([(1 << 64) - 1, 0], 2, 0, (1 << 64) - 1, "x")
+    for bad in ([0, True, 2], [0, 1.0, 2], [0, 1, 6], [-1, 1, 2], [0, 1], (0, 1, 2), [0, None, 1], [1 << 70, 0, 0],
+                [0, b"1", 2]):
+        with pytest.raises(ProtocolError):
+            _ints(bad, 3, 0, 5, "x")
+    with pytest.raises(ProtocolError):
+        _ints([-1, 0], 2, 0, (1 << 64) - 1, "x")
+
+
+def test_arrivals_come_in_answer_order_and_stop_at_the_deadline() -> None:
+    import queue
+
+    q: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for g in (2, 0, 2, 1):  # a repeated tag counts once
+        q.put(g)
+    assert list(Pool._arrivals(q, 3, time.monotonic() + 5)) == [2, 0, 1]
+    q.put(1)
+    t = time.monotonic()
+    assert list(Pool._arrivals(q, 3, t + 0.2)) == [1, 0, 2]  # 0 and 2 never answer: given up at the deadline
+    assert time.monotonic() - t < 2.0
+
+
+@pytest.mark.services
+def test_one_way_release_over_the_wire_gets_no_answer(trio: tuple[Pool, Pool, Pool]) -> None:
+    import threading
+
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 8)
+    ks = _keys(8, b"oneway")
+    assert c.put(ks, ps, range(8)) == 8
+    m = next(mm for mm in c._place[1] if mm.name == "a")  # type: ignore[index]
+    cc = c._conn(m)
+    assert cc is not None
+    found = cc.chan.request("lookup", 5.0, keys=[k for k in ks if a.owner.index.get(k) is not None],  # type: ignore[union-attr]
+                            lease=True)[0]
+    assert found["n"] > 0 and a.stats()["owner"]["leases_active"] == 1
+    rid = next(cc.chan._ids)
+    slot: list[Any] = [threading.Event(), None]
+    with cc.chan._wlock:
+        cc.chan._waiters[rid] = slot
+    from kvx import wire
+
+    cc.chan.send(wire.pack("release", rid=rid, pl=False, lid=found["lid"], ack=False))
+    deadline = time.monotonic() + 5
+    while a.stats()["owner"]["leases_active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.stats()["owner"]["leases_active"] == 0
+    assert not slot[0].wait(0.3)  # and no answer came
+    with cc.chan._wlock:
+        cc.chan._waiters.pop(rid, None)
+    # a get's own releases: no lease left behind on either owner
+    assert c.get(ks, pd, range(8)) == 8 and np.array_equal(src, dst)
+    deadline = time.monotonic() + 5
+    while any(p.stats()["owner"]["leases_active"] for p in (a, b)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(p.stats()["owner"]["leases_active"] == 0 for p in (a, b))
+    a.owner.check()  # type: ignore[union-attr]
+
+
+@pytest.mark.services
+def test_a_slow_owner_does_not_hold_back_the_others_reads(trio: tuple[Pool, Pool, Pool],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 32)
+    ks = _keys(32, b"slow")
+    assert c.put(ks, ps, range(32)) == 32
+    assert 0 < a.stats()["owner"]["blocks"] < 32
+    events: list[tuple[str, float]] = []
+    assert a.owner is not None
+    slow_lookup = a.owner.lookup
+
+    def lookup(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.4)
+        out = slow_lookup(*args, **kw)
+        events.append(("a answered", time.monotonic()))
+        return out
+
+    real_read = c._read
+
+    def read(m: Any, *args: Any) -> Any:
+        events.append((f"read {m.name}", time.monotonic()))
+        return real_read(m, *args)
+
+    monkeypatch.setattr(a.owner, "lookup", lookup)
+    monkeypatch.setattr(c, "_read", read)
+    assert c.get(ks, pd, range(32)) == 32 and np.array_equal(src, dst)
+    order = [e for e, _ in sorted(events, key=lambda x: x[1])]
+    assert order.index("read b") < order.index("a answered"), order
+    assert "read a" in order

@@ -263,6 +263,51 @@ def test_unlinked_file_keeps_working_on_its_inode(tmp_path: Path) -> None:
         assert p.exists() and not p.read_bytes().strip(b"\0")
 
 
+def _resident(path: Path) -> np.ndarray:
+    """Whether each 4 KiB page of ``path`` is in the page cache (mincore over a mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    vec = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), ctypes.c_void_p(vec.ctypes.data))
+        del view
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return (vec & 1).astype(bool)
+
+
+@pytest.mark.parametrize("evict", ["unprobed", "last"])
+def test_mapped_read_of_a_partly_evicted_run(tmp_path: Path, evict: str) -> None:
+    """A read through the mapping probes a run's residency on its first, middle and last page:
+    with the last page evicted the run goes through preadv; with pages evicted where the probe
+    does not look, the copy's own faults read them. Both deliver the file's bytes."""
+    bs, n = 65536, 64  # one run of 4 MiB (MM_RUN_MAX)
+    p = tmp_path / "kv.bin"
+    want = pattern(n * bs, 11)
+    pages = n * bs // 4096
+    gone = [pages - 1, 300, 301] if evict == "last" else [1, 100, 101, 102, 700, pages - 2]
+    with _agent() as a:
+        buf = np.zeros(n * bs, np.uint8)
+        mem, sto, _, _ = _lists(a, buf, kvx.FileRegion(p, n * bs), bs)
+        fd = os.open(p, os.O_RDWR)
+        try:  # page-sized writes: page-sized page-cache folios, which DONTNEED drops one by one
+            for i in range(pages):
+                os.pwrite(fd, want[i * 4096:(i + 1) * 4096], i * 4096)
+            os.fsync(fd)  # clean pages
+            for g in gone:  # everything cached but these
+                os.posix_fadvise(fd, g * 4096, 4096, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        res = _resident(p)
+        if res[gone].any() or not res[[0, pages // 2]].all():
+            pytest.skip("this filesystem keeps the pages cached (tmpfs?)")
+        a.read(mem, np.arange(n), sto, np.arange(n)).wait(10)
+        assert (buf == want).all()
+
+
 def test_truncated_file_read_fails_clearly(tmp_path: Path) -> None:
     bs, n = 4096, 16
     p = tmp_path / "kv.bin"

@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import kvx
 from kvx.tiers import DiskTier, HostTier, TieredStore
@@ -86,3 +87,25 @@ def test_promotion_with_every_host_block_pinned_is_skipped(tmp_path: Path) -> No
         for k in (1, 3, 4, 5):
             got = _get(st, k)
             assert got is not None and (got == content(k)).all(), f"block {k}"
+
+
+@pytest.mark.timeout(60)
+def test_a_chain_back_through_a_kept_child_does_not_hang_eviction(tmp_path: Path) -> None:
+    """Cause 3, found by the two-thread stress loop (a seed that never answered in CI): put
+    [278, 308], delete 278 (308 stays), put [308, 278]: 278 came back as the child of its own
+    child, a loop in the tiers' prefix tree, and the next eviction walked it forever with the
+    store's lock held (the process grew by gigabytes). Now every block is still served exactly
+    and evictions go on."""
+    with TieredStore([HostTier(blocks=4), DiskTier(tmp_path, blocks=8)], block_bytes=BB, policy="lru") as st:
+        _put(st, [278, 308])
+        assert st.delete([278]) == 1
+        _put(st, [308, 278])
+        for k in range(20):  # enough puts that both tiers evict the oldest: the chain
+            _put(st, [1000 + k])
+        st.flush()
+        for key in [278, 308] + [1000 + k for k in range(20)]:
+            got = _get(st, key)
+            assert got is None or (got == content(key)).all(), f"block {key} served with other bytes"
+        got = _get(st, 1019)
+        assert got is not None and (got == content(1019)).all()
+        assert all(t["corrupt"] == 0 for t in st.stats().tiers)

@@ -36,9 +36,9 @@ from ..memory import DescList, MemoryKind, Region
 if TYPE_CHECKING:
     from ..config import AgentConfig
 
-__all__ = ["BAD_INDEX", "Backend", "BackendContext", "CallRoute", "DoneRequest", "ErrorMap", "JobRequest", "Op",
-           "PeerInfo", "PreparedList", "Request", "Route", "ThreadRequest", "index_array", "index_vector", "indices",
-           "native_form", "region_rows", "validate"]
+__all__ = ["BAD_INDEX", "Backend", "BackendContext", "CallRoute", "DoneRequest", "ErrorMap", "FlatRoute", "JobRequest",
+           "Op", "PeerInfo", "PreparedList", "Request", "Route", "ThreadRequest", "index_array", "index_vector",
+           "indices", "native_form", "piece_index", "region_rows", "validate"]
 
 _U64 = np.uint64
 _I64 = np.dtype(np.int64)
@@ -472,6 +472,48 @@ class CallRoute(Route):
             raise UsageError(f"bad transfer request: {exc}") from None
 
 
+def piece_index(idx: Any, first: np.ndarray, count: np.ndarray, what: str = "index") -> np.ndarray:
+    """Positions, in a strided list's expansion (:meth:`kvx.DescList.flatten`), of the pieces of
+    descriptors ``idx``, in order: descriptor ``i``'s pieces are ``first[i] .. first[i] +
+    count[i] - 1``. ``first``/``count`` are int64 arrays; UsageError for a bad index."""
+    a = index_array(idx, first.shape[0], what)
+    c = count[a]
+    n = int(c.sum())
+    if n == a.size:  # one piece each
+        return first[a]
+    start = np.repeat(first[a] - (np.cumsum(c) - c), c)
+    return start + np.arange(n, dtype=np.int64)
+
+
+class FlatRoute(Route):
+    """A route over strided lists through a backend that moves plain descriptors only: posts the
+    inner route (made on the lists' expansions) with every index expanded into its pieces
+    (:func:`piece_index`, vectorised). The agent makes it; correctness first, one descriptor per
+    piece on the wire."""
+
+    __slots__ = ("_inner", "_lmap", "_rmap")
+
+    def __init__(self, inner: Route, local: "PreparedList", remote: "PreparedList",
+                 lmap: tuple[np.ndarray, np.ndarray] | None, rmap: tuple[np.ndarray, np.ndarray] | None) -> None:
+        super().__init__(inner.backend, inner.op, local, remote)
+        self._inner, self._lmap, self._rmap = inner, lmap, rmap
+
+    def _expand(self, lidx: Any, ridx: Any) -> tuple[Any, Any]:
+        if self._lmap is not None:
+            lidx = piece_index(lidx, *self._lmap, what="local index")
+        if self._rmap is not None:
+            ridx = piece_index(ridx, *self._rmap, what="remote index")
+        return lidx, ridx
+
+    def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
+        li, ri = self._expand(lidx, ridx)
+        return self._inner.post(li, ri, notify)
+
+    def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
+        li, ri = self._expand(lidx, ridx)
+        return self._inner.plan(li, ri, notify)
+
+
 class Backend(ABC):
     """A way of moving bytes. Subclasses set the class attributes and implement the methods.
 
@@ -487,6 +529,9 @@ class Backend(ABC):
         Whether it serves loopback transfers within one agent (storage backends).
     notifications
         Whether it carries notifications to peers.
+    strided
+        Whether :meth:`prepare` and :meth:`route` may be given strided lists (see
+        :meth:`takes_strided`); a backend without it only ever sees their expansion.
     Options
         Its options: a frozen dataclass whose fields default to ``KVX_*`` settings
         (``kvx.config.option``), or None. The agent passes the user's instance (from
@@ -499,6 +544,7 @@ class Backend(ABC):
     remote: ClassVar[bool] = False
     local: ClassVar[bool] = False
     notifications: ClassVar[bool] = False
+    strided: ClassVar[bool] = False
     Options: ClassVar[type | None] = None
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -509,6 +555,12 @@ class Backend(ABC):
     def unavailable_reason(cls) -> str | None:
         """Why this backend cannot run here (a missing dependency, no device), or None."""
         return None
+
+    def takes_strided(self, plist: "PreparedList") -> bool:
+        """Whether this strided list goes to :meth:`prepare` as it is (True) or expanded into its
+        pieces (False: the agent prepares the expansion instead, and posts through a
+        :class:`FlatRoute`). Only asked where :attr:`strided` is set; by default every list."""
+        return self.strided
 
     def serves(self, local: MemoryKind, remote: MemoryKind, loopback: bool) -> bool:
         """Whether a transfer between these kinds can go through this backend."""

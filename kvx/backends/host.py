@@ -108,6 +108,8 @@ class _Prep:
     guards: np.ndarray | None = None
     raw: np.ndarray | None = None  # target-side addresses (uds)
     maps: "_Maps | None" = None  # keeps the peer's mappings that ``addr``/``guards`` point into
+    count: np.ndarray | None = None  # strided lists (memcpy modes only): pieces per descriptor
+    stride: np.ndarray | None = None
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -189,6 +191,7 @@ class HostBackend(SameNodeLink, Backend):
     remote = True
     local = True
     notifications = True
+    strided = True  # natively on its memcpy and CMA paths
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -433,19 +436,10 @@ class HostBackend(SameNodeLink, Backend):
             chan.reply(rid, "ok", payload=buf)
 
     # ---- preparation -----------------------------------------------------------------------
-    def prepare(self, plist: PreparedList) -> _Prep:
-        d = plist.descs
-        addr = np.ascontiguousarray(d.addr, dtype=np.uint64)
-        nb = np.ascontiguousarray(d.nbytes, dtype=np.uint64)
-        if plist.peer is None:
-            return _Prep("local", addr, nb)
-        p = self._peers.get(plist.peer)
-        if p is None or not p.chan.alive:
-            raise PeerDisconnected(f"not connected to {plist.peer!r}")
-        self._check_table(p, plist, addr, nb)
+    def _mode(self, p: _Peer, plist: PreparedList) -> str:
+        """The path to a peer's list: shm (its memory mapped here), cma or uds."""
         t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
-        used = plist.used
-        shareable = bool(np.all(t[used, 3] & _F_SHM))
+        shareable = bool(np.all(t[plist.used, 3] & _F_SHM))
         mode = self.cfg.host_path
         if mode == "auto":
             mode = "shm" if shareable else ("cma" if p.cma else "uds")
@@ -453,6 +447,39 @@ class HostBackend(SameNodeLink, Backend):
             raise BackendUnavailable("KVX_HOST_PATH=shm needs target memory from kvx.alloc_host")
         if mode == "cma" and not p.cma:
             raise BackendUnavailable("KVX_HOST_PATH=cma but process_vm_* is not permitted to this peer")
+        return mode
+
+    def takes_strided(self, plist: PreparedList) -> bool:
+        """Strided lists are copied natively by memcpy (local lists, a peer's shared mappings) and
+        CMA (the pieces as iovecs); the AF_UNIX path moves their expansion."""
+        if plist.peer is None:
+            return True
+        p = self._peers.get(plist.peer)
+        if p is None or not p.chan.alive:
+            return False
+        try:
+            return self._mode(p, plist) in ("shm", "cma")
+        except KVXError:
+            return False
+
+    def prepare(self, plist: PreparedList) -> _Prep:
+        d = plist.descs
+        addr = np.ascontiguousarray(d.addr, dtype=np.uint64)
+        nb = np.ascontiguousarray(d.nbytes, dtype=np.uint64)
+        cnt = stride = None
+        if d.is_strided:
+            cnt, stride = np.ascontiguousarray(d.count), np.ascontiguousarray(d.stride)
+        if plist.peer is None:
+            return _Prep("local", addr, nb, count=cnt, stride=stride)
+        p = self._peers.get(plist.peer)
+        if p is None or not p.chan.alive:
+            raise PeerDisconnected(f"not connected to {plist.peer!r}")
+        self._check_table(p, plist, addr, np.ascontiguousarray(d.span, dtype=np.uint64))
+        t = _u64view(p.ctrl, MAX_SLOTS * 4).reshape(MAX_SLOTS, 4)
+        used = plist.used
+        mode = self._mode(p, plist)
+        if cnt is not None and mode == "uds":
+            raise BackendUnavailable(f"the host backend's {mode} path moves plain descriptors only")
         g3 = np.empty((len(used), 3), dtype=np.uint64)
         for i, s in enumerate(used.tolist()):
             g3[i] = (p.ctrl + s * _ENTRY, (plist.gens[s] << 1) | 1, p.infl + 4 * s)
@@ -460,12 +487,12 @@ class HostBackend(SameNodeLink, Backend):
         if mode == "uds":
             return _Prep("uds", addr, nb, None, raw=addr, maps=p.m)
         if mode == "cma":
-            return _Prep("cma", addr, nb, guards, maps=p.m)
+            return _Prep("cma", addr, nb, guards, maps=p.m, count=cnt, stride=stride)
         delta = np.zeros(MAX_SLOTS, dtype=np.uint64)
         for s in used.tolist():
             delta[s] = np.uint64(self._map(p, s, plist.gens[s], int(t[s, 1]), int(t[s, 2]))[2])
         xaddr = addr + delta[plist.slots]
-        return _Prep("shm", np.ascontiguousarray(xaddr), nb, guards, maps=p.m)
+        return _Prep("shm", np.ascontiguousarray(xaddr), nb, guards, maps=p.m, count=cnt, stride=stride)
 
     @staticmethod
     def _check_table(p: _Peer, plist: PreparedList, addr: np.ndarray, nb: np.ndarray) -> None:
@@ -621,8 +648,8 @@ class HostBackend(SameNodeLink, Backend):
 class _HostRoute(Route):
     """A list pair resolved once: address arrays, guards, the peer's channel, the copy mode."""
 
-    __slots__ = ("_a", "_chan", "_code", "_guards", "_inline", "_lp", "_name", "_peer", "_pid", "_rp", "_threads",
-                 "_uds", "_write")
+    __slots__ = ("_a", "_chan", "_code", "_guards", "_inline", "_lp", "_name", "_peer", "_pid", "_rp", "_s",
+                 "_threads", "_uds", "_write")
 
     def __init__(self, backend: HostBackend, op: Op, local: PreparedList, remote: PreparedList) -> None:
         super().__init__(backend, op, local, remote)
@@ -636,6 +663,13 @@ class _HostRoute(Route):
         self._threads, self._inline = backend.threads, backend.inline
         # (dst addr, dst nbytes, src addr, src nbytes)
         self._a = (rp.addr, rp.nbytes, lp.addr, lp.nbytes) if self._write else (lp.addr, lp.nbytes, rp.addr, rp.nbytes)
+        # strided lists (memcpy and CMA): (dst count, dst stride, src count, src stride), else None
+        self._s = None
+        if lp.count is not None or rp.count is not None:
+            if self._uds:
+                raise BackendUnavailable("the host backend's AF_UNIX path moves plain descriptors only")
+            d, s = (rp, lp) if self._write else (lp, rp)
+            self._s = (d.count, d.stride, s.count, s.stride)
 
     def post(self, lidx: Any, ridx: Any, notify: bytes | None) -> Request:
         chan = self._chan
@@ -671,6 +705,11 @@ class _HostRoute(Route):
             return self.backend._post_uds(self.op, self._lp, index_vector(lidx), self._rp,  # type: ignore[attr-defined]
                                           index_vector(ridx), self._peer, notify)
         da, dl, sa, sl = self._a
+        if self._s is not None:
+            dc, ds, sc, ss = self._s
+            di, si = (ridx, lidx) if self._write else (lidx, ridx)
+            return _native.submit_strided(self._code, self._pid, da, dl, dc, ds, index_vector(di), sa, sl, sc, ss,
+                                          index_vector(si), self._guards, self._threads, self._inline)
         if self._write:
             return _native.submit(self._code, self._pid, da, dl, ridx, sa, sl, lidx, None, self._guards,
                                   self._threads, self._inline, 0)
@@ -678,7 +717,7 @@ class _HostRoute(Route):
                               self._threads, self._inline, 0)
 
     def plan(self, lidx: Any, ridx: Any, notify: bytes | None) -> Callable[[], Request]:
-        if self._uds:
+        if self._uds or self._s is not None:
             return super().plan(lidx, ridx, notify)
         b: HostBackend = self.backend  # type: ignore[assignment]
         da, dl, sa, sl = self._a

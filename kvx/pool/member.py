@@ -1,7 +1,7 @@
 """Run one storing pool member until SIGTERM/SIGINT (or, with ``--stdin``, until stdin closes)::
 
     python -m kvx.pool.member --etcd http://10.0.0.5:2379 --pool llama-70b --name node-3 \\
-        --capacity 64GiB --block-bytes 524288 --host 10.0.0.3
+        --capacity 64GiB --block-bytes 524288 --host 10.0.0.3 [--disk /nvme/pool.slab --disk-capacity 1TiB]
 
 It prints one JSON line (``{"ready": name, "ctl": [host, port]}``) once it is listed in etcd.
 ``KVX_AUTH_TOKEN`` (the shared secret of every member and client) and the other ``KVX_*``
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=int, default=5)
     p.add_argument("--lease-ttl", type=float, default=10.0)
     p.add_argument("--namespace", default="kvx")
+    p.add_argument("--disk", default=None, help="slab file of a disk tier below the arena (created empty)")
+    p.add_argument("--disk-capacity", type=parse_size, default=0)
     p.add_argument("--stdin", action="store_true", help="exit when stdin closes (a parent test's pipe)")
     a = p.parse_args(argv)
     kw = {} if a.policy is None else {"policy": a.policy}
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        pool = Pool(a.name, etcd=a.etcd, pool=a.pool, capacity=a.capacity, block_bytes=a.block_bytes, options=opts)
+        pool = Pool(a.name, etcd=a.etcd, pool=a.pool, capacity=a.capacity, block_bytes=a.block_bytes, options=opts,
+                    disk=a.disk, disk_capacity=a.disk_capacity)
     except KVXError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1

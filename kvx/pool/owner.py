@@ -35,6 +35,7 @@ from ..backends.tcp.target import SERVING
 from ..errors import ProtocolError, TierFull
 from ..memory import MemoryKind
 from ..tiers.policies import EvictionPolicy, make_policy
+from .disk import DiskSpill
 from .placement import MAX_KEY
 
 __all__ = ["Owner", "OwnerStats", "HELD", "REFUSED", "BUSY", "LOCAL"]
@@ -131,10 +132,13 @@ class Owner:
         Seconds a grant / a lease lasts before the owner undoes it.
     max_batch
         Most blocks in one request.
+    disk
+        A disk tier below the arena (:class:`~kvx.pool.disk.DiskSpill`): evicted blocks go
+        there, and a lookup brings them back into the arena. The owner closes it.
     """
 
     def __init__(self, nslots: int, block_bytes: int, base: int, policy: str = "lru", grant_ttl: float = 10.0,
-                 lease_ttl: float = 10.0, max_batch: int = 4096) -> None:
+                 lease_ttl: float = 10.0, max_batch: int = 4096, disk: DiskSpill | None = None) -> None:
         self.nslots = int(nslots)
         self.block_bytes = int(block_bytes)
         self.base = int(base)
@@ -159,6 +163,7 @@ class Owner:
         self.grants: dict[bytes, _Grant] = {}
         self.leases: dict[bytes, _Lease] = {}
         self.stats = OwnerStats()
+        self.disk = disk
 
     # ---- grants ------------------------------------------------------------------------------
     def grant(self, client: Any, keys: list[bytes], parents: list[bytes | None]) -> tuple[bytes, list[int], str]:
@@ -173,9 +178,14 @@ class Owner:
         with self._lock:
             self.stats.grants += 1
             full = False
+            disk = self.disk
             for k, p in zip(keys, parents):
                 if k in self.index:
                     self.policy.hit(k)
+                    codes.append(HELD)
+                    continue
+                if disk is not None and k in disk:
+                    disk.policy.hit(k)
                     codes.append(HELD)
                     continue
                 if k in self.pending:
@@ -225,10 +235,35 @@ class Owner:
             return False
         self.policy.removed(k)
         self.key_of[s] = None
+        if self.disk is not None:  # down to the disk tier, not dropped (a failed write drops it)
+            self.disk.spill(k, self.base + s * self.block_bytes, int(self.sums[s]))  # type: ignore[arg-type]
         self.gen[s] += 1
         self.free.append(s)
         self.stats.evicted += 1
         return True
+
+    def _restore(self, k: bytes) -> int | None:
+        """Bring block ``k`` back from the disk tier into an arena slot (lock held); its slot, or
+        None (not on disk, no arena slot to be had, or its bytes failed their checksum)."""
+        disk = self.disk
+        got = disk.take(k) if disk is not None else None
+        if got is None:
+            return None
+        assert disk is not None
+        dslot, crc = got
+        if not self.free and not self._evict_one():
+            disk.give_back(k, dslot, crc)
+            return None
+        s = self.free.pop()
+        self.gen[s] += 1
+        if not disk.restore(dslot, crc, self.base + s * self.block_bytes):
+            self.free.append(s)
+            return None
+        self.index[k] = s
+        self.key_of[s] = k
+        self.sums[s] = crc
+        self.policy.inserted(k, None)
+        return s
 
     def commit(self, client: Any, gid: bytes, slots: list[int], sums: list[int], ok: bool) -> int:
         """File the blocks of grant ``gid`` (``ok``) or give its slots back; returns blocks filed.
@@ -276,20 +311,33 @@ class Owner:
         """How many leading ``keys`` are held: ``(n, slots, gens, sums, lease id)``; with
         ``lease`` the n slots are leased (not evicted, open to the data plane) until release."""
         slots: list[int] = []
+        disk = self.disk
         with self._lock:
             self.stats.lookups += 1
+            if disk is not None:  # an access: the disk's victims, while it restores, are other blocks
+                for k in keys:
+                    if k in disk:
+                        disk.policy.hit(k)
             for k in keys:
                 s = self.index.get(k)
+                if s is None and disk is not None and k in disk:
+                    s = self._restore(k)  # may evict (and spill) others: not this lookup's blocks
                 if s is None:
                     self.policy.miss(k)
                     break
                 self.policy.hit(k)
+                if disk is not None:
+                    self.policy.set_evictable(k, False)
                 slots.append(s)
             n = len(slots)
+            if disk is not None:
+                for s in slots:
+                    if not self.readers[s]:
+                        self.policy.set_evictable(self.key_of[s], True)  # type: ignore[arg-type]
             self.stats.hits += n
             self.stats.misses += len(keys) - n
-            gens = [int(self.gen[s]) for s in slots]
-            sums = [int(self.sums[s]) for s in slots]
+            gens = self.gen[slots].tolist()
+            sums = self.sums[slots].tolist()
             lid = None
             if lease and n:
                 lid = os.urandom(16)
@@ -402,7 +450,8 @@ class Owner:
     # ---- the wire ------------------------------------------------------------------------------
     def handle(self, client: Any, msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Serve one control message (already a checked msgpack envelope); returns the reply's
-        type and fields. Raises ProtocolError on a malformed or refused request (nothing changed)."""
+        type and fields (type ``""``: no reply, a ``release`` sent with ``ack=False``). Raises
+        ProtocolError on a malformed or refused request (nothing changed)."""
         t = msg.get("t")
         try:
             if t == "grant":
@@ -432,7 +481,11 @@ class Owner:
                 return "found", {"n": n, "slots": slots, "gens": gens, "sums": sums, "lid": lid}
             if t == "release":
                 lid = _token(msg.get("lid"), "release.lid")
-                return "released", {"ok": self.release(client, lid)}
+                ack = msg.get("ack", True)
+                if not isinstance(ack, bool):
+                    raise ProtocolError("release.ack must be a bool")
+                ok = self.release(client, lid)
+                return ("released", {"ok": ok}) if ack else ("", {})
             raise ProtocolError(f"unknown pool request {str(t)[:40]!r}")
         except ProtocolError:
             self.stats.bad_requests += 1
@@ -461,6 +514,9 @@ class Owner:
             assert (self.readers >= 0).all()
             for k, s in self.index.items():
                 assert self.key_of[s] == k
+            if self.disk is not None:
+                self.disk.check()
+                assert not set(self.disk.index) & set(self.index), "a block both in the arena and on disk"
 
 
 def _cid(client: Any) -> str:

@@ -36,6 +36,8 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 
 def key_bytes(h: Any) -> bytes:
     """A block hash as the bytes the pool stores it under (bytes as is, ints as 16 bytes, str tagged)."""
+    if type(h) is bytes and 0 < len(h) <= MAX_KEY:  # the usual case, first
+        return h
     if isinstance(h, (bytes, bytearray, memoryview)):
         b = bytes(h)
         if not 0 < len(b) <= MAX_KEY:

@@ -26,12 +26,13 @@ import bisect
 import ctypes
 import dataclasses
 import logging
+import queue
 import socket
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from ..errors import (
 from ..memory import DescList, MemoryKind, alloc_host
 from ..net import client_handshake
 from ..tiers.policies import DEFAULT_POLICY
+from .disk import DiskSpill
 from .membership import Member, Membership, check_name
 from .owner import BUSY, HELD, LOCAL, REFUSED, Owner
 from .placement import Placement, key64, key_bytes
@@ -143,20 +145,30 @@ class _Conn:
     arena: PreparedList
 
 
-def _mem(addr: int, n: int) -> Any:
-    return (ctypes.c_char * n).from_address(addr)
+class _Ev(threading.Event):
+    """An answer's event that also tells a queue which call it answered (``tag``)."""
+
+    def __init__(self, q: "queue.SimpleQueue[int]", tag: int) -> None:
+        super().__init__()
+        self.q, self.tag = q, tag
+
+    def set(self) -> None:
+        super().set()
+        self.q.put(self.tag)
 
 
 class _Call:
-    """One request to one owner, sent now, answered later (all owners' at once)."""
+    """One request to one owner, sent now, answered later (all owners' at once). With ``q``,
+    the call's ``tag`` is put on it when the answer (or the connection's failure) comes."""
 
     __slots__ = ("chan", "ev", "res", "rid", "t")
 
-    def __init__(self, chan: Channel, t: str, **fields: Any) -> None:
+    def __init__(self, chan: Channel, t: str, q: "queue.SimpleQueue[int] | None" = None, tag: int = 0,
+                 **fields: Any) -> None:
         self.chan = chan
         self.t = t
         self.rid = next(chan._ids)
-        self.ev = threading.Event()
+        self.ev = threading.Event() if q is None else _Ev(q, tag)
         self.res: Any = None
         slot = [self.ev, None]
         self.res = slot
@@ -198,10 +210,24 @@ class _Done:
 
 
 def _ints(v: Any, n: int, lo: int, hi: int, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) != n or not all(
-            isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
+    """``v`` checked to be a list of ``n`` ints in ``lo..hi`` (vectorised: no per-item Python)."""
+    if not isinstance(v, list) or len(v) != n:
         raise ProtocolError(f"pool member answered a malformed {what}")
+    if n:
+        # every item an int (type, not isinstance: no bool; numpy would convert floats), then
+        # the range on an array (an int outside the dtype raises OverflowError)
+        if set(map(type, v)) != {int}:
+            raise ProtocolError(f"pool member answered a malformed {what}")
+        try:
+            a = np.array(v, dtype=np.uint64 if hi > _I64_MAX else np.int64)
+        except OverflowError:
+            raise ProtocolError(f"pool member answered a malformed {what}") from None
+        if int(a.min()) < lo or int(a.max()) > hi:
+            raise ProtocolError(f"pool member answered a malformed {what}")
     return v
+
+
+_I64_MAX = (1 << 63) - 1
 
 
 class Pool:
@@ -218,7 +244,9 @@ class Pool:
     capacity
         Bytes of host memory this member stores for the pool (0: a client that stores nothing).
     block_bytes
-        Size of every block (all members of a pool use the same).
+        Size of every block (all members of a pool use the same). 0, for a client that stores
+        nothing: it only looks up (``lookup``, ``members``), among members of any block size
+        (an engine's scheduler, which knows the hashes but not the workers' block layout).
     config
         The agents' settings (the owner agent listens on ``(options.host, 0)`` unless ``listen``
         is set, and runs the tcp backend only when ``strict``).
@@ -228,6 +256,11 @@ class Pool:
         Move blocks with this agent (an engine's own, e.g. the one its connector registered the
         KV cache with) instead of a new one; it must run the tcp backend. The pool adds its
         members as peers of it and leaves it open at :meth:`close`.
+    disk, disk_capacity
+        A storing member's disk tier: a slab file at path ``disk`` (created empty, removed at
+        :meth:`close`) of ``disk_capacity`` bytes, below the arena. Blocks the arena's policy
+        evicts go there and are still served: a lookup brings them back into the arena
+        (:mod:`kvx.pool.disk`).
 
     Attributes
     ----------
@@ -239,15 +272,17 @@ class Pool:
 
     def __init__(self, name: str, *, etcd: str, pool: str, capacity: int, block_bytes: int,
                  config: AgentConfig | None = None, options: PoolConfig | None = None,
-                 agent: Agent | None = None) -> None:
+                 agent: Agent | None = None, disk: str | None = None, disk_capacity: int = 0) -> None:
         check_name(name, "member name")
         for what, v in (("capacity", capacity), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UsageError(f"{what} must be a non-negative int")
-        if block_bytes < 1 or block_bytes > 1 << 30:
-            raise UsageError("block_bytes must be in 1 .. 1 GiB")
+        if block_bytes > 1 << 30 or (block_bytes < 1 and capacity):
+            raise UsageError("block_bytes must be in 1 .. 1 GiB (0: a client that only looks up)")
         if 0 < capacity < block_bytes:
             raise UsageError(f"capacity {capacity} holds no block of {block_bytes} bytes")
+        if disk is not None and not capacity:
+            raise UsageError("a disk tier needs a storing member (capacity > 0)")
         self.name = name
         self.block_bytes = block_bytes
         self.capacity = capacity
@@ -287,8 +322,9 @@ class Pool:
                     self._arena[::4096] = 0
                 self._reg = oa.register(self._arena)
                 base = int(self._reg.descs.addr[0])
+                spill = DiskSpill(disk, disk_capacity, block_bytes, opts.policy) if disk is not None else None
                 self.owner = Owner(nslots, block_bytes, base, opts.policy, opts.grant_ttl, opts.lease_ttl,
-                                   opts.max_batch)
+                                   opts.max_batch, disk=spill)
                 if opts.strict:
                     oa.guard = self.owner.guard
                     tcp = oa.backend("tcp")
@@ -315,7 +351,8 @@ class Pool:
 
     # ---- membership ------------------------------------------------------------------------
     def _on_members(self, view: dict[str, Member]) -> None:
-        ms = [m for m in view.values() if m.capacity > 0 and m.block_bytes == self.block_bytes]
+        bb = self.block_bytes
+        ms = [m for m in view.values() if m.capacity > 0 and (m.block_bytes == bb or not bb)]
         pl = Placement([m.name for m in ms], [float(m.capacity) for m in ms])
         byname = {m.name: m for m in ms}
         with self._lock:
@@ -423,6 +460,8 @@ class Pool:
     def _check(self, plist: Any, idx: Any, n: int, what: str) -> np.ndarray:
         if self.closed:
             raise UsageError(f"pool member {self.name!r} is closed")
+        if not self.block_bytes:
+            raise UsageError(f"pool client {self.name!r} only looks up (block_bytes=0): it moves no blocks")
         if type(plist) is not PreparedList or plist.agent is not self.agent or plist.peer is not None:
             raise UsageError(f"{what} must be a local PreparedList of this pool's agent (pool.agent.prepare)")
         if plist.kind != MemoryKind.HOST:
@@ -451,25 +490,31 @@ class Pool:
                 out.append((int(j), pos[i:i + mb]))
         return out
 
-    def _send(self, m: Member, t: str, **fields: Any) -> Any:
-        """Send one request to ``m`` (the local owner answers at once); None if unreachable."""
+    def _send(self, m: Member, t: str, q: "queue.SimpleQueue[int] | None" = None, tag: int = 0,
+              **fields: Any) -> Any:
+        """Send one request to ``m`` (the local owner answers at once); None if unreachable.
+        With ``q``, ``tag`` is put on it once the answer is in (at once if None or local)."""
         if self._local(m):
             assert self.owner is not None
             try:
                 rt, rf = self.owner.handle(LOCAL, {"t": t, **fields})
             except ProtocolError as exc:
                 log.info("pool: the local owner refused %s: %s", t, exc)
-                return None
-            return _Done(rt, rf)
+                rt = ""
+            if q is not None:
+                q.put(tag)
+            return _Done(rt, rf) if rt else None
         c = self._conn(m)
-        if c is None:
-            return None
-        try:
-            return _Call(c.chan, t, **fields)
-        except KVXError as exc:
-            log.info("pool: %s to %s failed: %s", t, m.name, exc)
-            self._fail(m.name)
-            return None
+        call = None
+        if c is not None:
+            try:
+                call = _Call(c.chan, t, q, tag, **fields)
+            except KVXError as exc:
+                log.info("pool: %s to %s failed: %s", t, m.name, exc)
+                self._fail(m.name)
+        if call is None and q is not None:
+            q.put(tag)
+        return call
 
     def _answer(self, m: Member, call: Any, deadline: float) -> dict[str, Any] | None:
         if call is None:
@@ -499,8 +544,8 @@ class Pool:
         self._stats["puts"] += 1
         self._stats["put_blocks"] += n
         addr = src.descs.addr[ia]
-        bb = self.block_bytes
-        sums = [nh64(_mem(int(a), bb)) for a in addr]
+        block = ctypes.c_char * self.block_bytes
+        sums = [nh64(block.from_address(a)) for a in addr.tolist()]
         parents: list[bytes | None] = [None, *keys[:-1]]
         own, mem = self._owners(keys)
         stored = np.zeros(n, dtype=bool)
@@ -608,10 +653,13 @@ class Pool:
         lease = dst is not None
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(start, n))
-        calls = [self._send(mem[j], "lookup", keys=[keys[p] for p in pos], lease=lease) for j, pos in groups]
+        answered: queue.SimpleQueue[int] = queue.SimpleQueue()
+        calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
+                 for g, (j, pos) in enumerate(groups)]
         reads: list[tuple[int, np.ndarray, list[int], Any, Any, bool]] = []
         end = n
-        for (j, pos), call in zip(groups, calls):
+        for g in self._arrivals(answered, len(groups), deadline):  # each owner's answer as it comes
+            (j, pos), call = groups[g], calls[g]
             m = mem[j]
             rep = self._answer(m, call, deadline)
             if rep is None:
@@ -647,7 +695,7 @@ class Pool:
         if not lease:
             return end
         assert dst is not None and ia is not None
-        for j, pos, sums, lid, x, ok in reads:
+        for j, pos, sums, lid, x, ok in self._landings(reads):
             m = mem[j]
             ok = self._landed(x, ok, m, "read from", deadline)
             take = bisect.bisect_left(pos.tolist(), end)
@@ -662,6 +710,32 @@ class Pool:
             if lid is not None:
                 self._release(m, lid)
         return end
+
+    @staticmethod
+    def _landings(reads: list[Any]) -> Iterator[Any]:
+        """``reads`` (their transfer 5th) with those already landed first, so that their checksums
+        are taken while the others are still on the wire; then the rest, in order."""
+        left = list(range(len(reads)))
+        while left:
+            ready = [i for i in left if reads[i][4] is None or reads[i][4].done()] or left[:1]
+            for i in ready:  # (left[:1]: none landed yet; the caller waits for it, bounded)
+                yield reads[i]
+            left = [i for i in left if i not in ready]
+
+    @staticmethod
+    def _arrivals(q: "queue.SimpleQueue[int]", n: int, deadline: float) -> Iterator[int]:
+        """The tags ``0..n-1`` in the order their answers come on ``q``; by ``deadline``, the
+        ones still out (their ``_answer`` then times out at once)."""
+        left = set(range(n))
+        while left:
+            try:
+                g = q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if g in left:
+                left.discard(g)
+                yield g
+        yield from sorted(left)
 
     def _write(self, m: Member, src: PreparedList, sidx: np.ndarray, slots: list[int]) -> tuple[Any, bool]:
         """Post the write of ``src[sidx]`` into ``slots`` of ``m``: (transfer or None, posted)."""
@@ -706,15 +780,15 @@ class Pool:
         if c is None or not c.chan.alive:
             return  # the owner drops the lease at its deadline
         try:
-            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid))
+            c.chan.send(wire.pack("release", rid=next(c.chan._ids), pl=False, lid=lid, ack=False))
         except KVXError:
             pass
 
     def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int]) -> int:
         """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none)."""
-        bb = self.block_bytes
-        for i, (a, want) in enumerate(zip(dst.descs.addr[ia], sums)):
-            if nh64(_mem(int(a), bb)) != want:
+        block = ctypes.c_char * self.block_bytes  # one array type, every block a view of it
+        for i, (a, want) in enumerate(zip(dst.descs.addr[ia].tolist(), sums)):
+            if nh64(block.from_address(a)) != want:
                 return i
         return len(sums)
 
@@ -730,6 +804,9 @@ class Pool:
             o = self.owner
             out["owner"] = {**dataclasses.asdict(o.stats), "blocks": len(o.index), "slots": o.nslots,
                             "leases_active": len(o.leases), "grants_active": len(o.grants)}
+            if o.disk is not None:
+                out["owner"]["disk"] = {**dataclasses.asdict(o.disk.stats), "blocks": len(o.disk),
+                                        "slots": o.disk.nslots}
         return out
 
     def close(self) -> None:
@@ -760,6 +837,9 @@ class Pool:
                     pass
         if self._oagent is not None:
             self._oagent.close()
+        if self.owner is not None and self.owner.disk is not None:
+            with self.owner._lock:
+                self.owner.disk.close()
 
     def __enter__(self) -> "Pool":
         return self

@@ -93,7 +93,8 @@ class ControlServer:
             self.refused("requests", "pool: refused a request from %s: %s", ch.peer_name, exc)
             ch.reply_error(rid, str(exc)[:200])
             return
-        ch.reply(rid, t, **fields)
+        if t:  # "": a notification (a release asking for no answer)
+            ch.reply(rid, t, **fields)
 
     def _on_close(self, ch: Channel) -> None:
         self.owner.drop_client(ch)

@@ -18,6 +18,7 @@ exit status is 1 when any seed saw wrong bytes or a drop.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import logging
@@ -76,7 +77,7 @@ def run_seed(path: str, seed: int, seconds: float, threads: int = 1, host_blocks
     logging.getLogger("kvx.tiers").addHandler(handler)
     store = _store(path, host_blocks, disk_blocks, s3)
     counts: dict[str, Any] = {"seed": seed, "threads": threads, "ops": 0, "puts": 0, "gets": 0, "hits": 0, "deletes": 0,
-              "wrong": 0, "drops": 0, "errors": 0}
+              "wrong": 0, "drops": 0, "errors": 0, "max_op_s": 0.0}
     first: list[str] = []
     stop = threading.Event()
     lock = threading.Lock()
@@ -96,8 +97,14 @@ def run_seed(path: str, seed: int, seconds: float, threads: int = 1, host_blocks
         dpl = store.agent.prepare(kvx.DescList.blocks(store.agent.register(dst), BB))
         pput = 0.6 if do_get else 0.85  # a putting-only thread also deletes
         pget = 0.9 if do_put else 1.0
+        last = [time.monotonic()]
         try:
             while not stop.is_set() and time.monotonic() < t_end:
+                t_op = time.monotonic()
+                if t_op - last[0] > counts["max_op_s"]:  # the longest operation (a stall shows here)
+                    with lock:
+                        counts["max_op_s"] = max(counts["max_op_s"], round(t_op - last[0], 3))
+                last[0] = t_op
                 r = rng.random()
                 if do_put and r < pput:
                     keys = list(dict.fromkeys(rng.randrange(KEYS) for _ in range(rng.randint(1, 8))))
@@ -152,6 +159,11 @@ def run_seed(path: str, seed: int, seconds: float, threads: int = 1, host_blocks
 
 def _child(args: tuple[str, int, float, int, dict[str, Any] | None], q: Any) -> None:
     path, seed, seconds, threads, s3 = args
+    # a crash prints its stack, and a seed that has not answered well after its time dumps every
+    # thread's stack to stderr (the parent reports it as hung 240 s after the time): a failure in
+    # CI then names where it happened
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(seconds + 180, exit=False)
     try:
         q.put(run_seed(path, seed, seconds, threads, s3=s3))
     except BaseException as exc:
@@ -221,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"seconds": a.seconds, "threads": a.threads, "hog": a.hog, "seeds": results, "total": total}
     for r in results:
         print(f"seed {r['seed']:>4}: {r.get('ops', 0):>9} ops  wrong {r.get('wrong', 0)}  drops {r.get('drops', 0)}"
-              f"  errors {r.get('errors', 0)}" + (f"  first: {r['first'][0]}" if r.get("first") else ""))
+              f"  errors {r.get('errors', 0)}  longest op {r.get('max_op_s', 0):.2f} s"
+              + (f"  first: {r['first'][0]}" if r.get("first") else ""))
     print(f"total: {total['ops']} ops, {total['wrong']} wrong, {total['drops']} drops, {total['errors']} errors")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

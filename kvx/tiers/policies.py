@@ -85,7 +85,11 @@ class EvictionPolicy(abc.ABC):
         """``key`` is now stored; ``parent`` is the previous block of its chain (or None)."""
         if key in self._parent:
             raise UsageError(f"block {key!r} inserted twice")
-        if parent == key:
+        if parent == key or (parent is not None and key in self._children and self._above(parent, key)):
+            # A chain that names a block's own descendant as its parent (``key`` left the tier,
+            # e.g. deleted, while a child of it stayed, and comes back under that child) would
+            # close a loop in the tree, and the walks down it would never end: ``key`` becomes
+            # a root instead. Only a key that still has stored children can close one.
             parent = None
         self._parent[key] = parent
         if parent is not None:
@@ -101,6 +105,16 @@ class EvictionPolicy(abc.ABC):
             else:
                 children[parent] = {ch: None, key: None}
         self._on_insert(key, parent)
+
+    def _above(self, node: Hashable, key: Hashable) -> bool:
+        """Is ``key`` ``node`` itself or one of its stored ancestors? (The tree has no loops, so
+        the walk up ends.)"""
+        up = self._parent
+        while node is not None:
+            if node == key:
+                return True
+            node = up.get(node)
+        return False
 
     def hit(self, key: Hashable) -> None:
         """A stored block was accessed."""

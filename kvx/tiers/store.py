@@ -42,6 +42,7 @@ from .checksum import block_sum, keep_digests
 from .events import BlockRemoved, BlockStored, Event, EventBus
 from .metrics import Histogram
 from .policies import DEFAULT_POLICY
+from .remote import RemoteTier
 from .tier import DiskTier, HostTier, JournaledTier, ObjectTier, Tier, TierStats
 
 __all__ = ["TieredStore", "HostTier", "DiskTier", "ObjectTier", "Tier", "LookupResult", "StoreStats", "BadKey"]
@@ -97,6 +98,9 @@ class StoreStats:
     lookup_hits: int = 0
     writeback_queued: int = 0
     writeback_active: int = 0
+    #: the remote tier's own counters, and the store's view of it under ``"store"`` (hits,
+    #: misses, stored, errors, promoted); None without one
+    remote: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -143,7 +147,15 @@ class TieredStore:
         Promote the disk blocks that a ``get`` reads straight into host memory to the host tier
         (after the get returns). False keeps them on disk only: a scan or a one-off read then
         leaves the host tier alone (reads through host slots -- objects, or a destination
-        that is not host memory -- and ``prefetch`` still promote).
+        that is not host memory -- and ``prefetch`` still promote). It also admits the blocks a
+        ``get`` read from the remote tier into the local tiers.
+    remote
+        A tier on other machines (:class:`~kvx.tiers.RemoteTier`, e.g. :class:`kvx.pool.PoolTier`)
+        below the local ones, asked only for what they miss: ``lookup`` extends the local prefix
+        with what it holds right after it (listed as tier ``len(store.tiers)``), ``get`` reads
+        the blocks the local tiers miss from it, and ``put`` writes the blocks to it too before
+        it returns (its ``write_through``). It may also be given as the last element of
+        ``tiers``. A remote tier that names an ``agent`` makes it the store's agent.
 
     Notes
     -----
@@ -153,26 +165,30 @@ class TieredStore:
     slots besides its capacity, for blocks on their way down.
     """
 
-    def __new__(cls, tiers: Sequence[Any] = (), *args: Any, **kw: Any) -> "TieredStore":
-        # a remote last tier (kvx.pool.PoolTier) names the store class that asks it for what the
-        # local tiers miss (kvx.pool.tier.PooledStore)
-        if cls is TieredStore and isinstance(tiers, Sequence) and tiers:
-            sub = getattr(tiers[-1], "store_class", None)
-            if isinstance(sub, type) and issubclass(sub, TieredStore):
-                return super().__new__(sub)
-        return super().__new__(cls)
-
-    def __init__(self, tiers: Sequence[Tier], block_bytes: int, policy: str = DEFAULT_POLICY,
+    def __init__(self, tiers: Sequence[Tier | RemoteTier], block_bytes: int, policy: str = DEFAULT_POLICY,
                  write_through: bool = False, agent: kvx.Agent | None = None, pin_lease: float = 30.0,
                  verify_host: bool = False, writeback_depth: int = 64, writeback_batch: int = 64,
-                 writeback_workers: int = 2, get_chunk: int = 64, promote: bool = True) -> None:
+                 writeback_workers: int = 2, get_chunk: int = 64, promote: bool = True,
+                 remote: RemoteTier | None = None) -> None:
         if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
             raise UsageError("a TieredStore needs a non-empty list of tiers")
-        if not all(isinstance(t, Tier) for t in tiers):
-            raise UsageError("tiers must be HostTier, DiskTier or ObjectTier instances")
-        if not isinstance(tiers[0], HostTier):
+        given = list(tiers)
+        if isinstance(given[-1], RemoteTier):  # TieredStore([HostTier(...), PoolTier(pool)])
+            if remote is not None:
+                raise UsageError("a remote tier is given twice: as the last tier and as remote=")
+            remote = given.pop()  # type: ignore[assignment]
+        if remote is not None and not isinstance(remote, RemoteTier):
+            raise UsageError(f"remote must be a kvx.tiers.RemoteTier, not {type(remote).__name__}")
+        if any(isinstance(t, RemoteTier) for t in given):
+            raise UsageError("a remote tier can only be the last tier")
+        if not given:
+            raise UsageError("a TieredStore needs a local tier (a HostTier) above its remote tier")
+        local = [t for t in given if isinstance(t, Tier)]
+        if len(local) != len(given):
+            raise UsageError("tiers must be HostTier, DiskTier or ObjectTier instances (and a RemoteTier last)")
+        if not isinstance(local[0], HostTier):
             raise UsageError("the first (top) tier must be a HostTier: blocks are checksummed there")
-        if len({id(t) for t in tiers}) != len(tiers):
+        if len({id(t) for t in local}) != len(local):
             raise UsageError("a tier object can appear only once")
         if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
             raise UsageError("block_bytes must be a positive int")
@@ -181,7 +197,7 @@ class TieredStore:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UsageError(f"{name} must be a positive int, not {v!r}")
         self.block_bytes = block_bytes
-        self.tiers: list[Tier] = list(tiers)
+        self.tiers: list[Tier] = local
         self.write_through = write_through
         self.pin_lease = pin_lease
         self.verify_host = verify_host
@@ -189,8 +205,19 @@ class TieredStore:
         self.wb_batch = writeback_batch
         self.chunk = get_chunk
         self.promote = bool(promote)
+        self.remote = remote
+        if remote is not None:
+            remote.bind(block_bytes)
+            ra = remote.agent
+            if ra is not None:
+                if agent is not None and agent is not ra:
+                    raise UsageError(f"the remote tier moves blocks with agent {ra.name!r}: "
+                                     "the store must use the same one (leave agent= out)")
+                agent = ra
         self._own_agent = agent is None
         self.agent = agent if agent is not None else kvx.Agent(f"kvx-store-{os.getpid()}-{id(self):x}")
+        #: the remote tier's counters as the store sees them
+        self._rstats = {"hits": 0, "misses": 0, "stored": 0, "errors": 0, "promoted": 0}
         self.events = EventBus()
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # slots freed / jobs done
@@ -259,11 +286,28 @@ class TieredStore:
             if t is None:
                 break
             tiers.append(t)
+        if self.remote is not None and len(tiers) < len(hashes):
+            more = self._remote_call("lookup", list(hashes[len(tiers):]))
+            tiers.extend([len(self.tiers)] * more)
         st = self.stats_
         st.lookups += 1
         st.lookup_blocks += len(hashes)
         st.lookup_hits += len(tiers)
         return LookupResult(len(tiers), tuple(tiers))
+
+    def _remote_call(self, op: str, hashes: list[Hashable], pl: Any = None, idx: Any = None) -> int:
+        """``self.remote.<op>(...)``, its result checked; a KVXError it raises is a miss (0)."""
+        r = self.remote
+        assert r is not None
+        try:
+            got = r.lookup(hashes) if op == "lookup" else getattr(r, op)(hashes, pl, idx)
+        except KVXError as exc:
+            self._rstats["errors"] += 1
+            log.warning("remote tier %s: %s failed: %s", r.medium, op, exc)
+            return 0
+        if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got <= len(hashes):
+            raise TierError(f"remote tier {r.medium}: {op} returned {got!r} for {len(hashes)} blocks")
+        return got
 
     def __contains__(self, h: Hashable) -> bool:
         return h in self._where
@@ -642,6 +686,19 @@ class TieredStore:
     # ---------------------------------------------------------------------------------------
     def put(self, hashes: Sequence[Hashable], src: kvx.PreparedList, src_idx: Any = None,
             parent: Hashable | None = None, timeout: float = 60.0) -> int:
+        """Store the blocks ``src[src_idx]`` under ``hashes`` in the local tiers and, with a
+        remote tier that writes through, in it as well (before returning). Returns the number
+        of blocks newly stored locally; see :meth:`_put_local` for the rest."""
+        n = self._put_local(hashes, src, src_idx, parent, timeout)
+        r = self.remote
+        if r is not None and r.write_through and len(hashes):
+            hs = list(hashes)
+            sidx = np.arange(len(hs), dtype=np.int64) if src_idx is None else np.asarray(src_idx, dtype=np.int64)
+            self._rstats["stored"] += self._remote_call("put", hs, src, sidx)
+        return n
+
+    def _put_local(self, hashes: Sequence[Hashable], src: kvx.PreparedList, src_idx: Any = None,
+                   parent: Hashable | None = None, timeout: float = 60.0) -> int:
         """Store the blocks ``src[src_idx]`` under ``hashes`` (one chain: each block's parent is
         the previous hash; the first's is ``parent``). Blocks already stored are touched.
 
@@ -783,9 +840,38 @@ class TieredStore:
             raise UsageError("dst_idx must have one index per hash")
         if n and (didx.min() < 0 or didx.max() >= len(dst)):
             raise UsageError(f"dst_idx out of range for a list of {len(dst)} blocks")
-        done = self._fetch(hashes, dst, didx, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        if self.remote is None:
+            done = self._fetch(hashes, dst, didx, deadline)
+        else:
+            done = self._fetch_remote(list(hashes), dst, didx, deadline)
         self.h_get.observe(time.monotonic() - t_start)
         return done
+
+    def _fetch_remote(self, hashes: list[Hashable], dst: kvx.PreparedList, didx: np.ndarray, deadline: float) -> int:
+        """``_fetch``, then the blocks the local tiers missed from the remote tier (admitted into
+        the local tiers afterwards when ``promote``)."""
+        try:
+            return self._fetch(hashes, dst, didx, deadline)
+        except BlockNotFound as exc:
+            k = int(exc.args[1]) if len(exc.args) > 1 else 0
+            why = exc.args[0] if exc.args else ""
+        got = self._remote_call("get", hashes[k:], dst, didx[k:])
+        self._rstats["hits"] += got
+        self._rstats["misses"] += len(hashes) - k - got
+        if got and self.promote:
+            try:
+                self._rstats["promoted"] += self._put_local(hashes[k:k + got], dst, didx[k:k + got],
+                                                            hashes[k - 1] if k else None,
+                                                            max(0.001, deadline - time.monotonic()))
+            except KVXError as exc:  # an optimisation: dst holds the blocks anyway
+                log.debug("remote hits not admitted locally: %s", exc)
+        if k + got < len(hashes):
+            medium = self.remote.medium  # type: ignore[union-attr]
+            raise BlockNotFound(f"{why}; not in the remote tier ({medium}) either" if not got else
+                                f"block {hashes[k + got]!r} is not stored here nor in the remote tier ({medium})",
+                                k + got)
+        return k + got
 
     def _fetch(self, hashes: Sequence[Hashable], dst: kvx.PreparedList | None, didx: Any,
                deadline: float) -> int:
@@ -1304,6 +1390,8 @@ class TieredStore:
                      "pinned": sum(1 for k in self._pins if k in t.index), "held": len(t.deferred)}
                 d.update({k: getattr(t.stats, k) for k in TierStats.__dataclass_fields__})
                 s.tiers.append(d)
+        if self.remote is not None:  # outside the lock: the remote's counters are its own
+            s.remote = {**self.remote.stats(), "store": dict(self._rstats)}
         self.events.emit(events)
         return s
 
@@ -1361,5 +1449,10 @@ class TieredStore:
                 t.close()
             except Exception:
                 log.exception("closing tier")
+        if self.remote is not None:
+            try:
+                self.remote.close()
+            except Exception:
+                log.exception("closing the remote tier")
         if self._own_agent:
             self.agent.close()

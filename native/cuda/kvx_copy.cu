@@ -174,10 +174,39 @@ __device__ __forceinline__ void kvx_gather_u16(KVX_KERNEL_ARGS) { kvx_gather_bod
 template <typename I>
 __device__ __forceinline__ void kvx_gather_x(KVX_KERNEL_ARGS) { kvx_gather_body<I, 8, true>(KVX_KERNEL_PASS); }
 
+// Strided pairs: pair p is count pieces of ulen bytes, piece k at dA[didx[p]] + k * DS[didx[p]] and
+// sA[sidx[p]] + k * SS[sidx[p]] (a head slice of every token of a block). The arguments are the
+// gather kernels': ``lens`` is the device array of source strides (one per source descriptor),
+// ``first`` that of destination strides, ``ulen`` the piece length, ``items`` = n * count * cpd
+// (cpd: chunks per piece), from which count follows. One warp copies one chunk of one piece: the
+// host uploads one index pair per descriptor pair, the pieces are expanded here.
+template <typename I>
+__device__ __forceinline__ void kvx_strided_body(KVX_KERNEL_ARGS) {
+    KVX_KERNEL_PROLOGUE
+    const u64* __restrict__ SS = L;
+    const u64* __restrict__ DS = F;
+    const u64 chunk = 1ull << chunk_shift;
+    const u64 per = items / n;  // count * cpd items per pair
+    const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; it < items; it += nwarps) {
+        const u64 p = it / per;
+        const u64 r = it - p * per;
+        const u64 k = r / cpd;
+        const u64 off = (r - k * cpd) << chunk_shift;
+        u64 nb = ulen - off;
+        if (nb > chunk) nb = chunk;
+        const u64 di = (u64)didx[p], si = (u64)sidx[p];
+        char* d = reinterpret_cast<char*>(dA[di] + k * DS[di] + off);
+        const char* s = reinterpret_cast<const char*>(sA[si] + k * SS[si] + off);
+        kvx_warp_copy<8>(d, s, nb, lane);
+    }
+}
+
 KVX_ENTRY(kvx_gather_copy, 256, kvx_gather_u8)
 KVX_ENTRY(kvx_gather_copy_x, 256, kvx_gather_x)
 KVX_ENTRY(kvx_gather_copy_u16, 256, kvx_gather_u16)
 KVX_ENTRY(kvx_gather_copy_pf, 256, kvx_gather_pf_body)
+KVX_ENTRY(kvx_strided_copy, 256, kvx_strided_body)
 
 // Hopper (sm_90+) bulk copies: one warp per CTA (blockDim.x == 32). Lane 0 moves the 16-byte
 // co-aligned part of each item with the TMA engine, global -> shared (cp.async.bulk, completion on

@@ -18,7 +18,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 STAMP="$VENV/.kvx-sglang-stamp"
 # The plugin's pyproject (its entry points) is part of the stamp: editing it reinstalls the plugin.
-WANT="sglang==${SGLANG_VERSION} nixl==${NIXL_VERSION} repo=${REPO} plugin=$(sha256sum "$HERE/pyproject.toml" | cut -c1-16)"
+WANT="sglang==${SGLANG_VERSION} nixl==${NIXL_VERSION} etcd3gw repo=${REPO} plugin=$(sha256sum "$HERE/pyproject.toml" | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     echo "$VENV"
@@ -35,7 +35,7 @@ fi
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install --upgrade pip >&2
 log "installing sglang==${SGLANG_VERSION} (pulls its pinned torch; ~11 GB on first run)"
-"${PIP[@]}" install "sglang==${SGLANG_VERSION}" pytest pytest-timeout >&2
+"${PIP[@]}" install "sglang==${SGLANG_VERSION}" pytest pytest-timeout "etcd3gw>=2.4" >&2  # etcd3gw: kvx[etcd], the pool
 log "installing nixl==${NIXL_VERSION} (HiCacheNixl, the benchmark's reference)"
 "${PIP[@]}" install --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}" >&2
 log "installing kvx (editable) from $REPO"

@@ -26,8 +26,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 STAMP="$VENV/.kvx-vllm-stamp"
 # Test dependencies that are not vLLM's own (tokenizers builds the test tokenizer; aiohttp/requests
-# drive the HTTP end-to-end run).
-TEST_DEPS=(pytest pytest-timeout requests)
+# drive the HTTP end-to-end run; etcd3gw is kvx[etcd], the pool's membership, for the pool test).
+TEST_DEPS=(pytest pytest-timeout requests "etcd3gw>=2.4")
 WANT="${VLLM_DIST}==${VLLM_VERSION} extras=${EXTRAS} deps=${TEST_DEPS[*]} repo=${REPO}"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then

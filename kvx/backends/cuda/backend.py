@@ -50,6 +50,7 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
 
     name = "cuda"
     kinds = frozenset({MemoryKind.HOST, MemoryKind.CUDA})
+    strided = True  # lists of one count and one piece length: the strided kernel expands the pieces
     _CTRL_BYTES = _CTRL_BYTES
     _INFL_BYTES = _INFL_BYTES
     _INFL_NAME = "kvx-cuda-inflight"
@@ -324,7 +325,22 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
                 p.ctrl = p.infl = 0
 
     # ---- preparation -----------------------------------------------------------------------
+    def takes_strided(self, plist: PreparedList) -> bool:
+        """A strided list of one count and one piece length goes to the strided kernel; another
+        moves as its expansion."""
+        d = plist.descs
+        c, n = d.count, d.nbytes
+        return bool(len(c)) and bool((c == c[0]).all()) and bool((n == n[0]).all())
+
     def prepare(self, plist: PreparedList) -> _Prep:
+        prep = self._prepare(plist)
+        d = plist.descs
+        if d.is_strided:
+            prep.count = int(d.count[0])
+            prep.stride = np.ascontiguousarray(d.stride, dtype=np.uint64)
+        return prep
+
+    def _prepare(self, plist: PreparedList) -> _Prep:
         d = plist.descs
         addr = np.ascontiguousarray(d.addr, dtype=np.uint64)
         nb = np.ascontiguousarray(d.nbytes, dtype=np.uint64)
@@ -341,6 +357,44 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
             return prep
         self._translate_remote(prep)
         return prep
+
+    def _post_strided(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, notify: bytes | None) -> Request:
+        """A transfer between strided lists (one count, one piece length each): one launch of the
+        strided kernel, one index pair per descriptor pair uploaded."""
+        if lp.count != rp.count or lp.ulen != rp.ulen or not lp.ulen:
+            raise ValueError(f"paired descriptors differ ({lp.count} x {lp.ulen} vs {rp.count} x {rp.ulen} bytes)")
+        li, ri = _index(lidx, len(lp.addr)), _index(ridx, len(rp.addr))
+        n = int(li.shape[0])
+        if n != int(ri.shape[0]):
+            raise ValueError("index lists differ in length")
+        peer: _Peer | None = rp.peer
+        if peer is not None:
+            if self._peers.get(peer.name) is not peer or not peer.alive:
+                raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
+            if rp.pending_host:
+                with rp.lock:
+                    if rp.pending_host:
+                        self._translate_remote(rp)
+        if n == 0:
+            return DoneRequest(0)
+        total = n * lp.count * lp.ulen
+        d, _gpu2gpu = self._exec_device(op, lp, rp)
+        src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
+        counters = self._acquire(peer, rp.guards) if peer is not None else []
+        try:
+            with d.lock:
+                if lp.kind == MemoryKind.CUDA and lp.dev != d.dev:
+                    self._order_after_default(lp.dev, d)
+                ev = self._launch_strided(d, dst, didx, src, sidx, n, lp.ulen, lp.count)
+        except self.cp.cuda.runtime.CUDARuntimeError as exc:
+            self._release_counters(peer, counters)
+            raise ERRORS(exc, "CUDA launch failed") from exc
+        except BaseException:
+            self._release_counters(peer, counters)
+            raise
+        req = _CudaRequest(self, ev, total, peer, counters, notify, None)
+        self._reaper.add(req)
+        return req
 
     def _prepare_local(self, plist: PreparedList, addr: np.ndarray, nb: np.ndarray, ulen: int) -> _Prep:
         with self._lock:
@@ -407,6 +461,8 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
             raise UsageError("cuda backend is closed")
         li: Any
         ri: Any
+        if lp.count or rp.count:
+            return self._post_strided(op, lp, lidx, rp, ridx, notify)
         if lp.ulen and rp.ulen:
             if lp.ulen != rp.ulen:
                 raise ValueError("paired descriptors differ in length")

@@ -20,7 +20,7 @@ from .staging import _Staging
 
 _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
-                 "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x"}
+                 "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x", "strided": "kvx_strided_copy"}
 
 
 class _Device:
@@ -32,9 +32,12 @@ class _Device:
         self.blocks_per_sm_bulk = opts.blocks_per_sm_bulk
         self.native_post = opts.native_post
         with cp.cuda.Device(dev):
-            # a blocking stream: work the caller queued on the legacy default stream (cupy's and
-            # torch's default) before a post is ordered before the copy, and vice versa
-            self.stream = cp.cuda.Stream(non_blocking=False)
+            # order "legacy", a blocking stream: work the caller queued on the legacy default
+            # stream (cupy's and torch's default) before a post is ordered before the copy, and
+            # vice versa -- including work queued after the post but before the copy began, which
+            # serialises a layer's copy behind the next layers' compute; order "caller", a
+            # non-blocking stream: the caller posts only bytes that are ready (CudaOptions.order)
+            self.stream = cp.cuda.Stream(non_blocking=opts.order == "caller")
             src = kernel_source_path()
             assert src is not None
             mod = cp.RawModule(code=src.read_text(), options=("--std=c++17",))

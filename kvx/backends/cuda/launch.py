@@ -96,8 +96,8 @@ class _Launcher:
         rp: _Prep = r.remote.bdata["cuda"]
         op = r.op
         if (not (self.native_post and self.native_staging and self.index_zerocopy) or self.pipe_pairs
-                or not lp.ulen or lp.ulen != rp.ulen or rp.pending_host or self._closed):
-            return
+                or not lp.ulen or lp.ulen != rp.ulen or rp.pending_host or self._closed or lp.count or rp.count):
+            return  # (strided lists: the general path's strided launch)
         peer: _Peer | None = rp.peer
         if peer is not None and (self._peers.get(peer.name) is not peer or not peer.alive):
             return
@@ -232,6 +232,49 @@ class _Launcher:
                         slot.guard = None
                 raise
         return ev, None
+
+    def _launch_strided(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray, n: int,
+                        ulen: int, count: int) -> Any:
+        """One launch of the strided kernel over ``n`` checked index pairs of strided lists (``count``
+        pieces of ``ulen`` bytes each): the indices staged and uploaded (one pair per descriptor pair,
+        not per piece), the strides uploaded once per list; returns the completion event."""
+        cp = self.cp
+        i32 = len(dst.addr) <= self.i32_max and len(src.addr) <= self.i32_max
+        itype = np.int32 if i32 else np.int64
+        isz = 4 if i32 else 8
+        host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
+        cfg = d.config(cp, "strided", host_side, i32)
+        threads, cap = cfg[2], cfg[3]
+        shift = _chunk_shift(n * count, ulen, cap * threads // 32, self.chunk_shift, self.chunk_shift_min)
+        cpd = (ulen + (1 << shift) - 1) >> shift
+        items = n * count * cpd
+        with cp.cuda.Device(d.dev):
+            dap = dst.device_ptrs(cp, d.dev)[0]
+            sap = src.device_ptrs(cp, d.dev)[0]
+            dsp, ssp = dst.stride_ptr(cp, d.dev), src.stride_ptr(cp, d.dev)
+            st = d.stream
+            ib = 2 * n * isz
+            slot = d.staging.take(cp, ib)
+            try:
+                hi = slot.hview[:ib].view(itype)
+                np.copyto(hi[:n], didx, casting="unsafe")  # bounds-checked in _index: fits
+                np.copyto(hi[n:], sidx, casting="unsafe")
+                zc = self.index_zerocopy
+                ip = slot.hptr if zc else slot.dptr
+                grid = max(1, min(cap, (items * 32 + threads - 1) // threads))
+                a = (dap, sap, ip, ssp, dsp, n, ulen, items)
+                g = cp.cuda.Event(block=True, disable_timing=True)
+                d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, 0 if zc else ib, a, shift, g)
+                slot.guard = g  # the slot is free again once this kernel has finished
+            except BaseException:
+                if slot.guard is _BUSY:
+                    try:
+                        st.synchronize()
+                    except Exception:
+                        log.debug("synchronizing GPU %d after a failed launch", d.dev, exc_info=True)
+                    slot.guard = None
+                raise
+        return g
 
     def _launch_ce(self, d: _Device, dst: _Prep, didx: np.ndarray, src: _Prep, sidx: np.ndarray,
                    stream: Any = None) -> tuple[Any, Any]:

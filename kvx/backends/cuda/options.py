@@ -39,6 +39,13 @@ class CudaOptions:
     spin_us
         Microseconds a waiter polls its transfer's CUDA event natively (no GIL) before sleeping
         between polls; 0 or less: a Python poll loop (``KVX_CUDA_SPIN_US``).
+    order
+        How a copy is ordered with the caller's GPU work: ``legacy`` (a blocking stream: after
+        everything queued on the legacy default stream -- torch's and cupy's default -- before
+        the post, and before what is queued after it) or ``caller`` (a non-blocking stream: the
+        caller makes sure the bytes are ready before posting, e.g. by waiting for a CUDA event;
+        compute queued later never waits behind the copy nor the copy behind it, which is what
+        lets layer-wise writes overlap the next layers) (``KVX_CUDA_ORDER``).
     exec_on
         Which GPU runs a GPU<->GPU copy with another process's memory when both GPUs are visible:
         ``initiator`` (the GPU of the initiator's memory: a write pushes, a read pulls), ``owner``
@@ -101,6 +108,7 @@ class CudaOptions:
     copy: str = _cfg.option("KVX_CUDA_COPY")
     spin_us: float = _cfg.option("KVX_CUDA_SPIN_US")
     exec_on: str = _cfg.option("KVX_CUDA_EXEC")
+    order: str = _cfg.option("KVX_CUDA_ORDER")
     ce_min_block: int = 2 << 20
     auto_plan: tuple[tuple[int, str, float], ...] = field(default=AUTO_PLAN)
     split_fraction: float = 0.3

@@ -27,6 +27,9 @@ class _Prep:
     owner: int = -1  # GPU (here) that holds the memory, -1: host memory or not visible
     alt: dict[int, np.ndarray] = field(default_factory=dict)  # dev -> addresses of a second IPC import
     ptrs: dict[int, tuple[int, int]] = field(default_factory=dict)  # dev -> device pointers of on_dev[dev]
+    count: int = 0  # a strided list's pieces per descriptor (one count for all), 0: a plain list
+    stride: np.ndarray | None = None  # a strided list's strides (bytes, one per descriptor)
+    sptr: dict[int, tuple[Any, int]] = field(default_factory=dict)  # dev -> (device strides, pointer)
 
     def addr_on(self, dev: int) -> np.ndarray:
         """Addresses valid for copies run on GPU ``dev`` (a remote list may be imported on two GPUs)."""
@@ -43,6 +46,20 @@ class _Prep:
                         cp.cuda.Stream.null.synchronize()
                     self.on_dev[dev] = got
         return got
+
+    def stride_ptr(self, cp: Any, dev: int) -> int:
+        """Device pointer of a strided list's strides on GPU ``dev`` (uploaded once)."""
+        got = self.sptr.get(dev)
+        if got is None:
+            assert self.stride is not None
+            with self.lock:
+                got = self.sptr.get(dev)
+                if got is None:
+                    with cp.cuda.Device(dev):
+                        arr = cp.asarray(self.stride)
+                        cp.cuda.Stream.null.synchronize()
+                    got = self.sptr[dev] = (arr, int(arr.data.ptr))
+        return got[1]
 
     def device_ptrs(self, cp: Any, dev: int) -> tuple[int, int]:
         """Device pointers of :meth:`device_arrays` (address array, length array); cached."""

@@ -22,13 +22,15 @@ data on disk (``lseek(SEEK_DATA)``) goes through ``pwritev``, since a write faul
 page from the disk first and ``pwrite`` of whole pages does not (2x slower otherwise; never
 written preallocated pages fault in as zeros, without I/O, and take the mapping). A file that
 cannot be mapped stays on ``pwritev``. Buffered reads of a mapped file copy out of the mapping
-too (``OP_MMREAD``): a run of adjacent blocks wholly in the page cache is mapped in with
-``madvise(MADV_POPULATE_READ)`` and copied with the native streaming copy (3x ``preadv``'s speed
-on the test VM, which looks up and copies page by page into cached destination lines); a run
-with a page not in the page cache goes through ``preadv``. A page the file no longer backs
-(truncated or punched under the registration, disk full) fails the populate with EFAULT, or
-raises SIGBUS in the copy, which the native guard catches: the transfer turns FAILED with a
-TransferError that says which (see :meth:`PosixBackend._translate`).
+too (``OP_MMREAD``): a run of adjacent blocks in the page cache (probed on its first, middle
+and last page with ``mincore``) is copied with the native streaming copy straight out of the
+mapping, whose read faults map the cached pages many at a time (faster than ``preadv``, which
+looks up and copies page by page into cached destination lines; nothing is populated ahead:
+``MADV_POPULATE_READ`` walks every page, mapped or not); a run found not cached goes through
+``preadv``. A page the file no longer backs (truncated or punched under the registration, disk
+full) fails a write's populate with EFAULT, or raises SIGBUS in the copy, which the native guard
+catches: the transfer turns FAILED with a TransferError that says which (see
+:meth:`PosixBackend._translate`).
 
 ``O_DIRECT`` (``KVX_POSIX_DIRECT=1`` or ``PosixOptions(direct=True)``):
 each file is opened a second time with ``O_DIRECT``. Per descriptor:

@@ -112,6 +112,9 @@ class TcpOptions:
     stage_host
         Move host memory through the staging path too (a test of the GPU pipeline on machines
         without a GPU; slower) (``KVX_TCP_STAGE_HOST``).
+    cuda_order
+        How the staging copies of GPU memory are ordered with the caller's GPU work, as
+        :attr:`kvx.backends.cuda.CudaOptions.order` (``KVX_CUDA_ORDER``).
     """
 
     streams: int = _cfg.option("KVX_TCP_STREAMS")
@@ -123,6 +126,7 @@ class TcpOptions:
     stage_bytes: int = _cfg.option("KVX_TCP_STAGE_BYTES")
     stage_slots: int = _cfg.option("KVX_TCP_STAGE_SLOTS")
     stage_host: bool = _cfg.option("KVX_TCP_STAGE_HOST")
+    cuda_order: str = _cfg.option("KVX_CUDA_ORDER")
 
 
 class TcpBackend(_Target, Backend):
@@ -157,6 +161,7 @@ class TcpBackend(_Target, Backend):
         self.stage_bytes = max(64 << 10, int(opts.stage_bytes))
         self.stage_slots = max(2, int(opts.stage_slots))
         self.stage_host = bool(opts.stage_host)
+        self.cuda_order = opts.cuda_order
         self._host_copier = HostCopier() if self.stage_host else None
         self._lock = threading.RLock()
         self._closed = False
@@ -273,7 +278,7 @@ class TcpBackend(_Target, Backend):
             if conn is None or conn.dead:
                 raise PeerDisconnected(f"not connected to {plist.peer!r} over tcp")
         elif d.kind == MemoryKind.CUDA:
-            copier = cuda_copier()
+            copier = cuda_copier(self.cuda_order)
         else:
             copier = self._host_copier
         dev = np.ascontiguousarray(d.dev, dtype=_U64) if d.kind == MemoryKind.CUDA else None

@@ -6,7 +6,8 @@ table area the copy kernel reads its descriptor arrays from (zero-copy, mapped h
 
 - :class:`CudaCopier`: the batched gather/scatter kernel of ``native/cuda/kvx_copy.cu`` (the one
   the cuda backend compiles; one launch per chunk and device on a blocking stream of that device,
-  so work queued on the legacy default stream before a post is ordered before the copy), and a
+  so work queued on the legacy default stream before a post is ordered before the copy; a
+  non-blocking one with ``KVX_CUDA_ORDER=caller``), and a
   CUDA event per launch; slots come from ``cudaHostAlloc`` (portable, mapped).
 - :class:`HostCopier`: the native batched memcpy on a thread of its own, asynchronous like a
   stream; slots are numpy buffers. Host memory takes this path only when
@@ -217,12 +218,12 @@ class HostCopier(Copier):
 class _Gpu:
     """One device's stream and copy kernel."""
 
-    def __init__(self, cp: Any, dev: int) -> None:
+    def __init__(self, cp: Any, dev: int, order: str) -> None:
         from ..._cuda import copy_module
 
         self.dev = dev
-        with cp.cuda.Device(dev):
-            self.stream = cp.cuda.Stream(non_blocking=False)
+        with cp.cuda.Device(dev):  # blocking unless the caller orders its copies (KVX_CUDA_ORDER)
+            self.stream = cp.cuda.Stream(non_blocking=order == "caller")
             self.kernel = copy_module(cp).get_function("kvx_gather_copy_i32")
             self.cap = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"]) * _CTAS_PER_SM
         self.lock = threading.Lock()
@@ -231,11 +232,12 @@ class _Gpu:
 class CudaCopier(Copier):
     """CUDA memory: the batched copy kernel between device blocks and a pinned slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: str = "legacy") -> None:
         from ..._cuda import import_cupy, require_runtime
 
         require_runtime("tcp transfers of GPU memory")
         self.cp = import_cupy()
+        self.order = order
         self._gpus: dict[int, _Gpu] = {}
         self._lock = threading.Lock()
 
@@ -245,7 +247,7 @@ class CudaCopier(Copier):
             with self._lock:
                 g = self._gpus.get(dev)
                 if g is None:
-                    g = self._gpus[dev] = _Gpu(self.cp, dev)
+                    g = self._gpus[dev] = _Gpu(self.cp, dev, self.order)
         return g
 
     def alloc(self, size: int) -> Slot:
@@ -320,16 +322,18 @@ class CudaCopier(Copier):
         return self._launch(slot, addr, nb, dev, False)
 
 
-_CUDA: list[CudaCopier] = []
+_CUDA: dict[str, CudaCopier] = {}
 _CUDA_LOCK = threading.Lock()
 
 
-def cuda_copier() -> CudaCopier:
-    """The process's CUDA copier (made at first use; raises BackendUnavailable without CUDA)."""
+def cuda_copier(order: str = "legacy") -> CudaCopier:
+    """The process's CUDA copier of that stream order (made at first use; raises
+    BackendUnavailable without CUDA)."""
     with _CUDA_LOCK:
-        if not _CUDA:
-            _CUDA.append(CudaCopier())
-        return _CUDA[0]
+        c = _CUDA.get(order)
+        if c is None:
+            c = _CUDA[order] = CudaCopier(order)
+        return c
 
 
 _live_lock = threading.Lock()

@@ -64,6 +64,7 @@ class _Target:
         stage_bytes: int
         stage_slots: int
         _host_copier: HostCopier | None
+        cuda_order: str
         _closed: bool
         _lock: threading.RLock
         _lsock: socket.socket
@@ -95,7 +96,7 @@ class _Target:
             raise RegistrationError("tcp backend registers HOST and CUDA memory only")
         if region.kind == MemoryKind.CUDA:
             try:
-                cuda_copier()
+                cuda_copier(self.cuda_order)
             except BackendUnavailable as exc:
                 raise RegistrationError(f"tcp cannot stage this GPU memory: {exc}") from exc
         with self._cv:
@@ -253,7 +254,7 @@ class _Target:
     def _copier_for(self, kind: int) -> Copier | None:
         """The copier staging target memory of ``kind``, or None when it is received in place."""
         if kind == int(MemoryKind.CUDA):
-            return cuda_copier()
+            return cuda_copier(self.cuda_order)
         return self._host_copier
 
     def _reap(self, fd: int, st: _ServeStaging, block: bool) -> None:

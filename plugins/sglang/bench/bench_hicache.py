@@ -14,7 +14,9 @@ default (no prefault: a first write into a never-written slot goes through ``pwr
 the default is 0: two columns of one configuration in one run show the run's noise);
 ``kvx-window`` prefaults a window of PREFAULT_BATCHES batches ahead of the fill in a background
 thread, whose work is let finish outside every timed region, reported per batch and also
-charged to its sets.
+charged to its sets. Besides wall-clock pages/s, the process CPU time of each set and get is
+reported (its ratios: the other store's CPU time over kvx's), which other load on a shared
+machine disturbs far less.
 
     python bench/bench_hicache.py [--dir DIR] [--rounds N] [--page-sizes 16,64] [--json OUT]
 """
@@ -117,26 +119,29 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
         _settle(backends[nm][0])  # a background prefault started by the build ends before the next build
     pf0 = {nm: _prefault_s(b[0]) for nm, b in backends.items()}  # populated at creation
     times: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
+    cpu: dict[str, dict[str, list[float]]] = {nm: {"set": [], "get": []} for nm in names}
     for r in range(rounds + 1):  # round 0 warms up (first files, first transfers) and is not counted
         order = names[r % len(names):] + names[: r % len(names)]
         for nm in order:
             _b, ctl, (pset, pget) = backends[nm]
             keys = [f"{page_size:04x}{r:08x}{i:052x}" for i in range(n)]
             _settle(_b)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             ok = pset(ctl, keys, src_idx)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             _settle(_b)  # kvx's background prefault runs here, not during another backend's timing
             assert ok, f"{nm}: batch set failed"
             pool.kv_buffer[:, n * page_size:].zero_()
-            t2 = time.perf_counter()
+            c2, t2 = time.process_time(), time.perf_counter()
             got = pget(ctl, op, keys, dst_idx)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
             assert got == n, f"{nm}: loaded {got} of {n} pages"
             assert [page_bytes(pool, p) for p in dst] == want, f"{nm}: loaded pages differ"
             if r:
                 times[nm]["set"].append(t1 - t0)
                 times[nm]["get"].append(t3 - t2)
+                cpu[nm]["set"].append(c1 - c0)
+                cpu[nm]["get"].append(c3 - c2)
     prefault = {nm: (pf0[nm], _prefault_s(b[0]) - pf0[nm]) for nm, b in backends.items()}
     for b, _c, _f in backends.values():
         if hasattr(b, "close"):
@@ -150,6 +155,7 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
             for stat, f in (("median", statistics.median), ("best", min)):
                 t = f(times[nm][opn])
                 row[f"{opn}_{stat}"] = {"s_per_batch": t, "pages_per_s": n / t, "GB_per_s": n * pb / t / 1e9}
+            row[f"{opn}_cpu_median_s"] = statistics.median(cpu[nm][opn])
         out["backends"][nm] = row
     return out
 
@@ -196,6 +202,16 @@ def main() -> None:
                 line += "".join(f" {rows[k][opn]['pages_per_s'] / rows[r][opn]['pages_per_s']:>13.2f}x"
                                 for k, r in pairs)
                 print(line)
+    print(f"## process CPU time per batch, median of {a.rounds} rounds (all threads of this process, "
+          "kernel time in its calls included; less sensitive to other load than the wall times above)")
+    for res in results:
+        rows = res["backends"]
+        for op in ("set", "get"):
+            line = f"{res['page_size']:>5} {res['page_bytes'] / 1024:>8.0f} {op:>4} "
+            line += " ".join(f"{1e3 * rows[nm][f'{op}_cpu_median_s']:>20.1f} ms" for nm in names)
+            line += "".join(f" {rows[r][f'{op}_cpu_median_s'] / rows[k][f'{op}_cpu_median_s']:>13.2f}x"
+                            for k, r in pairs)
+            print(line)
     for res in results:
         print(f"## time to build each backend (page {res['page_size']}, store of {res['capacity_gib']:.2f} GiB; "
               "kvx: of which prefault), and per GiB of store: "

@@ -39,7 +39,7 @@ import kvx
 from kvx import DescList, MemoryKind
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from kvx_sglang.pdplan import Mode, heads_held, page_rows, plan_pair, token_descs, token_rows
+from kvx_sglang.pdplan import Mode, heads_held, page_rows, plan_pair, slice_descs
 
 PAGE = 64
 CPU = False  # --cpu: host memory, a check of the plan's logic where there is no GPU
@@ -142,16 +142,15 @@ def build_plan(kind: str, pre: list[Rank], dec: list[Rank]) -> list[tuple[Any, .
             dst = a.agent.prepare(DescList.from_bytes(b.page_list.descs.to_bytes()), peer=peer)
             plan.append((a, b, pair.mode, a.page_list, a.page_base, dst, b.page_base))
         elif pair.mode is Mode.SLICE:
+            # one strided descriptor per page (PAGE token rows of the head run), as KVXKVManager does
             br = b.rows
-            addr, size, dbase = token_descs([r[0] for r in br], [r[1] for r in br], [r[2] for r in br], PAGE,
-                                            pair.dst_off, pair.nbytes)
-            dst = a.agent.prepare(DescList.from_arrays(kind=mem_kind(), addr=addr, nbytes=size, dev=dev_b),
-                                  peer=peer)
+            ddescs, dbase = slice_descs([r[0] for r in br], [r[1] for r in br], [r[2] for r in br], PAGE,
+                                        pair.dst_off, pair.nbytes, kind=mem_kind(), dev=dev_b)
+            dst = a.agent.prepare(DescList.from_bytes(ddescs.to_bytes()), peer=peer)
             ar = a.rows
-            addr, size, sbase = token_descs([r[0] for r in ar], [r[1] for r in ar], [r[2] for r in ar], PAGE,
-                                            pair.src_off, pair.nbytes)
-            src = a.agent.prepare(DescList.from_arrays(kind=mem_kind(), addr=addr, nbytes=size,
-                                                       dev=dev_id(a.bufs[0])))
+            sdescs, sbase = slice_descs([r[0] for r in ar], [r[1] for r in ar], [r[2] for r in ar], PAGE,
+                                        pair.src_off, pair.nbytes, kind=mem_kind(), dev=dev_id(a.bufs[0]))
+            src = a.agent.prepare(sdescs)
             plan.append((a, b, pair.mode, src, sbase, dst, dbase))
         else:
             plan.append((a, b, pair.mode, None, None, None, None))
@@ -165,7 +164,7 @@ def send(plan: list[tuple[Any, ...]], src_pages: np.ndarray, dst_pages: np.ndarr
         if mode is Mode.PAGES:
             xs.append(a.agent.write(src, page_rows(sbase, src_pages), dst, page_rows(dbase, dst_pages)))
         elif mode is Mode.SLICE:
-            xs.append(a.agent.write(src, token_rows(sbase, src_pages, PAGE), dst, token_rows(dbase, dst_pages, PAGE)))
+            xs.append(a.agent.write(src, page_rows(sbase, src_pages), dst, page_rows(dbase, dst_pages)))
     for x in xs:
         x.wait(60.0)
 

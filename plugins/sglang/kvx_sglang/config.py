@@ -15,7 +15,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
                          "enable_metadata_cache", "metadata_ttl"})
 STORES = ("file", "tiered")
 #: Number settings that may be 0 (off).
-_ZERO_OK = frozenset({"prefault_gb"})
+_ZERO_OK = frozenset({"prefault_gb", "pool_capacity_gb"})
 _GB = 1 << 30
 
 
@@ -59,6 +59,14 @@ class HiCacheKVXConfig:
         Bound on one batch transfer.
     policy
         Eviction policy of the tiered store (``kvx.tiers.POLICIES``), default adaptive.
+    pool_etcd, pool_name, pool_member, pool_capacity_gb, pool_host, pool_replicas, pool_timeout_s
+        A cluster-wide kvx pool (``docs/pool.md``) as the last tier of the tiered store, on
+        with ``pool_etcd`` (etcd endpoint(s), ``http://host:2379``): pool
+        ``{pool_name}.{config suffix}`` (one per model and rank), this instance's member name
+        ``pool_member`` (default: host name and process id), ``pool_capacity_gb`` of host
+        memory stored for the pool (0: a client), listening on ``pool_host`` (the address other
+        members dial), ``pool_replicas`` owners per page fragment, ``pool_timeout_s`` the bound
+        on one round with one member.
     """
 
     store: str = "file"
@@ -75,6 +83,13 @@ class HiCacheKVXConfig:
     s3_bucket: str | None = None
     s3_gb: float = 256.0
     policy: str | None = None
+    pool_etcd: str | None = None
+    pool_name: str = "kvx"
+    pool_member: str | None = None
+    pool_capacity_gb: float = 0.0
+    pool_host: str = "127.0.0.1"
+    pool_replicas: float = 1.0
+    pool_timeout_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "HiCacheKVXConfig":
@@ -92,7 +107,8 @@ class HiCacheKVXConfig:
             if f is None:
                 raise UsageError(f"unknown kvx HiCache setting {k!r} (known: {', '.join(sorted(mine))})")
             want = {"store": str, "path": str, "disk_path": str, "s3_bucket": str, "policy": str,
-                    "fsync": bool, "direct_io": bool, "inline": bool}.get(k, float)
+                    "fsync": bool, "direct_io": bool, "inline": bool, "pool_etcd": str, "pool_name": str,
+                    "pool_member": str, "pool_host": str}.get(k, float)
             if want is float:
                 zero_ok = k in _ZERO_OK
                 if (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if zero_ok else v > 0)
@@ -106,7 +122,26 @@ class HiCacheKVXConfig:
         cfg = cls(**kw)
         if cfg.store not in STORES:
             raise UsageError(f"kvx HiCache store must be one of {STORES}, not {cfg.store!r}")
+        cfg._check_pool({k for k in kw if k.startswith("pool_")})
         return cfg
+
+    def _check_pool(self, given: set[str]) -> None:
+        if not self.pool_etcd:
+            if given:
+                raise UsageError(f"kvx HiCache settings {sorted(given)} need pool_etcd (the pool's etcd endpoint)")
+            return
+        if self.store != "tiered":
+            raise UsageError('the kvx pool is the last tier of the tiered store: set "store": "tiered"')
+        if not all(e.strip().startswith(("http://", "https://")) for e in self.pool_etcd.split(",")):
+            raise UsageError(f"pool_etcd must be http(s)://host:port endpoints, not {self.pool_etcd!r}")
+        if self.pool_replicas != int(self.pool_replicas) or not 1 <= self.pool_replicas <= 8:
+            raise UsageError(f"pool_replicas must be an int in 1..8, not {self.pool_replicas!r}")
+        for k in ("pool_name", "pool_member", "pool_host"):
+            v = getattr(self, k)
+            if v is not None and (not v or "/" in v or len(v) > 100):
+                raise UsageError(f"kvx HiCache setting {k!r} must be a non-empty string without '/', not {v!r}")
+        if self.pool_host in ("0.0.0.0", "::"):
+            raise UsageError("pool_host is the address other members dial: not a wildcard")
 
     def bytes_of(self, gb: float) -> int:
         return int(gb * _GB)

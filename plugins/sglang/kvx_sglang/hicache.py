@@ -17,6 +17,7 @@ never reported as loaded.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ from kvx.tiers.checksum import keep_digests
 
 from .config import HiCacheKVXConfig
 from .layout import LayoutError, PageGeometry
-from .slab import FirstFill, SlabStore
+from .slab import PwritevWriter, SlabStore
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,22 @@ class _HostView:
         return combine(out.reshape(len(pages), nf))
 
 
+def _pool_tier(cfg: HiCacheKVXConfig, frag: int, name: str) -> Any:
+    """The kvx pool of this model and rank (``name``) as the tiered store's last tier; the store's
+    close leaves it."""
+    import socket
+
+    from kvx.pool import Pool, PoolConfig, PoolTier
+
+    cap = cfg.bytes_of(cfg.pool_capacity_gb)
+    cap -= cap % frag
+    member = f"{cfg.pool_member or f'{socket.gethostname()}-{os.getpid()}'}-{name}"
+    pool = Pool(member[:200], etcd=cfg.pool_etcd or "", pool=f"{cfg.pool_name}.{name}"[:200], capacity=cap,
+                block_bytes=frag, options=PoolConfig(host=cfg.pool_host, replicas=int(cfg.pool_replicas),
+                                                     timeout=cfg.pool_timeout_s))
+    return PoolTier(pool, close_pool=True)
+
+
 class _TieredPages:
     """Pages in a ``kvx.tiers.TieredStore``: one block per page fragment, keyed ``key/f``."""
 
@@ -97,6 +114,9 @@ class _TieredPages:
         if cfg.s3_bucket:
             tiers.append(ObjectTier(cfg.s3_bucket, nbytes=max(cfg.bytes_of(cfg.s3_gb), frag), prefix=name))
         kw: dict[str, Any] = {} if cfg.policy is None else {"policy": cfg.policy}
+        self._digest = bool(cfg.pool_etcd)
+        if cfg.pool_etcd:
+            kw["remote"] = _pool_tier(cfg, frag, name)
         self.store = TieredStore(tiers, frag, **kw)
         try:
             self._reg = self.store.agent.register([kvx.RawRegion(a, n) for a, n in ranges])
@@ -110,7 +130,10 @@ class _TieredPages:
 
     def _fkeys(self, keys: list[str]) -> list[bytes]:
         nf = self.geom.nfrag
-        return [f"{k}/{f}".encode() for k in keys for f in range(nf)]
+        fk = [f"{k}/{f}".encode() for k in keys for f in range(nf)]
+        if self._digest:  # a pool keys blocks by at most 64 bytes: SGLang's keys are longer
+            return [hashlib.blake2b(k, digest_size=32).digest() for k in fk]
+        return fk
 
     def prefix(self, keys: list[str]) -> int:
         return self.store.lookup(self._fkeys(keys)).hits // self.geom.nfrag
@@ -209,7 +232,7 @@ class HiCacheKVX(HiCacheStorage):
                 if not self.cfg.direct_io:  # checksums taken by the posix copy itself
                     moved = keep_digests(self.agent, self._host)
                 view = _HostView(ranges, geom, moved)
-                fill = None if self.cfg.direct_io or not self.writer else self._first_fill(ranges, geom)
+                fill = None if self.cfg.direct_io or not self.writer else self._pwritev_writer(ranges, geom)
                 capacity = max(1, self.cfg.bytes_of(self.cfg.capacity_gb) // geom.page_bytes)
                 self.pages = SlabStore(self.agent, self.cfg.path, name, geom, capacity, view.digest,
                                        writer=self.writer, timeout=self.cfg.timeout_s, fsync=self.cfg.fsync,
@@ -227,8 +250,8 @@ class HiCacheKVX(HiCacheStorage):
         log.info("HiCacheKVX: %s store, layout %s, %d fragment(s) of %s bytes per page", self.cfg.store,
                  geom.layout, geom.nfrag, ",".join(map(str, sorted(set(geom.sizes.tolist())))))
 
-    def _first_fill(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> FirstFill:
-        """A second agent for the slab's never-written slots: posix with ``pwritev`` (no mapping)."""
+    def _pwritev_writer(self, ranges: list[tuple[int, int]], geom: PageGeometry) -> PwritevWriter:
+        """A second agent that writes the slab's pages: posix with ``pwritev`` (no mapping)."""
         agent = kvx.Agent(f"hicache-kvx-fill-{os.getpid()}-{id(self):x}",
                           kvx.AgentConfig(backends=("posix",), options={"posix": PosixOptions(mmap=False)},
                                           **self._inline()))
@@ -236,7 +259,7 @@ class HiCacheKVX(HiCacheStorage):
         agent.register([kvx.RawRegion(a, n) for a, n in ranges])
         host = agent.prepare(DescList.from_arrays(kind=MemoryKind.HOST, addr=geom.host_addrs(),
                                                   nbytes=geom.host_sizes()))
-        return FirstFill(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
+        return PwritevWriter(agent, host, _HostView(ranges, geom, keep_digests(agent, host)).digest)
 
     def _inline(self) -> dict[str, Any]:
         """AgentConfig settings that run every buffered batch in the calling thread (``inline``)."""

@@ -46,7 +46,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 import kvx
 from kvx import DescList, MemoryKind
 
-from .pdplan import Mode, Pair, PlanError, page_rows, plan_pair, token_descs, token_rows
+from .pdplan import Mode, Pair, PlanError, page_rows, plan_pair, slice_descs
 
 log = logging.getLogger(__name__)
 
@@ -229,15 +229,15 @@ class KVXKVManager(CommonKVManager):
         return self.agent.prepare(descs), base
 
     def _src_slice(self, pair: Pair) -> tuple[kvx.PreparedList, np.ndarray]:
-        """This rank's per-token list of one head run (made once per distinct run, shared by peers)."""
+        """This rank's strided list of one head run, a descriptor per page (made once per distinct
+        run, shared by peers)."""
         key = (pair.src_off, pair.nbytes)
         got = self._slices.get(key)
         if got is None:
             kv = self.layout.kv
-            addr, size, base = token_descs([r[0] for r in kv], [r[1] for r in kv], [r[2] for r in kv],
-                                           self.layout.page, pair.src_off, pair.nbytes)
-            got = (self.agent.prepare(DescList.from_arrays(kind=self.mem_kind, addr=addr, nbytes=size,
-                                                           dev=self.dev)), base)
+            descs, base = slice_descs([r[0] for r in kv], [r[1] for r in kv], [r[2] for r in kv],
+                                      self.layout.page, pair.src_off, pair.nbytes, kind=self.mem_kind, dev=self.dev)
+            got = (self.agent.prepare(descs), base)
             self._slices[key] = got
         return got
 
@@ -357,9 +357,10 @@ class KVXKVManager(CommonKVManager):
             kv_descs, kv_base = _blocks(layout.kv, kind, layout.dev)
             kv = self.agent.prepare(kv_descs, peer=peer)
         elif pair is not None and pair.mode is Mode.SLICE:
-            addr, size, kv_base = token_descs([r[0] for r in layout.kv], [r[1] for r in layout.kv],
-                                              [r[2] for r in layout.kv], layout.page, pair.dst_off, pair.nbytes)
-            kv = self.agent.prepare(DescList.from_arrays(kind=kind, addr=addr, nbytes=size, dev=layout.dev), peer=peer)
+            kv_descs, kv_base = slice_descs([r[0] for r in layout.kv], [r[1] for r in layout.kv],
+                                            [r[2] for r in layout.kv], layout.page, pair.dst_off, pair.nbytes,
+                                            kind=kind, dev=layout.dev)
+            kv = self.agent.prepare(kv_descs, peer=peer)
             src, src_base = self._src_slice(pair)
         aux = None
         aux_base = np.zeros(0, np.int64)
@@ -450,9 +451,8 @@ class KVXKVManager(CommonKVManager):
                                                   page_rows(peer.kv_base, dst_pages)))
                 else:
                     assert peer.src is not None and peer.src_base is not None
-                    ps = self.layout.page
-                    xfers.append(self.agent.write(peer.src, token_rows(peer.src_base, src_pages, ps), peer.kv,
-                                                  token_rows(peer.kv_base, dst_pages, ps)))
+                    xfers.append(self.agent.write(peer.src, page_rows(peer.src_base, src_pages), peer.kv,
+                                                  page_rows(peer.kv_base, dst_pages)))
                 self.pages_sent += int(src_pages.size)
             if last and aux_index is not None and info.aux_index is not None and peer.aux is not None \
                     and self.aux_local is not None:

@@ -12,14 +12,16 @@ on every rank.
 - ``PAGES``: the two ranks hold the same bytes per page (same TP size, or MLA): one descriptor
   per page of every buffer, whole pages;
 - ``SLICE``: different TP sizes, MHA: the heads both ranks hold, a run of bytes inside each
-  token's row on both sides (one descriptor per token of every buffer);
+  token's row on both sides (one strided descriptor per page of every buffer: ``page_size`` runs,
+  a row apart);
 - ``SKIP``: another prefill rank of the same decode rank holds the same (replicated) heads and
   sends them; this one sends nothing but completes the room.
 
-:func:`token_descs` builds a rank's per-token descriptor arrays once (numpy, every token of
-every buffer); :func:`page_rows` and :func:`token_rows` turn a request's page numbers into rows of
-those lists, vectorised. Used by :mod:`kvx_sglang.pd` and by the GPU benchmark (which cannot
-import SGLang).
+:func:`slice_descs` builds a rank's strided list of one head run once (numpy, a descriptor per
+page of every buffer); :func:`page_rows` turns a request's page numbers into rows of a per-page
+list (whole pages or head runs alike), vectorised. :func:`token_descs` / :func:`token_rows` are the
+per-token form (a descriptor per token) for callers that need plain lists. Used by
+:mod:`kvx_sglang.pd` and by the GPU benchmark (which cannot import SGLang).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvx import UsageError
+from kvx import DescList, MemoryKind, UsageError
 
-__all__ = ["Mode", "Pair", "PlanError", "heads_held", "page_rows", "plan_pair", "token_descs", "token_rows"]
+__all__ = ["Mode", "Pair", "PlanError", "heads_held", "page_rows", "plan_pair", "slice_descs", "token_descs",
+           "token_rows"]
 
 
 class PlanError(UsageError):
@@ -137,6 +140,26 @@ def token_descs(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], 
         sizes.append(np.full(tokens, nb, dtype=np.int64))
     base = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
     return np.concatenate(addrs), np.concatenate(sizes), base
+
+
+def slice_descs(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], page_size: int,
+                offs: Sequence[int], nbytes: Sequence[int], *, kind: MemoryKind, dev: int = 0
+                ) -> tuple[DescList, np.ndarray]:
+    """``(descs, base)``: a strided descriptor per page of every buffer (buffer-major): the run of
+    ``nbytes[b]`` bytes at ``offs[b]`` inside each of the page's ``page_size`` token rows;
+    ``base[b]``: buffer ``b``'s first row. A request's rows are :func:`page_rows` of it."""
+    counts, addrs, sizes, strides = [], [], [], []
+    for p, n, item, off, nb in zip(ptrs, lens, items, offs, nbytes):
+        pages = n // item
+        counts.append(pages)
+        addrs.append(int(p) + off + np.arange(pages, dtype=np.int64) * item)
+        sizes.append(np.full(pages, nb, dtype=np.int64))
+        strides.append(np.full(pages, item // page_size, dtype=np.int64))
+    base = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    descs = DescList.strided(kind=kind, addr=np.concatenate(addrs).astype(np.uint64),
+                             nbytes=np.concatenate(sizes).astype(np.uint64), count=page_size,
+                             stride=np.concatenate(strides).astype(np.uint64), dev=dev)
+    return descs, base
 
 
 def page_rows(base: np.ndarray, pages: np.ndarray) -> np.ndarray:

@@ -13,21 +13,21 @@ writer) follow the writer's journal.
 
 Eviction is least-recently-used over whole pages when the slab is full.
 
-First fill: a first write into a slot allocates its page-cache pages. Through the mapping (what
-the posix backend does for a buffered write) that allocation is a write fault per run, and the
-fault path reads the run in first: readahead allocates large folios (up to 2 MiB) and zero-fills
-them, then the copy fills them again. Given a :class:`FirstFill` (a second kvx agent whose posix
-backend writes with ``pwritev``, not through a mapping), slots never written since the slab was
-opened go through ``pwritev`` instead, one call per page: the kernel's write path allocates
-page-cache folios no larger than the write and copies into them once, as HiCacheNixl's
-one-file-per-page ``pwrite`` does. Slots written before (rewrites after eviction) keep the
-mapping, where dirty cached pages cost nothing.
+Writes: given a :class:`PwritevWriter` (a second kvx agent whose posix backend writes with
+``pwritev``, not through a mapping), every page is written with one ``pwritev`` of its fragments.
+Through the mapping (what the posix backend does for a buffered write) a first write into a slot
+is a write fault per run whose readahead allocates large folios and zero-fills them before the
+copy fills them again, and a rewrite of a slot whose pages are mapped read-only (read back since,
+or cleaned by writeback: the steady state of a full store) is a write fault per 4 KiB page; the
+kernel's write path allocates page-cache folios no larger than the write and copies into them
+once, as HiCacheNixl's one-file-per-page ``pwrite`` does, and rewrites cached pages without a
+fault (docs/benchmarks.md, "HiCache gets and rewrites"). Reads copy out of the mapping.
 
 Prefault (optional, ``prefault`` bytes, off by default): the slots next in line for a first write
 are read into the page cache ahead of time (``MADV_POPULATE_READ`` over a mapping of the slab:
 zero pages, clean, no disk I/O) by a background thread that stays that far ahead of the fill,
-starting when the slab is opened (opening does not wait for it). With the ``pwritev`` first fill
-it rarely pays: it allocates the same page cache, in large folios, off the set's path.
+starting when the slab is opened (opening does not wait for it). With ``pwritev`` writes it
+rarely pays: it allocates the same page cache, in large folios, off the set's path.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 @dataclass(frozen=True, slots=True)
-class FirstFill:
-    """Where never-written slots are written from: an agent whose posix backend uses ``pwritev``.
+class PwritevWriter:
+    """What pages are written to the slab with: an agent whose posix backend uses ``pwritev``.
 
     Attributes
     ----------
@@ -107,8 +107,8 @@ class SlabStore:
         Bytes of page cache kept populated ahead of the first never-written slot (0: none), by a
         background thread that starts with the first window when the slab is opened.
     fill
-        Write never-written slots with ``pwritev`` through this agent (see the module
-        docstring); None: every write goes through ``agent``.
+        Write pages with ``pwritev`` through this agent (see the module docstring); None: every
+        write goes through ``agent`` (its mapping, or O_DIRECT).
     """
 
     #: Bytes populated per madvise call of the prefault thread (a stop request waits at most one).
@@ -120,7 +120,7 @@ class SlabStore:
     def __init__(self, agent: kvx.Agent, directory: str, name: str, geom: PageGeometry, capacity: int,
                  digest: Callable[[np.ndarray], np.ndarray], writer: bool = True, timeout: float = 60.0,
                  fsync: bool = False, chunks: int = CHUNKS, prefault: int = 0,
-                 fill: FirstFill | None = None) -> None:
+                 fill: PwritevWriter | None = None) -> None:
         if capacity <= 0:
             raise UsageError("slab capacity must be at least one page")
         self.agent = agent
@@ -368,7 +368,6 @@ class SlabStore:
         new_i: list[int] = []
         slots: list[int] = []
         with self._lock:
-            fresh_from = self._fresh  # slots from here on were never written since the slab was opened
             batch = set(keys)
             seen: set[str] = set()
             for i, k in enumerate(keys):
@@ -393,7 +392,7 @@ class SlabStore:
         if not new_i:
             return ok
         try:
-            sums = self._write(pages[new_i], np.asarray(slots, dtype=np.int64), fresh_from, host)
+            sums = self._write(pages[new_i], np.asarray(slots, dtype=np.int64), host)
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
@@ -410,35 +409,27 @@ class SlabStore:
             self._append(recs)
             return [k in self._index for k in keys]
 
-    def _write(self, pages: np.ndarray, slots: np.ndarray, fresh_from: int, host: kvx.PreparedList) -> np.ndarray:
+    def _write(self, pages: np.ndarray, slots: np.ndarray, host: kvx.PreparedList) -> np.ndarray:
         """Write host ``pages`` into ``slots``; their checksums, in order.
 
-        Slots at or past ``fresh_from`` (never written since the slab was opened) go through the
-        first-fill agent's ``pwritev`` when there is one, in two transfers of alternating slots:
-        no two pages of one transfer are adjacent in the file, so each page is one ``pwritev``
-        of its fragments (the kernel sizes the page-cache folios it allocates by the write).
+        With a :class:`PwritevWriter`: two transfers of alternating slots, so that no two pages
+        of one transfer are adjacent in the file and each page is one ``pwritev`` of its
+        fragments (the kernel sizes the page-cache folios it allocates by the write).
         """
         g = self.geom
         fill = self._fill
-        new = slots >= fresh_from if fill is not None else np.zeros(len(slots), dtype=bool)
+        if fill is None:
+            self.agent.write(host, g.frag_index(pages), self._plist, g.frag_index(slots)).wait(self.timeout)
+            return self.digest(pages)
         xs = []
-        old = ~new
-        if old.any():
-            xs.append(self.agent.write(host, g.frag_index(pages[old]), self._plist, g.frag_index(slots[old])))
-        if fill is not None and new.any():
-            for parity in (0, 1):
-                sel = new & (slots % 2 == parity)
-                if sel.any():
-                    xs.append(fill.agent.write(fill.host, g.frag_index(pages[sel]), self._fill_plist,
-                                               g.frag_index(slots[sel])))
+        for parity in (0, 1):
+            sel = slots % 2 == parity
+            if sel.any():
+                xs.append(fill.agent.write(fill.host, g.frag_index(pages[sel]), self._fill_plist,
+                                           g.frag_index(slots[sel])))
         for x in xs:
             x.wait(self.timeout)
-        sums = np.empty(len(slots), dtype=np.uint64)
-        if old.any():
-            sums[old] = self.digest(pages[old])
-        if fill is not None and new.any():
-            sums[new] = fill.digest(pages[new])
-        return sums
+        return fill.digest(pages)
 
     def get(self, keys: Sequence[str], pages: np.ndarray, host: kvx.PreparedList) -> list[bool]:
         """Read the stored prefix of ``keys`` into host pages ``pages``; verify each page.

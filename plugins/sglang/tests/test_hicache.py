@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from kvx_sglang.hicache import HiCacheKVX
@@ -13,6 +14,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import kvx
+from kvx.testing.etcd import etcd_server  # noqa: F401  (fixture)
 
 EXTRA = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
          "interface_v1": 1}
@@ -196,6 +198,13 @@ def test_unsupported_layout_is_refused(tmp_path):
     ({"fsync": "yes"}, "must be a bool"),
     ({"prefault_gb": -1}, "must be a number >= 0"),
     ({"capacity_gb": float("inf")}, "positive number"),
+    ({"pool_name": "x"}, "need pool_etcd"),
+    ({"pool_etcd": "http://e:1"}, "tiered"),
+    ({"store": "tiered", "pool_etcd": "e:1"}, "http"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_replicas": 1.5}, "1..8"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_host": "0.0.0.0"}, "wildcard"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_member": "a/b"}, "without '/'"),
+    ({"store": "tiered", "pool_etcd": "http://e:1", "pool_capacity_gb": -1}, "number >= 0"),
 ])
 def test_bad_extra_config_is_a_clear_error(tmp_path, extra, msg):
     cfg = storage_config(dict(EXTRA, path=str(tmp_path), **extra))
@@ -398,15 +407,16 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     assert not any(t.name == "kvx-slab-prefault" and t.is_alive() for t in threading.enumerate())
 
 
-def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_path):
-    """Never-written slots are written by the first-fill agent (posix without a mapping: pwritev),
-    alternate slots per transfer; slots reused after eviction by the main agent (the mapping).
-    Every page reads back exact, also after the store is opened again."""
+def test_every_write_goes_through_pwritev(tmp_path):
+    """Pages are written by the pwritev agent (posix without a mapping), alternate slots per
+    transfer, both into never-written slots and into slots reused after eviction (whose pages
+    were read back through the mapping: mapped read-only); nothing through the main agent's
+    mapping. Every page reads back exact, also after the store is opened again."""
     pool = mha_pool("page_first")
     fill(pool, 21)
     pb = pool.page_size * pool.size_per_token
     b = make(tmp_path, pool, capacity_gb=8 * pb / (1 << 30))  # 8 slots: the third batch evicts
-    calls = {"fill": [], "main": []}
+    calls: dict[str, list[np.ndarray]] = {"fill": [], "main": []}
     try:
         slab = b.pages
         assert slab._fill is not None and b.pages.prefault_seconds == 0  # the default: no prefault
@@ -414,20 +424,26 @@ def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_pa
             real = agent.write
 
             def spy(local, lidx, remote, ridx, *a, _real=real, _who=who, **kw):
-                calls[_who].append(len(ridx))
+                calls[_who].append(np.asarray(ridx).copy())
                 return _real(local, lidx, remote, ridx, *a, **kw)
 
             agent.write = spy
         src = list(range(4))
         want = {}
+        nf = slab.geom.nfrag
         for r in range(3):
             ks = keys(4, f"f{r}")
             fill(pool, 30 + r)
             want[r] = [page_bytes(pool, p) for p in src]
             assert all(b.batch_set_v1(ks, token_indices(src, pool.page_size)))
-            if r < 2:  # fresh slots: two pwritev transfers (even, odd slots), nothing through the mapping
-                assert len(calls["fill"]) == 2 * (r + 1) and not calls["main"]
-        assert calls["main"] and len(calls["fill"]) == 4  # the third batch rewrote evicted slots
+            assert len(calls["fill"]) == 2 * (r + 1) and not calls["main"]  # two transfers: even, odd slots
+            for ridx in calls["fill"][-2:]:
+                slots = np.unique(ridx // nf)
+                assert len(set((slots % 2).tolist())) == 1 and len(ridx) == 2 * nf  # no two adjacent pages
+            if r == 0:
+                assert all(b.batch_get_v1(ks, token_indices(src, pool.page_size)))  # read back: mapped
+        reused = np.unique(np.concatenate(calls["fill"][-2:]) // nf)
+        assert set(reused.tolist()) <= set(np.unique(np.concatenate(calls["fill"][:2]) // nf).tolist())
         fill(pool, 99)
         for r in (1, 2):
             assert all(b.batch_get_v1(keys(4, f"f{r}"), token_indices(src, pool.page_size)))
@@ -441,3 +457,36 @@ def test_first_fill_goes_through_pwritev_and_rewrites_through_the_mapping(tmp_pa
         assert [page_bytes(pool, p) for p in src] == want[2]
     finally:
         b.close()
+
+
+def test_two_instances_share_pages_through_a_kvx_pool(tmp_path, etcd_server):  # noqa: F811
+    """Two HiCache backends of two instances (their own host pools and members) over one kvx
+    pool in a real etcd: what A stores, B finds and loads, byte for byte."""
+    import time
+
+    common = {"pool_etcd": etcd_server.endpoint, "pool_name": f"sg{time.monotonic_ns()}", "pool_timeout_s": 3}
+    pa, pb = mha_pool("page_first"), mha_pool("page_first")
+    fill(pa, 3)
+    cap = 64 * pa.page_size * pa.size_per_token / (1 << 30)
+    a = make(tmp_path, pa, "tiered", disk_path=str(tmp_path / "disk-a"), pool_member="inst-a", pool_capacity_gb=cap,
+             **common)
+    b = make(tmp_path, pb, "tiered", disk_path=str(tmp_path / "disk-b"), pool_member="inst-b", pool_capacity_gb=cap,
+             **common)
+    try:
+        pools = [x.pages.store.remote.pool for x in (a, b)]
+        end = time.monotonic() + 5
+        while any(len(p.members()) < 2 for p in pools) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert all(len(p.members()) == 2 for p in pools)
+        src = [3, 7, 8, 20, 41, 63]
+        ks = keys(len(src), "pool")
+        assert b.batch_exists(ks) == 0
+        assert a.batch_set_v1(ks, token_indices(src, pa.page_size)) == [True] * len(src)
+        assert b.batch_exists(ks) == len(src)  # B's own tiers hold nothing: the pool does
+        dst = [50, 2, 30, 31, 5, 6]
+        assert b.batch_get_v1(ks, token_indices(dst, pb.page_size)) == [True] * len(src)
+        assert [page_bytes(pb, p) for p in dst] == [page_bytes(pa, p) for p in src]
+        assert b.pages.store.stats().remote["store"]["hits"] == 2 * len(src)  # two fragments a page
+    finally:
+        b.close()
+        a.close()

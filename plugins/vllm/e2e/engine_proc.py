@@ -10,6 +10,8 @@ It answers one JSON line per command line (prompts are token ids, sampling is gr
   -> ``{"outputs": [{"tokens", "kv_transfer_params", "num_cached_tokens", "ttft_s"}], ...}``
 - ``{"cmd": "drain", "timeout": s}``: step the engine until every KV block is free again (the
   prefill side frees a request's blocks once its decode instance has read them) or ``timeout``;
+- ``{"cmd": "remote"}``: the offload stores' remote tier (the pool) counters, per KV cache group;
+  ``{"cmd": "forget_local"}``: drop every block of the offload stores' local tiers;
 - ``{"cmd": "spoil", "on": true}``: from now on, blocks this (decode) engine pulls are
   overwritten with noise after they arrive and before the model reads them (negative control);
 - ``{"cmd": "lease", "seconds": s}``: the (prefill) connector's lease for requests finishing from now on;
@@ -138,6 +140,15 @@ def main() -> None:
                 core.step()
                 time.sleep(0.01)
             _reply(state())
+        elif c == "remote":
+            # the offload stores' remote tier (a kvx pool) as each store sees it, per KV cache group
+            kvw = getattr(worker_conn, "worker", None)
+            _reply({str(g): st.store.stats().remote for g, st in (kvw._stores.items() if kvw is not None else ())})
+        elif c == "forget_local":
+            # drop every block of the offload stores' local tiers (a remote tier keeps its own)
+            kvw = getattr(worker_conn, "worker", None)
+            n = sum(st.store.delete(list(st.store._where)) for st in (kvw._stores.values() if kvw is not None else ()))
+            _reply({"dropped": n, **state()})
         elif c == "spoil":
             spoil["on"] = bool(cmd.get("on", True))
             _reply(state())

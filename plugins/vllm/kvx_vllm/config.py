@@ -18,6 +18,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .pool import KEYS as POOL_KEYS
+from .pool import PoolSettings
+
 __all__ = ["KVXConnectorConfig"]
 
 
@@ -64,6 +67,9 @@ class KVXConnectorConfig:
         Optional disk tier below it.
     offload_policy
         Eviction policy name (``kvx.tiers.policies.POLICIES``); empty for the store's default.
+    pool
+        The cluster-wide KV pool below the offload tiers (:mod:`kvx_vllm.pool`: the ``pool_*``
+        keys, on with ``pool_etcd``); None: no pool.
     check_model_name
         Also require equal model names (not only equal geometry) between prefill and decode.
     transfer_mode
@@ -100,6 +106,7 @@ class KVXConnectorConfig:
     offload_disk_path: str = ""
     offload_disk_bytes: int = 0
     offload_policy: str = ""
+    pool: PoolSettings | None = None
     check_model_name: bool = True
     staging_blocks: int = 64
     transfer_mode: str = "pull"
@@ -114,6 +121,10 @@ class KVXConnectorConfig:
         extra = dict(extra or {})
         gb = 1 << 30
         kw: dict[str, Any] = {}
+        if "pool" in extra:
+            raise ValueError("unknown kv_connector_extra_config key for KVXConnector: 'pool' (the pool's "
+                             f"keys: {', '.join(POOL_KEYS)})")
+        kw["pool"] = PoolSettings.from_extra(extra)  # takes the pool_* keys out of extra
         if "offload_host_gb" in extra:
             kw["offload_host_bytes"] = int(float(extra.pop("offload_host_gb")) * gb)
         if "offload_disk_gb" in extra:

@@ -202,5 +202,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.build_worker_meta() if self.worker is not None else None
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
         if self.worker is not None:
             self.worker.shutdown()

@@ -19,9 +19,12 @@ A decode rank reads, from each prefill rank that holds some of its heads, those 
 holders). For one (local rank, remote rank) pair and one layer, :func:`template` lists the cells
 of one *super block* (``max`` of the two block sizes, in tokens) in local memory order and merges
 runs contiguous on both sides into pieces: a whole page where both layouts agree, a head slice of
-a block for HND, a token row piece for NHD. :class:`PeerTables` turns the templates into the two
-descriptor lists of that pair, once per peer (``num_blocks * pieces`` descriptors per layer and
-side); a request then needs only index arithmetic (:meth:`PeerTables.indices`): one kvx transfer
+a block for HND, a token row piece for NHD; runs of equal pieces at a constant stride on both
+sides (NHD's token rows) become one strided piece (``count`` pieces, one stride per side), so an
+NHD head slice costs a descriptor per block and plane, not per token. :class:`PeerTables` turns
+the templates into the two descriptor lists of that pair, once per peer (``num_blocks * pieces``
+descriptors per layer and side; strided :class:`kvx.DescList` where a template has strided
+pieces); a request then needs only index arithmetic (:meth:`PeerTables.indices`): one kvx transfer
 per (local rank, remote rank) pair, no Python loop over blocks or tokens.
 """
 
@@ -212,18 +215,82 @@ def read_plan(total: int, tp_local: int, rank: int, tp_remote: int
 # ----------------------------------------------------------------------------------------------
 # pieces
 
+#: largest stride a strided piece takes (kvx.memory.MAX_STRIDE); runs further apart stay pieces
+_MAX_STRIDE = 1 << 48
+#: shortest run made a strided piece (shorter ones, e.g. the two planes of a same-TP NHD block,
+#: stay plain pieces: as cheap, and every backend moves them natively)
+MIN_RUN = 4
+
+
 @dataclass(frozen=True, slots=True)
 class Template:
-    """The pieces of one super block: sub-block and byte offset on each side, and length."""
+    """The pieces of one super block: sub-block and byte offset on each side, and length; a piece
+    is ``count`` runs of ``nbytes`` at ``lstride``/``rstride`` bytes apart on each side."""
 
     lsub: np.ndarray
     loff: np.ndarray
     rsub: np.ndarray
     roff: np.ndarray
     nbytes: np.ndarray
+    count: np.ndarray
+    lstride: np.ndarray
+    rstride: np.ndarray
 
     def __len__(self) -> int:
         return int(self.nbytes.size)
+
+    @property
+    def strided(self) -> bool:
+        return bool(self.count.size) and int(self.count.max()) > 1
+
+
+def _strided(lsub: np.ndarray, loff: np.ndarray, rsub: np.ndarray, roff: np.ndarray, lens: np.ndarray
+             ) -> Template:
+    """Group runs of pieces (in local order) of one length and sub-blocks, at one stride on each
+    side, into strided pieces (greedy from the first piece of each run)."""
+    n = lens.size
+    one = np.ones(n, np.int64)
+    zero = np.zeros(n, np.int64)
+    if n < 2:
+        return Template(lsub, loff, rsub, roff, lens, one, zero, zero)
+    dl, dr = np.diff(loff), np.diff(roff)
+    # link k joins pieces k and k+1 when both could be pieces of one strided piece
+    link = ((lsub[1:] == lsub[:-1]) & (rsub[1:] == rsub[:-1]) & (lens[1:] == lens[:-1])
+            & (dl >= lens[:-1]) & (dr >= lens[:-1]) & (dl <= _MAX_STRIDE) & (dr <= _MAX_STRIDE))
+    if not link.any():
+        return Template(lsub, loff, rsub, roff, lens, one, zero, zero)
+    same = link[1:] & link[:-1] & (dl[1:] == dl[:-1]) & (dr[1:] == dr[:-1])
+    # the last link of each run of equal links
+    run_end = np.empty(n - 1, np.int64)
+    brk = np.flatnonzero(np.concatenate((~same, [True])))  # link k ends its run where not same[k]
+    run_end[:] = brk[np.searchsorted(brk, np.arange(n - 1))]
+    starts: list[int] = []
+    s = 0
+    if not (link[:-1] & link[1:] & ~same).any():
+        # no two runs touch: a run of links is one strided piece, every other piece its own
+        cut = np.concatenate(([True], ~link))
+        starts_a = np.flatnonzero(cut)
+    else:  # runs of other strides touch: greedy, one step per strided piece
+        while s < n:
+            starts.append(s)
+            s = int(run_end[s]) + 2 if s < n - 1 and link[s] else s + 1
+        starts_a = np.array(starts, np.int64)
+    count = np.diff(np.concatenate((starts_a, [n])))
+    small = count < MIN_RUN
+    if small.any():  # short runs: back to one piece each
+        keep = np.zeros(n, bool)
+        keep[starts_a[~small]] = True
+        pos = np.repeat(small, count)
+        keep[pos] = True
+        starts_a = np.flatnonzero(keep)
+        count = np.diff(np.concatenate((starts_a, [n])))
+    if not (count > 1).any():
+        return Template(lsub, loff, rsub, roff, lens, one, zero, zero)
+    st = starts_a
+    many = count > 1
+    ls = np.where(many, dl[np.minimum(st, n - 2)], 0)
+    rs = np.where(many, dr[np.minimum(st, n - 2)], 0)
+    return Template(lsub[st], loff[st], rsub[st], roff[st], lens[st], count.astype(np.int64), ls, rs)
 
 
 def template(local: LayerGeom, remote: LayerGeom, lh0: int, rh0: int, nh: int) -> Template:
@@ -251,7 +318,7 @@ def template(local: LayerGeom, remote: LayerGeom, lh0: int, rh0: int, nh: int) -
             & (rsub[1:] == rsub[:-1]) & (roff[1:] == roff[:-1] + c))
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lens = np.diff(np.concatenate((starts, [lsub.size]))) * c
-    return Template(lsub[starts], loff[starts], rsub[starts], roff[starts], lens.astype(np.int64))
+    return _strided(lsub[starts], loff[starts], rsub[starts], roff[starts], lens.astype(np.int64))
 
 
 def pair_blocks(local_ids: np.ndarray, local_pos: np.ndarray, remote_ids: np.ndarray, bl: int, br: int
@@ -309,9 +376,17 @@ class PeerTables:
             if total > MAX_DESCS:
                 raise kvx.ProtocolError(f"the {side} side's descriptor list would hold {total} entries "
                                         f"(more than {MAX_DESCS})")
-        la, ln, ra, rn = [], [], [], []
+        la: list[np.ndarray] = []
+        ra: list[np.ndarray] = []
+        ln: list[np.ndarray] = []
+        rn: list[np.ndarray] = []
+        lc: list[np.ndarray] = []
+        rc: list[np.ndarray] = []
+        lst: list[np.ndarray] = []
+        rst: list[np.ndarray] = []
         self.loffs, self.roffs = [], []
         nl = nr = 0
+        strided = any(tp.strided for tp in self.templates)
         for lg, rg, tp in zip(local, self.remote, self.templates):
             p = len(tp)
             self.loffs.append(nl)
@@ -320,14 +395,28 @@ class PeerTables:
             rb = np.arange(rg.num_blocks, dtype=np.int64)[:, None]
             la.append((lg.base + lb * lg.block_stride + tp.loff[None, :]).reshape(-1))
             ra.append((rg.base + rb * rg.block_stride + tp.roff[None, :]).reshape(-1))
-            ln.append(np.broadcast_to(tp.nbytes[None, :], (lg.num_blocks, p)).reshape(-1))
-            rn.append(np.broadcast_to(tp.nbytes[None, :], (rg.num_blocks, p)).reshape(-1))
+            for out, v, nb in ((ln, tp.nbytes, lg.num_blocks), (rn, tp.nbytes, rg.num_blocks),
+                               (lc, tp.count, lg.num_blocks), (rc, tp.count, rg.num_blocks),
+                               (lst, tp.lstride, lg.num_blocks), (rst, tp.rstride, rg.num_blocks)):
+                if strided or out is ln or out is rn:
+                    out.append(np.broadcast_to(v[None, :], (nb, p)).reshape(-1))
             nl += lg.num_blocks * p
             nr += rg.num_blocks * p
-        self.local_descs = kvx.DescList.from_arrays(kind=kind, addr=np.concatenate(la).astype(_U64),
-                                                    nbytes=np.concatenate(ln).astype(_U64), dev=dev)
-        self.remote_descs = kvx.DescList.from_arrays(kind=rkind, addr=np.concatenate(ra).astype(_U64),
-                                                     nbytes=np.concatenate(rn).astype(_U64), dev=rdev)
+
+        def cat(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts).astype(_U64)
+
+        try:
+            if strided:
+                self.local_descs = kvx.DescList.strided(kind=kind, addr=cat(la), nbytes=cat(ln), count=cat(lc),
+                                                        stride=cat(lst), dev=dev)
+                self.remote_descs = kvx.DescList.strided(kind=rkind, addr=cat(ra), nbytes=cat(rn), count=cat(rc),
+                                                         stride=cat(rst), dev=rdev)
+            else:
+                self.local_descs = kvx.DescList.from_arrays(kind=kind, addr=cat(la), nbytes=cat(ln), dev=dev)
+                self.remote_descs = kvx.DescList.from_arrays(kind=rkind, addr=cat(ra), nbytes=cat(rn), dev=rdev)
+        except kvx.UsageError as exc:  # a peer's geometry that describes no memory kvx can address
+            raise kvx.ProtocolError(f"the prefill instance's layers cannot be described: {exc}") from None
         # layers alike for indexing (same group, block sizes, block counts and template) form one
         # set: a request's indices are then one row per super block, computed once per set and
         # offset per layer by a single broadcast add (typically all layers are one set)

@@ -38,6 +38,7 @@ from .metadata import (
     SaveSpec,
     SendSpec,
 )
+from .pool import PoolLookup
 from .util import compat_info, remote_params
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class KVXScheduler:
             self.offload = False
         self.groups = tuple(kv_cache_config.prefix_cacheable_group_ids) or (0,)
         self.compat = compat_info(vllm_config)
+        #: the cluster-wide pool below the workers' stores: asked for what they do not hold
+        self.pool = PoolLookup(cfg.pool, self.tp_size, self.groups) if self.offload and cfg.pool else None
         # tp_rank -> handshake metadata of the workers of this engine
         self.workers: dict[int, KVXHandshakeMetadata] = {}
         # step state, cleared by build_connector_meta
@@ -162,11 +165,14 @@ class KVXScheduler:
         # never cover the last prompt token: the model must compute at least one
         limit = max(0, (request.num_tokens - 1) // bs)
         n = 0
-        for i in range(first, min(limit, len(request.block_hashes))):
+        end = min(limit, len(request.block_hashes))
+        for i in range(first, end):
             if not self._is_stored([make_block_hash_with_group_id(request.block_hashes[i], g)
                                     for g in self.groups]):
                 break
             n += 1
+        if self.pool is not None and first + n < end:
+            n += self.pool.lookup(self._keys(request, first + n, end - first - n))
         if n == 0:
             return 0, False
         self._planned[request.request_id] = (first, self._keys(request, first, n))
@@ -415,6 +421,11 @@ class KVXScheduler:
         self._stored.clear()
         self._announce = True
         return True
+
+    def shutdown(self) -> None:
+        """Close the pool clients."""
+        if self.pool is not None:
+            self.pool.close()
 
     def has_pending_work(self) -> bool:
         """Whether saves are still in flight."""

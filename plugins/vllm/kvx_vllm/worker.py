@@ -47,6 +47,7 @@ from .metadata import (
     SaveSpec,
 )
 from .plan import LayerGeom, PeerTables, layer_geometry, read_plan
+from .pool import worker_pool_tier
 from .pull import MAX_HOLD, Failed, Peer, Pull, note, parse_note
 from .pushing import DecodePush, PrefillPush, split_notes
 from .util import compat_info, compat_mismatch
@@ -128,6 +129,7 @@ class _GroupStore:
         kw: dict[str, Any] = {"agent": agent}
         if cfg.offload_policy:
             kw["policy"] = cfg.offload_policy
+        kw["remote"] = worker_pool_tier(worker, group, self.block_bytes)  # the cluster-wide pool, if any
         self.store = TieredStore(tiers, self.block_bytes, **kw)
         self.slots = max(1, cfg.staging_blocks)
         self.buf = kvx.alloc_host(self.slots * self.block_bytes)

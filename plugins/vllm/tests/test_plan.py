@@ -167,7 +167,7 @@ def test_replicated_heads_are_read_once() -> None:
 
 def test_pieces_per_layout() -> None:
     """Same geometry: one piece per block (HND) / plane (NHD5); head slices: one per head range
-    (HND) or one per token and plane (NHD)."""
+    (HND) or one strided piece (a run per token) per block (packed NHD) and plane (NHD5)."""
     def geoms(layout: str, heads: int, bs: int = 16) -> LayerGeom:
         _, view = make_cache(layout, 4, heads, bs)
         return layer_geometry("l", view, 0, bs, heads, D, False)
@@ -176,8 +176,14 @@ def test_pieces_per_layout() -> None:
     assert PeerTables([geoms("HND", 4)], [geoms("HND", 4)], 0, 0, 4, h, 0, h, 0).pieces == 1
     assert PeerTables([geoms("NHD5", 4)], [geoms("NHD5", 4)], 0, 0, 4, h, 0, h, 0).pieces == 2
     assert PeerTables([geoms("HND", 2)], [geoms("HND", 4)], 0, 2, 2, h, 0, h, 0).pieces == 1
-    assert PeerTables([geoms("NHD", 2)], [geoms("NHD", 4)], 0, 2, 2, h, 0, h, 0).pieces == 16
-    assert PeerTables([geoms("NHD5", 2)], [geoms("NHD5", 4)], 0, 2, 2, h, 0, h, 0).pieces == 32
+    nhd = PeerTables([geoms("NHD", 2)], [geoms("NHD", 4)], 0, 2, 2, h, 0, h, 0)
+    assert nhd.pieces == 1 and nhd.local_descs.is_strided
+    tp = nhd.templates[0]
+    # 16 tokens of 2 heads x (K, V) x 8 floats; 2 heads apart locally, 4 remotely
+    assert (int(tp.count[0]), int(tp.nbytes[0]), int(tp.lstride[0]), int(tp.rstride[0])) == (16, 128, 128, 256)
+    assert PeerTables([geoms("NHD5", 2)], [geoms("NHD5", 4)], 0, 2, 2, h, 0, h, 0).pieces == 2
+    # same TP stays plain (short runs are not made strided)
+    assert not PeerTables([geoms("NHD5", 4)], [geoms("NHD5", 4)], 0, 0, 4, h, 0, h, 0).local_descs.is_strided
     # prefill blocks of 8 into decode blocks of 16: two pieces per head (2 heads)
     assert PeerTables([geoms("HND", 2, 16)], [geoms("HND", 4, 8)], 0, 0, 2, h, 0, h, 0).pieces == 4
 
@@ -220,7 +226,9 @@ def test_no_python_loop_per_block() -> None:
     t0 = time.perf_counter()
     li, ri, _ = tabs.indices([(ids, ids, ids)])
     dt = time.perf_counter() - t0
-    assert li.size == ri.size == 32 * 1024 * 32
+    # a strided piece per block and plane (16 tokens each), not a piece per token
+    assert li.size == ri.size == 32 * 1024 * 2
+    assert int(tabs.local_descs.piece_bytes[li].sum()) == 32 * 1024 * 16 * 2 * 4 * 128 * 2
     assert dt < 1.0
 
 
