@@ -10,6 +10,8 @@ blocks its own member owns from the pool, A's are a miss that B computes, and th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engines import EngineProcess, why_no_cpu_engine
 
@@ -42,6 +44,12 @@ def test_second_engine_loads_the_prefix_the_first_computed(tiny_model: str, tmp_
     try:
         a.ready()
         b.ready()
+        # both members in both views before the first put (a view refreshes every few seconds; on a
+        # loaded machine A's could still hold only itself and place every block on itself)
+        deadline = time.monotonic() + 60
+        while not all(r["pool"]["members"] == 2 for e in (a, b) for r in e.call(cmd="remote").values()):
+            assert time.monotonic() < deadline, "the two members never saw each other in the pool"
+            time.sleep(0.5)
         p = prompt(PROMPT_LEN, 11)
         first = a.generate([p], MAX_TOKENS)["outputs"][0]
         assert first["num_cached_tokens"] == 0  # computed from scratch: the plain engine's tokens
