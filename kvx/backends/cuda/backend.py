@@ -358,6 +358,19 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         self._translate_remote(prep)
         return prep
 
+    def _remote_ready(self, rp: _Prep) -> _Peer | None:
+        """The peer of a remote list, checked live (None for a local list); its pinned host
+        regions translated on first use."""
+        peer: _Peer | None = rp.peer
+        if peer is not None:
+            if self._peers.get(peer.name) is not peer or not peer.alive:
+                raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
+            if rp.pending_host:
+                with rp.lock:
+                    if rp.pending_host:
+                        self._translate_remote(rp)
+        return peer
+
     def _post_strided(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any, notify: bytes | None) -> Request:
         """A transfer between strided lists (one count, one piece length each): one launch of the
         strided kernel, one index pair per descriptor pair uploaded."""
@@ -367,14 +380,7 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         n = int(li.shape[0])
         if n != int(ri.shape[0]):
             raise ValueError("index lists differ in length")
-        peer: _Peer | None = rp.peer
-        if peer is not None:
-            if self._peers.get(peer.name) is not peer or not peer.alive:
-                raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
-            if rp.pending_host:
-                with rp.lock:
-                    if rp.pending_host:
-                        self._translate_remote(rp)
+        peer = self._remote_ready(rp)
         if n == 0:
             return DoneRequest(0)
         total = n * lp.count * lp.ulen
@@ -491,14 +497,7 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
                 raise ValueError("paired descriptors differ in length")
             total = int(ln.sum())
             ulen = int(ln[0]) if n and bool((ln == ln[0]).all()) else 0
-        peer: _Peer | None = rp.peer
-        if peer is not None:
-            if self._peers.get(peer.name) is not peer or not peer.alive:
-                raise PeerDisconnected(f"peer {peer.name!r} is not connected (or reconnected: prepare again)")
-            if rp.pending_host:
-                with rp.lock:
-                    if rp.pending_host:
-                        self._translate_remote(rp)
+        peer = self._remote_ready(rp)
         if n == 0:
             return DoneRequest(0)
         d, gpu2gpu = self._exec_device(op, lp, rp)
