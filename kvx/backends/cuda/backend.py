@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -386,19 +387,28 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         total = n * lp.count * lp.ulen
         d, _gpu2gpu = self._exec_device(op, lp, rp)
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
+        return self._launched(d, lp, rp, peer, total, notify,
+                              lambda: (self._launch_strided(d, dst, didx, src, sidx, n, lp.ulen, lp.count), None))
+
+    def _launched(self, d: _Device, lp: _Prep, rp: _Prep, peer: _Peer | None, total: int, notify: bytes | None,
+                  launch: Callable[[], tuple[Any, Any]]) -> Request:
+        """Run ``launch`` (-> completion event, what to keep alive until it fires) on GPU ``d``
+        under its lock, after the local GPU's default stream when that is another GPU, with the
+        peer's in-flight counters raised (released again if the launch fails); the transfer as a
+        request the reaper retires."""
         counters = self._acquire(peer, rp.guards) if peer is not None else []
         try:
             with d.lock:
                 if lp.kind == MemoryKind.CUDA and lp.dev != d.dev:
                     self._order_after_default(lp.dev, d)
-                ev = self._launch_strided(d, dst, didx, src, sidx, n, lp.ulen, lp.count)
+                ev, keep = launch()
         except self.cp.cuda.runtime.CUDARuntimeError as exc:
             self._release_counters(peer, counters)
             raise ERRORS(exc, "CUDA launch failed") from exc
         except BaseException:
             self._release_counters(peer, counters)
             raise
-        req = _CudaRequest(self, ev, total, peer, counters, notify, None)
+        req = _CudaRequest(self, ev, total, peer, counters, notify, keep)
         self._reaper.add(req)
         return req
 
@@ -501,33 +511,21 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         if n == 0:
             return DoneRequest(0)
         d, gpu2gpu = self._exec_device(op, lp, rp)
-        dev = d.dev
         src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
         path, frac = self.mode, self.split_fraction
         if path == "auto":
             path, frac = self._plan(total, n, gpu2gpu)
         if not checked and (path != "kernel" or 0 < self.pipe_pairs < n):
             li, ri = _index(li, len(lp.addr)), _index(ri, len(rp.addr))
-        counters = self._acquire(peer, rp.guards) if peer is not None else []
-        try:
-            with d.lock:
-                if lp.kind == MemoryKind.CUDA and lp.dev != dev:
-                    self._order_after_default(lp.dev, d)
-                if path == "ce":
-                    ev, keep = self._launch_ce(d, dst, didx, src, sidx)
-                elif path == "split" and self.drv.has_batch:
-                    ev, keep = self._launch_split(d, dst, didx, src, sidx, n, ulen, frac)
-                else:
-                    ev, keep = self._launch_kernel(d, dst, didx, src, sidx, n, ulen)
-        except self.cp.cuda.runtime.CUDARuntimeError as exc:
-            self._release_counters(peer, counters)
-            raise ERRORS(exc, "CUDA launch failed") from exc
-        except BaseException:
-            self._release_counters(peer, counters)
-            raise
-        req = _CudaRequest(self, ev, total, peer, counters, notify, keep)
-        self._reaper.add(req)
-        return req
+
+        def launch() -> tuple[Any, Any]:
+            if path == "ce":
+                return self._launch_ce(d, dst, didx, src, sidx)
+            if path == "split" and self.drv.has_batch:
+                return self._launch_split(d, dst, didx, src, sidx, n, ulen, frac)
+            return self._launch_kernel(d, dst, didx, src, sidx, n, ulen)
+
+        return self._launched(d, lp, rp, peer, total, notify, launch)
 
     def route(self, op: Op, local: PreparedList, remote: PreparedList) -> CudaRoute:
         """The pair's :class:`CudaRoute` (made once per pair by the agent)."""
