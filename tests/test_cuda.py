@@ -782,6 +782,28 @@ def test_stream_order_of_the_copies(order: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["kernel", "ce"])
+def test_a_negative_index_is_refused_on_every_copy_path(path: str) -> None:
+    """Indices given as a list reach the backend as given (the kernel path checks them while
+    staging them, the copy-engine path checks them first): on every path a negative or too large
+    index is refused (it never wraps around to the last block) and nothing moves."""
+    import cupy
+
+    with kvx.Agent("solo", _config(copy=path)) as a:
+        bs, n = 4096, 8
+        src = cupy.asarray(pattern(np, n * bs, 7))
+        dst = cupy.zeros(n * bs, dtype=cupy.uint8)
+        ps, pd = (a.prepare(kvx.DescList.blocks(a.register(x), bs)) for x in (src, dst))
+        for bad in ([-1], [0, n]):
+            with pytest.raises(kvx.UsageError, match="out of range"):
+                a.write(ps, bad, pd, list(range(len(bad)))).wait(10)
+        cupy.cuda.Device().synchronize()
+        assert not dst.get().any()
+        a.write(ps, [n - 1], pd, [0]).wait(10)  # a good list still moves
+        assert np.array_equal(dst.get()[:bs], pattern(np, n * bs, 7)[(n - 1) * bs:])
+
+
+@pytest.mark.gpu
 def test_raw_region_and_unpinned_host(agent: kvx.Agent) -> None:
     import cupy
 

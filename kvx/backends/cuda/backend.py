@@ -511,12 +511,12 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         if n == 0:
             return DoneRequest(0)
         d, gpu2gpu = self._exec_device(op, lp, rp)
-        src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
         path, frac = self.mode, self.split_fraction
         if path == "auto":
             path, frac = self._plan(total, n, gpu2gpu)
         if not checked and (path != "kernel" or 0 < self.pipe_pairs < n):
             li, ri = _index(li, len(lp.addr)), _index(ri, len(rp.addr))
+        src, sidx, dst, didx = (lp, li, rp, ri) if op is Op.WRITE else (rp, ri, lp, li)
 
         def launch() -> tuple[Any, Any]:
             if path == "ce":
