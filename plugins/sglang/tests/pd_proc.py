@@ -15,10 +15,11 @@ after its metadata went out; 3 is aborted by prefill; 5 belongs to a second deco
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+
+from proc_common import BOUND, aux_buffers, aux_tensors, say, wait_for
 
 ROLE, PORT, MODEL = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 VICTIM = len(sys.argv) > 4 and sys.argv[4] == "victim"  # a second decode, killed by the test
@@ -28,11 +29,6 @@ LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 16, 4, 32
 SRC_PAGES = [2, 5, 7, 9, 20, 31]
 DST_PAGES = [10, 11, 12, 13, 30, 1]
 SRC_AUX, DST_AUX = 1, 3
-BOUND = 60.0
-
-
-def say(**kw: object) -> None:
-    print(json.dumps(kw), flush=True)
 
 
 def buffers(seed: int) -> list:
@@ -41,35 +37,6 @@ def buffers(seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(-100, 100, (PAGES * PAGE, HEADS, DIM), dtype=torch.int16, generator=g).view(torch.bfloat16)
             for _ in range(2 * LAYERS)]
-
-
-def aux_buffers(seed: int):
-    import torch
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-
-    m = MetadataBuffers(8, 64, torch.bfloat16, 0)
-    g = torch.Generator().manual_seed(seed)
-    for t in _aux_tensors(m):
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return m
-
-
-def _aux_tensors(m) -> list:
-    import torch
-
-    ptrs, _lens, _items = m.get_buf_infos()
-    found = [v for v in vars(m).values() if isinstance(v, torch.Tensor) and v.data_ptr() in ptrs]
-    return sorted(found, key=lambda t: ptrs.index(t.data_ptr()))
-
-
-def wait_for(poll, states, what: str):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < BOUND:
-        s = poll()
-        if s in states:
-            return s, time.monotonic() - t0
-        time.sleep(0.01)
-    raise TimeoutError(f"{what}: no state in {states} after {BOUND}s")
 
 
 def main() -> None:
@@ -190,7 +157,7 @@ def main() -> None:
         others = [p for p in range(PAGES) if p not in DST_PAGES]
         untouched = all(torch.equal(kv[b].view(PAGES, -1)[others].view(torch.int16),
                                     before[b].view(PAGES, -1)[others].view(torch.int16)) for b in range(len(kv)))
-        mine, theirs = _aux_tensors(aux), _aux_tensors(want_aux)
+        mine, theirs = aux_tensors(aux), aux_tensors(want_aux)
         aux_ok = all(torch.equal(a[DST_AUX].view(torch.uint8), b[SRC_AUX].view(torch.uint8))
                      for a, b in zip(mine, theirs))
         say(event="room", room=1, state=int(st), seconds=dt, kv_ok=kv_ok, aux_ok=aux_ok, untouched=untouched)

@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+from proc_common import BOUND, aux_buffers, aux_tensors, wait_for
+
 T0 = time.monotonic()
 MODEL = sys.argv[-1]
 ROLE, PORT, TP, RANK, KIND, HEADS = "", 0, 1, 0, "mha", 1
@@ -39,7 +41,6 @@ LORA, ROPE = 64, 16
 SRC_PAGES = [2, 5, 7, 9, 20, 31]
 DST_PAGES = [10, 11, 12, 13, 30, 1]
 SRC_AUX, DST_AUX = 1, 3
-BOUND = 60.0
 
 
 def say(**kw: object) -> None:
@@ -79,35 +80,6 @@ def torch_int16():
     import torch
 
     return torch.int16
-
-
-def aux_buffers(seed: int):
-    import torch
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-
-    m = MetadataBuffers(8, 64, torch.bfloat16, 0)
-    g = torch.Generator().manual_seed(seed)
-    for t in _aux_tensors(m):
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return m
-
-
-def _aux_tensors(m) -> list:
-    import torch
-
-    ptrs, _lens, _items = m.get_buf_infos()
-    found = [v for v in vars(m).values() if isinstance(v, torch.Tensor) and v.data_ptr() in ptrs]
-    return sorted(found, key=lambda t: ptrs.index(t.data_ptr()))
-
-
-def wait_for(poll, states, what: str):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < BOUND:
-        s = poll()
-        if s in states:
-            return s, time.monotonic() - t0
-        time.sleep(0.01)
-    raise TimeoutError(f"{what}: no state in {states} after {BOUND}s")
 
 
 def main() -> None:
@@ -238,7 +210,7 @@ def scenario() -> None:
         untouched = all(torch.equal(t.view(torch.int16).view(-1, PAGE * t[0].numel())[others],
                                     o.view(torch.int16).view(-1, PAGE * t[0].numel())[others])
                         for t, o in zip(bufs, before))
-        mine_aux, theirs = _aux_tensors(aux), _aux_tensors(aux_buffers(4321))
+        mine_aux, theirs = aux_tensors(aux), aux_tensors(aux_buffers(4321))
         aux_ok = all(torch.equal(a[DST_AUX].view(torch.uint8), b[SRC_AUX].view(torch.uint8))
                      for a, b in zip(mine_aux, theirs))
         unchanged = all(torch.equal(t.view(torch.int16), o.view(torch.int16)) for t, o in zip(bufs, before))
