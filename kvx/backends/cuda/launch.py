@@ -24,6 +24,18 @@ from .staging import _BUSY, _Slot
 log = logging.getLogger(__name__)
 
 
+def _release_failed(d: _Device, st: Any, slots: list[_Slot]) -> None:
+    """After a failed launch: the staging slots still marked busy are free again once what the
+    stream may already run of them has finished."""
+    for slot in slots:
+        if slot.guard is _BUSY:
+            try:
+                st.synchronize()
+            except Exception:
+                log.debug("synchronizing GPU %d after a failed launch", d.dev, exc_info=True)
+            slot.guard = None
+
+
 class _Launcher:
     """Launch-side part of :class:`CudaBackend` (its settings are the backend's options, read once)."""
 
@@ -223,13 +235,7 @@ class _Launcher:
                     if record and lo + m >= n:
                         ev = g
             except BaseException:
-                for slot in taken:
-                    if slot.guard is _BUSY:
-                        try:
-                            st.synchronize()
-                        except Exception:
-                            log.debug("synchronizing GPU %d after a failed launch", d.dev, exc_info=True)
-                        slot.guard = None
+                _release_failed(d, st, taken)
                 raise
         return ev, None
 
@@ -267,12 +273,7 @@ class _Launcher:
                 d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, 0 if zc else ib, a, shift, g)
                 slot.guard = g  # the slot is free again once this kernel has finished
             except BaseException:
-                if slot.guard is _BUSY:
-                    try:
-                        st.synchronize()
-                    except Exception:
-                        log.debug("synchronizing GPU %d after a failed launch", d.dev, exc_info=True)
-                    slot.guard = None
+                _release_failed(d, st, [slot])
                 raise
         return g
 
