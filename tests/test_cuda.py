@@ -296,6 +296,22 @@ def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatc
         _native.CudaRoute(*fns, 0x7, 0x30, 0, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards)
 
 
+def test_group_shift_of_the_strided_group_kernel() -> None:
+    """Pieces per warp of the strided group kernel: groups of up to ``group`` bytes and ``count``
+    pieces, halved while they would leave the grid's warps idle; a warp per piece for pieces over
+    half a group, a single piece, or group 0 (as kvx.backends.cuda.indices._group_shift)."""
+    from kvx.backends.cuda.indices import _group_shift
+
+    warps = 528 * 256 // 32
+    assert _group_shift(100000, 64, 512, 8192, warps) == 4  # 16 pieces of 512 B: 8 KiB a warp
+    assert _group_shift(100000, 7, 512, 8192, warps) == 3  # no larger than the count (8 >= 7)
+    assert _group_shift(100000, 64, 128, 8192, warps) == 6  # the whole count
+    assert _group_shift(100, 64, 512, 8192, warps) == 0  # few pairs: a warp per piece keeps the grid busy
+    assert _group_shift(1000, 64, 512, 8192, warps) == 3  # 1000 x 4 groups < 4224 warps, 1000 x 8 not
+    for count, ulen, group in ((1, 512, 8192), (64, 4097, 8192), (64, 512, 0), (64, 512, 1000)):
+        assert _group_shift(100000, count, ulen, group, warps) == -1
+
+
 def test_options_from_the_environment_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CudaOptions``: the three deployment knobs default to their ``KVX_CUDA_*`` variables, read when
     the options are made (not at import); a bad value is a UsageError naming the variable or field;
@@ -1148,6 +1164,43 @@ def test_strided_lists_through_the_strided_kernel(make_agent: Any, helper: Helpe
         reg.release()
     finally:
         helper.call(cmd="free", id=rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece,count", [(16, 2), (512, 7), (512, 64), (2048, 3), (4096, 5), (496, 9)])
+@pytest.mark.parametrize("skew", [0, 8])  # 16-byte co-aligned groups, and groups the warp copies piece by piece
+def test_strided_small_pieces_in_groups(agent: kvx.Agent, piece: int, count: int, skew: int) -> None:
+    """Head slices of a few hundred bytes go through the group kernel (a warp per group of pieces,
+    the count not a multiple of the group), byte-exact, and no byte outside the slices is written."""
+    from kvx.backends.base import FlatRoute
+
+    if _reason() is not None:
+        pytest.skip(_reason() or "")
+    import cupy
+
+    n, srow, drow = 40, 2 * piece + 32, 3 * piece + 48 + skew
+    sblk, dblk = count * srow, count * drow
+    src = cupy.random.default_rng(piece).integers(0, 256, n * sblk, dtype=cupy.uint8)
+    dst = cupy.zeros(n * dblk + 64, dtype=cupy.uint8)
+    agent.register(src)
+    agent.register(dst)
+    sa = src.data.ptr + np.arange(n, dtype=np.uint64) * np.uint64(sblk) + np.uint64(piece)
+    da = dst.data.ptr + np.arange(n, dtype=np.uint64) * np.uint64(dblk) + np.uint64(16 + skew)
+    s = agent.prepare(kvx.DescList.strided(kind=kvx.MemoryKind.CUDA, addr=sa, nbytes=piece, count=count, stride=srow,
+                                           dev=0))
+    d = agent.prepare(kvx.DescList.strided(kind=kvx.MemoryKind.CUDA, addr=da, nbytes=piece, count=count, stride=drow,
+                                           dev=0))
+    perm = np.random.default_rng(count).permutation(n)
+    x = agent.read(d, perm, s, np.arange(n))
+    assert x.wait(30).status is kvx.Status.DONE and x.nbytes == n * count * piece
+    assert not isinstance(d.rroutes[s], FlatRoute)
+    h, g = src.get(), dst.get()
+    want = np.zeros_like(g)
+    for i, j in enumerate(perm):
+        for k in range(count):
+            s0, d0 = i * sblk + piece + k * srow, j * dblk + 16 + skew + k * drow
+            want[d0:d0 + piece] = h[s0:s0 + piece]
+    assert np.array_equal(g, want)
 
 
 @pytest.mark.gpu

@@ -202,11 +202,68 @@ __device__ __forceinline__ void kvx_strided_body(KVX_KERNEL_ARGS) {
     }
 }
 
+// Strided pairs of small pieces (a head slice of 128-2048 bytes per token): one warp copies a group
+// of 2^chunk_shift consecutive pieces of one pair, its lanes spread over the group's 16-byte vectors
+// with eight loads in flight per lane before the first store -- one descriptor lookup per group, not
+// per piece. ``ulen`` carries the piece length in its low 32 bits and the count in its high 32 bits;
+// ``items`` = n * ceil(count / 2^chunk_shift). A group whose addresses, strides or piece length are
+// not all multiples of 16 is copied piece by piece by the warp copy.
+template <typename I>
+__device__ __forceinline__ void kvx_strided_group_body(KVX_KERNEL_ARGS) {
+    const u64* __restrict__ dA = reinterpret_cast<const u64*>(dst_addrs);
+    const u64* __restrict__ sA = reinterpret_cast<const u64*>(src_addrs);
+    const I* __restrict__ didx = reinterpret_cast<const I*>(idx);
+    const I* __restrict__ sidx = didx + n;
+    const u64* __restrict__ SS = reinterpret_cast<const u64*>(lens);
+    const u64* __restrict__ DS = reinterpret_cast<const u64*>(first);
+    const unsigned lane = threadIdx.x & 31u;
+    const u64 plen = ulen & 0xffffffffull;
+    const u64 count = ulen >> 32;
+    const u64 gpp = (count + (1ull << chunk_shift) - 1) >> chunk_shift;  // groups per pair
+    const u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 it = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; it < items; it += nwarps) {
+        const u64 p = it / gpp;
+        const u64 k0 = (it - p * gpp) << chunk_shift;
+        u64 g = count - k0;
+        if (g > (1ull << chunk_shift)) g = 1ull << chunk_shift;
+        const u64 di = (u64)didx[p], si = (u64)sidx[p];
+        const u64 dstr = DS[di], sstr = SS[si];
+        char* d = reinterpret_cast<char*>(dA[di] + k0 * dstr);
+        const char* s = reinterpret_cast<const char*>(sA[si] + k0 * sstr);
+        if ((((u64)d | (u64)s | dstr | sstr | plen) & 15) == 0) {
+            const unsigned vpp = (unsigned)(plen >> 4);
+            const unsigned nv = (unsigned)g * vpp;
+            for (unsigned j = lane; j < nv; j += 32 * 8) {
+                uint4 r[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const unsigned v = j + u * 32;
+                    if (v < nv) {
+                        const unsigned q = v / vpp;
+                        r[u] = *reinterpret_cast<const uint4*>(s + q * sstr + ((u64)(v - q * vpp) << 4));
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const unsigned v = j + u * 32;
+                    if (v < nv) {
+                        const unsigned q = v / vpp;
+                        *reinterpret_cast<uint4*>(d + q * dstr + ((u64)(v - q * vpp) << 4)) = r[u];
+                    }
+                }
+            }
+        } else {
+            for (u64 q = 0; q < g; ++q) kvx_warp_copy<8>(d + q * dstr, s + q * sstr, plen, lane);
+        }
+    }
+}
+
 KVX_ENTRY(kvx_gather_copy, 256, kvx_gather_u8)
 KVX_ENTRY(kvx_gather_copy_x, 256, kvx_gather_x)
 KVX_ENTRY(kvx_gather_copy_u16, 256, kvx_gather_u16)
 KVX_ENTRY(kvx_gather_copy_pf, 256, kvx_gather_pf_body)
 KVX_ENTRY(kvx_strided_copy, 256, kvx_strided_body)
+KVX_ENTRY(kvx_strided_group, 256, kvx_strided_group_body)
 
 // Hopper (sm_90+) bulk copies: one warp per CTA (blockDim.x == 32). Lane 0 moves the 16-byte
 // co-aligned part of each item with the TMA engine, global -> shared (cp.async.bulk, completion on

@@ -81,6 +81,7 @@ class CudaBackend(_Imports, _Launcher, SameNodeLink, Backend):
         self.kernel = opts.kernel
         self.chunk_shift = opts.chunk_shift
         self.chunk_shift_min = opts.chunk_shift_min
+        self.strided_group = opts.strided_group
         self.ce_min_block = opts.ce_min_block
         self.auto_plan = opts.auto_plan
         self.split_fraction = opts.split_fraction

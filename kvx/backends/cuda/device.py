@@ -20,7 +20,8 @@ from .staging import _Staging
 
 _KERNEL_NAME = "kvx_gather_copy"
 _KERNEL_NAMES = {"warp": _KERNEL_NAME, "warp16": "kvx_gather_copy_u16", "bulk": "kvx_bulk_copy",
-                 "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x", "strided": "kvx_strided_copy"}
+                 "pf": "kvx_gather_copy_pf", "warpx": "kvx_gather_copy_x", "strided": "kvx_strided_copy",
+                 "strided_g": "kvx_strided_group"}
 
 
 class _Device:

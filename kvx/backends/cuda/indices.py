@@ -32,6 +32,21 @@ def _chunk_shift(n: int, ulen: int, warps: int, shift: int, min_shift: int) -> i
     return sh
 
 
+def _group_shift(n: int, count: int, ulen: int, group: int, warps: int) -> int:
+    """log2 of the pieces one warp of the strided group kernel copies, for ``n`` pairs of ``count``
+    pieces of ``ulen`` bytes: the largest group of at most ``group`` bytes and ``count`` pieces,
+    halved while the groups would leave warps of the grid idle; -1: a warp per piece (pieces larger
+    than half a group, a single piece, or sizes the kernel's 32-bit fields do not hold)."""
+    if count < 2 or 2 * ulen > group or count >= 1 << 31 or ulen >= 1 << 31:
+        return -1
+    gs = 0
+    while (2 << gs) * ulen <= group and (1 << gs) < count:
+        gs += 1
+    while gs > 0 and n * ((count + (1 << gs) - 1) >> gs) < warps:
+        gs -= 1
+    return gs
+
+
 def _count(idx: Any) -> int:
     """Number of indices of a checked array or a :func:`_stageable` source."""
     if type(idx) is int:

@@ -15,7 +15,7 @@ from ...memory import MemoryKind
 from ..base import Op
 from .device import _Device
 from .driver import _ERR_PEER_ALREADY, _Driver
-from .indices import _chunk_shift, _stageable
+from .indices import _chunk_shift, _group_shift, _stageable
 from .ipc import _Peer
 from .prep import _Prep
 from .route import _FastPost
@@ -46,6 +46,7 @@ class _Launcher:
     kernel: str
     chunk_shift: int
     chunk_shift_min: int
+    strided_group: int
     ce_min_block: int
     auto_plan: tuple[tuple[int, str, float], ...]
     pipe_pairs: int
@@ -251,9 +252,17 @@ class _Launcher:
         host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
         cfg = d.config(cp, "strided", host_side, i32)
         threads, cap = cfg[2], cfg[3]
-        shift = _chunk_shift(n * count, ulen, cap * threads // 32, self.chunk_shift, self.chunk_shift_min)
-        cpd = (ulen + (1 << shift) - 1) >> shift
-        items = n * count * cpd
+        gs = _group_shift(n, count, ulen, self.strided_group, cap * threads // 32)
+        if gs >= 0:
+            cfg = d.config(cp, "strided_g", host_side, i32)  # the same threads and grid cap
+        if gs < 0:  # a warp per chunk of a piece
+            shift = _chunk_shift(n * count, ulen, cap * threads // 32, self.chunk_shift, self.chunk_shift_min)
+            items = n * count * ((ulen + (1 << shift) - 1) >> shift)
+            karg = ulen
+        else:  # a warp per group of 2**gs pieces; the kernel takes the count in ulen's high half
+            shift = gs
+            items = n * ((count + (1 << gs) - 1) >> gs)
+            karg = ulen | (count << 32)
         with cp.cuda.Device(d.dev):
             dap = dst.device_ptrs(cp, d.dev)[0]
             sap = src.device_ptrs(cp, d.dev)[0]
@@ -268,7 +277,7 @@ class _Launcher:
                 zc = self.index_zerocopy
                 ip = slot.hptr if zc else slot.dptr
                 grid = max(1, min(cap, (items * 32 + threads - 1) // threads))
-                a = (dap, sap, ip, ssp, dsp, n, ulen, items)
+                a = (dap, sap, ip, ssp, dsp, n, karg, items)
                 g = cp.cuda.Event(block=True, disable_timing=True)
                 d.enqueue(cp, cfg, grid, st, slot.dptr, slot.hptr, 0 if zc else ib, a, shift, g)
                 slot.guard = g  # the slot is free again once this kernel has finished

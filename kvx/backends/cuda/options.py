@@ -103,6 +103,9 @@ class CudaOptions:
         (next item's descriptors prefetched).
     blocks_per_sm_bulk
         Advanced. CTAs (of one warp) per SM for the ``bulk`` kernel.
+    strided_group
+        Advanced. Strided lists of small pieces (head slices): one warp copies a group of
+        consecutive pieces of up to this many bytes (0: one warp per piece).
     """
 
     copy: str = _cfg.option("KVX_CUDA_COPY")
@@ -129,6 +132,7 @@ class CudaOptions:
     blocks_per_sm_host: int = 8
     kernel: str = "warpx"
     blocks_per_sm_bulk: int = 6
+    strided_group: int = 8192
 
     def __post_init__(self) -> None:
         # the option() fields are checked against their settings by config.check_options
@@ -164,6 +168,7 @@ class CudaOptions:
         integer("blocks_per_sm", 1, 64)
         integer("blocks_per_sm_host", 1, 64)
         integer("blocks_per_sm_bulk", 1, 64)
+        integer("strided_group", 0, 1 << 20)
         if self.kernel not in KERNELS:
             raise bad("kernel", f"expected one of {', '.join(KERNELS)}")
         plan = self.auto_plan

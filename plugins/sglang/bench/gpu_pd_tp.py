@@ -93,6 +93,9 @@ def model_buffers(kind: str, pages: int, dev: int) -> list[torch.Tensor]:
                           device=device(dev), generator=g) for _ in range(nbuf)]
 
 
+#: The agents' configuration (--cuda-option).
+AGENT_CONFIG: kvx.AgentConfig | None = None
+
 def make_rank(name: str, kind: str, tp: int, rank: int, pages: int, dev: int, full: list[torch.Tensor] | None) -> Rank:
     m = MODELS[kind]
     h0, n = heads_held(tp, rank, m["heads"]) if kind == "mha" else (0, 1)
@@ -101,7 +104,7 @@ def make_rank(name: str, kind: str, tp: int, rank: int, pages: int, dev: int, fu
     else:
         bufs = [torch.zeros((pages * PAGE, n, m["dim"]), dtype=torch.int16, device=device(dev)) for _ in
                 range(2 * m["layers"] if kind == "mha" else m["layers"])]
-    agent = kvx.Agent(name)
+    agent = kvx.Agent(name, AGENT_CONFIG)
     agent.register(bufs)
     r = Rank(agent, bufs, tp, rank, None, None)  # type: ignore[arg-type]
     rows = r.rows
@@ -238,9 +241,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true", help="host memory instead of two GPUs (checks the logic only)")
+    ap.add_argument("--cuda-option", action="append", default=[], metavar="NAME=INT",
+                    help="an integer CudaOptions field for every agent, e.g. strided_group=0 (a warp per "
+                         "head-slice piece) or blocks_per_sm=8; repeatable")
     a = ap.parse_args()
-    global CPU
+    global CPU, AGENT_CONFIG
     CPU = a.cpu
+    if a.cuda_option:
+        from kvx.backends.cuda import CudaOptions
+
+        kw = {}
+        for o in a.cuda_option:
+            k, _, v = o.partition("=")
+            kw[k] = int(v)
+        AGENT_CONFIG = kvx.AgentConfig(options={"cuda": CudaOptions(**kw)})
     if not CPU and torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs")
     rng = np.random.default_rng(7)
