@@ -14,7 +14,8 @@ default (no prefault: a first write into a never-written slot goes through ``pwr
 the default is 0: two columns of one configuration in one run show the run's noise);
 ``kvx-window`` prefaults a window of PREFAULT_BATCHES batches ahead of the fill in a background
 thread, whose work is let finish outside every timed region, reported per batch and also
-charged to its sets. Besides wall-clock pages/s, the process CPU time of each set and get is
+charged to its sets; ``kvx-inline`` moves every batch in the calling thread (``inline: true``)
+instead of on kvx's I/O threads. Besides wall-clock pages/s, the process CPU time of each set and get is
 reported (its ratios: the other store's CPU time over kvx's), which other load on a shared
 machine disturbs far less.
 
@@ -70,7 +71,7 @@ def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any
     """The backend and the controller's (page_set, page_get) functions for it."""
     d = os.path.join(root, f"{name}-{pool.page_size}")
     os.makedirs(d, exist_ok=True)
-    if name in ("kvx", "kvx-window", "kvx-full", "kvx-direct", "kvx-noprefault"):
+    if name in ("kvx", "kvx-window", "kvx-full", "kvx-direct", "kvx-noprefault", "kvx-inline"):
         if name == "kvx-full":  # a slab of exactly one batch: every set evicts and overwrites slots
             capacity_gb = (STORAGE_BATCH_SIZE + 0.5) * pool.page_size * pool.size_per_token / (1 << 30)
         extra = {"backend_name": "kvx", "module_path": "kvx_sglang.hicache", "class_name": "HiCacheKVX",
@@ -80,6 +81,8 @@ def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any
         window = PREFAULT_BATCHES * STORAGE_BATCH_SIZE * pool.page_size * pool.size_per_token / (1 << 30)
         if name in ("kvx-noprefault", "kvx-window"):
             extra["prefault_gb"] = window if name == "kvx-window" else 0
+        if name == "kvx-inline":  # every batch in the calling thread (the default spreads it over the I/O threads)
+            extra["inline"] = True
         b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
         fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
     elif name in ("nixl", "nixl-direct"):
@@ -165,13 +168,15 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory for all stores (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--page-sizes", default="16,64")
-    ap.add_argument("--backends", default="kvx,kvx-window,kvx-noprefault,kvx-full,nixl,file,kvx-direct,nixl-direct",
+    ap.add_argument("--backends",
+                    default="kvx,kvx-window,kvx-noprefault,kvx-inline,kvx-full,nixl,file,kvx-direct,nixl-direct",
                     help="kvx: every page stays stored, so each set writes slab slots for the first time (the "
                          "store as built by default); kvx-window: the same with a "
                          "prefault window of a few batches kept ahead by a background thread; "
                          "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
                          "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
-                         "default for HiCacheNixl); kvx-noprefault: prefault_gb 0 spelled out (the default)")
+                         "default for HiCacheNixl); kvx-noprefault: prefault_gb 0 spelled out (the default); "
+                         "kvx-inline: inline true (every batch in the calling thread)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)

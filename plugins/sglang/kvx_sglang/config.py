@@ -41,20 +41,20 @@ class HiCacheKVXConfig:
         HiCacheNixl does by default.
     inline
         Move each batch of the ``file`` store in the calling thread (SGLang's prefetch/backup
-        thread, GIL released) instead of handing it to kvx's I/O threads: no hand-off, which
-        on a busy host is most of a batch's wait (a copy out of the page cache runs at memory
-        speed on one thread already). The batch is then bounded by the kernel's I/O, not by
-        ``timeout_s``; false restores the threads (and the bound). O_DIRECT always uses them.
+        thread, GIL released) instead of on kvx's I/O threads. Default false: a batch is spread
+        over the I/O threads (a set's two transfers, a get's pages), which on an idle host moves
+        a 64-token batch 1.3-1.4x faster than one thread (docs/benchmarks.md, "HiCache first
+        fill"), and its wait is bounded by ``timeout_s``. True saves the hand-off, which on a host
+        whose cores are all busy can be most of a batch's wait; the batch is then bounded by
+        the kernel's I/O, not by ``timeout_s``. O_DIRECT always uses the threads.
     prefault_gb
-        Page cache kept ready ahead of the slab's fill (``store="file"``, buffered; default 0,
-        off): the next never-written slots are read into the page cache as zeros
-        (``MADV_POPULATE_READ`` over a mapping of the slab: clean pages, no disk I/O) by a
-        background thread, this much ahead of the fill, starting when the store is built
-        (building does not wait for it). Rarely worth it: a first write into a never-written
-        slot goes through ``pwritev``, which allocates its page cache as fast as the kernel's
-        write path does; the prefault only moves that allocation off the set (in large folios,
-        which a later get maps faster), at the cost of this much extra page cache and the
-        thread's time.
+        Never-written slots kept in the page cache ahead of the slab's fill (``store="file"``,
+        buffered; default 0, off): a background thread writes zeros into the next slots, this
+        much ahead of the fill, starting when the store is built (building does not wait for
+        it); a set then rewrites cached pages (about half the kernel time of a first write),
+        and a set handed a slot being zeroed waits for that step. It lowers set latency at the
+        cost of the thread's time (zeros plus a rewrite take more CPU than one first write) and
+        this much page cache.
     timeout_s
         Bound on one batch transfer.
     policy
@@ -74,7 +74,7 @@ class HiCacheKVXConfig:
     capacity_gb: float = 16.0
     fsync: bool = False
     direct_io: bool = False
-    inline: bool = True
+    inline: bool = False
     timeout_s: float = 60.0
     prefault_gb: float = 0.0
     host_gb: float = 4.0

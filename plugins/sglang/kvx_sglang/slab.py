@@ -24,16 +24,20 @@ once, as HiCacheNixl's one-file-per-page ``pwrite`` does, and rewrites cached pa
 fault (docs/benchmarks.md, "HiCache gets and rewrites"). Reads copy out of the mapping.
 
 Prefault (optional, ``prefault`` bytes, off by default): the slots next in line for a first write
-are read into the page cache ahead of time (``MADV_POPULATE_READ`` over a mapping of the slab:
-zero pages, clean, no disk I/O) by a background thread that stays that far ahead of the fill,
-starting when the slab is opened (opening does not wait for it). With ``pwritev`` writes it
-rarely pays: it allocates the same page cache, in large folios, off the set's path.
+get their page cache ahead of time, by a background thread that stays that far ahead of the fill,
+starting when the slab is opened (opening does not wait for it): it writes zeros into them with
+``pwrite`` (the kernel's write path allocates the folios; the set then rewrites cached pages,
+about half the kernel time of a first write). A range the thread is writing is claimed under the
+index lock, and a put handed a slot in it waits for that one step to end before it writes, so a
+zero never lands on a stored page. (It used ``MADV_POPULATE_READ`` over a mapping before: on
+ext4 that costs ~1.7 s per GiB of never-written slab, about 20x a zero write, and the following
+first writes were no cheaper; docs/benchmarks.md, "HiCache first fill".) It trades CPU for set
+latency: zeros plus a rewrite cost more kernel time than one first write.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -56,7 +60,6 @@ log = logging.getLogger(__name__)
 MAX_KEY = 1024
 _PUT, _DEL = 0, 1
 _FORMAT = 2  # 2: kvx-nh64 page checksums (1: xxh3)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,15 +107,16 @@ class SlabStore:
         A get is read and verified in this many transfers (checksumming in Python then
         overlaps the reading); 1 where the copy takes the checksums.
     prefault
-        Bytes of page cache kept populated ahead of the first never-written slot (0: none), by a
-        background thread that starts with the first window when the slab is opened.
+        Bytes of never-written slots kept in the page cache (written with zeros) ahead of the fill
+        (0: none), by a background thread that starts with the first window when the slab is opened.
     fill
         Write pages with ``pwritev`` through this agent (see the module docstring); None: every
         write goes through ``agent`` (its mapping, or O_DIRECT).
     """
 
-    #: Bytes populated per madvise call of the prefault thread (a stop request waits at most one).
-    PREFAULT_STEP = 8 << 20
+    #: Bytes the prefault thread zeroes per step (a stop request, or a put handed a slot in the
+    #: step, waits for at most one).
+    PREFAULT_STEP = 4 << 20
 
     #: Transfers per get when the checksums are taken in Python.
     CHUNKS = 4
@@ -186,7 +190,8 @@ class SlabStore:
         self._pf_busy = False
         self._pf_stop = False
         self._pf_cv = threading.Condition(threading.Lock())
-        self._pf_map: mmap.mmap | None = None
+        self._pf_claim: tuple[int, int] | None = None  # bytes [a, b) being zeroed (set under _lock)
+        self._pf_fd = -1
         self._pf_thread: threading.Thread | None = None
         if self._pf_window > 0:
             self._start_prefault()
@@ -262,15 +267,10 @@ class SlabStore:
 
     # ------------------------------------------------------------------------------------
     def _start_prefault(self) -> None:
-        size = self.capacity * self.geom.page_bytes
         try:
-            fd = os.open(self.slab_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                self._pf_map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError) as exc:
-            log.warning("slab %s: no prefault (cannot map it: %s)", self.slab_path, exc)
+            self._pf_fd = os.open(self.slab_path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("slab %s: no prefault (cannot open it: %s)", self.slab_path, exc)
             return
         self._pf_done = self._fresh * self.geom.page_bytes
         # the first window too is populated by the thread: building the store does not wait for it
@@ -278,25 +278,40 @@ class SlabStore:
         self._pf_thread = threading.Thread(target=self._prefault_loop, name="kvx-slab-prefault", daemon=True)
         self._pf_thread.start()
 
+    def _pf_write(self, zeros: memoryview, a: int) -> None:
+        """Zeros into the slab at byte ``a`` (one prefault step)."""
+        n = 0
+        while n < len(zeros):
+            n += os.pwrite(self._pf_fd, zeros[n:], a + n)
+
     def _prefault_to(self, want: int) -> bool:
-        """Populate the slab's page cache from ``_pf_done`` up to ``want`` bytes; False when the
-        kernel cannot (no MADV_POPULATE_READ: the prefault is turned off) or a stop was asked."""
-        m = self._pf_map
+        """Zero the never-written slots from ``_pf_done`` up to ``want`` bytes, a step at a time;
+        False when the kernel refuses (the prefault is turned off) or a stop was asked."""
         step = self.PREFAULT_STEP
-        while m is not None and self._pf_done < want:
+        zeros = memoryview(bytearray(min(step, max(0, want - self._pf_done)) or 1))
+        pb = self.geom.page_bytes
+        while self._pf_done < want:
             if self._pf_stop:
                 return False
-            a = self._pf_done - self._pf_done % mmap.PAGESIZE
-            n = min(step, want - a)
+            with self._lock:  # never below the first slot not yet handed out
+                a = max(self._pf_done, self._fresh * pb)
+                n = min(step, want - a, len(zeros))
+                if n <= 0:
+                    self._pf_done = max(self._pf_done, a)
+                    return True
+                self._pf_claim = (a, a + n)
             t0 = time.perf_counter()
             try:
-                m.madvise(_MADV_POPULATE_READ, a, n)
-            except OSError as exc:
-                # EINVAL: a kernel before 5.14; anything else (EFAULT: the file was cut short, ENOMEM)
+                self._pf_write(zeros[:n], a)
+            except OSError as exc:  # ENOSPC on a thin file system, EIO, the file cut short
                 log.warning("slab %s: prefault stopped (%s); first writes allocate their pages themselves",
                             self.slab_path, exc)
                 self._pf_window = 0
                 return False
+            finally:
+                with self._pf_cv:
+                    self._pf_claim = None
+                    self._pf_cv.notify_all()
             self._pf_seconds += time.perf_counter() - t0
             self._pf_done = a + n
         return True
@@ -336,7 +351,7 @@ class SlabStore:
 
     @property
     def prefault_seconds(self) -> float:
-        """Time spent populating the page cache so far (at creation and in the background)."""
+        """Time spent zeroing slots ahead of the fill so far (at creation and in the background)."""
         return self._pf_seconds
 
     def prefix(self, keys: Sequence[str]) -> int:
@@ -388,10 +403,13 @@ class SlabStore:
                 new_i.append(i)
             if slots and max(slots) >= self._fresh:
                 self._fresh = max(slots) + 1  # the prefault thread is woken once the batch is written
+            claim = self._pf_claim
         ok = [k in self._index for k in keys]
         if not new_i:
             return ok
         try:
+            if claim is not None:
+                self._wait_claim(claim, slots)
             sums = self._write(pages[new_i], np.asarray(slots, dtype=np.int64), host)
         except BaseException:
             with self._lock:
@@ -408,6 +426,17 @@ class SlabStore:
                 recs.append([_PUT, keys[i], slot, c])
             self._append(recs)
             return [k in self._index for k in keys]
+
+    def _wait_claim(self, claim: tuple[int, int], slots: list[int]) -> None:
+        """Wait until the prefault step over ``claim`` (bytes) has ended if it covers one of ``slots``
+        (it started before they were handed out; later steps start above them)."""
+        pb = self.geom.page_bytes
+        a, b = claim
+        if not any(s * pb < b and (s + 1) * pb > a for s in slots):
+            return
+        with self._pf_cv:
+            if not self._pf_cv.wait_for(lambda: self._pf_claim is not claim, self.timeout):
+                raise kvx.TransferTimeout(f"slab {self.slab_path}: a prefault step did not end in {self.timeout} s")
 
     def _write(self, pages: np.ndarray, slots: np.ndarray, host: kvx.PreparedList) -> np.ndarray:
         """Write host ``pages`` into ``slots``; their checksums, in order.
@@ -507,11 +536,11 @@ class SlabStore:
             with self._pf_cv:
                 self._pf_stop = True
                 self._pf_cv.notify_all()
-            t.join(self.timeout)  # it stops after at most one madvise step
+            t.join(self.timeout)  # it stops after at most one step
             self._pf_thread = None
-        if self._pf_map is not None and (t is None or not t.is_alive()):
-            self._pf_map.close()
-            self._pf_map = None
+        if self._pf_fd >= 0 and (t is None or not t.is_alive()):
+            os.close(self._pf_fd)
+            self._pf_fd = -1
         with self._lock:
             if self._log is not None:
                 self._log.close()

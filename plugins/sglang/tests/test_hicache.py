@@ -407,6 +407,50 @@ def test_prefault_populates_the_page_cache_ahead_of_the_fill(tmp_path):
     assert not any(t.name == "kvx-slab-prefault" and t.is_alive() for t in threading.enumerate())
 
 
+def test_a_put_waits_for_the_prefault_step_over_its_slots(tmp_path, monkeypatch):
+    """The prefault zeroes slots ahead of the fill; a put handed slots inside the step being
+    zeroed waits for that step to end before it writes, so no zero lands on a stored page (without
+    the wait the zeros would overwrite the batch: its pages would fail their checksums)."""
+    import threading
+
+    from kvx_sglang.slab import SlabStore
+
+    pool = mha_pool("page_first")
+    fill(pool, 14)
+    pb = pool.page_size * pool.size_per_token
+    entered, release = threading.Event(), threading.Event()
+    real = SlabStore._pf_write
+
+    def slow_step(self, zeros, a):  # the first step holds until released
+        if not release.is_set():
+            entered.set()
+            assert release.wait(30)
+        real(self, zeros, a)
+
+    monkeypatch.setattr(SlabStore, "_pf_write", slow_step)
+    b = make(tmp_path, pool, capacity_gb=256 * pb / (1 << 30), prefault_gb=64 * pb / (1 << 30))
+    try:
+        assert entered.wait(30)  # the thread is zeroing slots 0.. (the first step)
+        src = list(range(16))
+        done: list[list[bool]] = []
+        idx = token_indices(src, pool.page_size)
+        t = threading.Thread(target=lambda: done.append(b.batch_set_v1(keys(16, "w"), idx)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not done  # its slots lie in the step: it waits
+        release.set()
+        t.join(30)
+        assert done and all(done[0])
+        assert b.pages.prefault_idle(30.0)
+        want = [page_bytes(pool, p) for p in src]
+        fill(pool, 15)
+        assert all(b.batch_get_v1(keys(16, "w"), token_indices(src, pool.page_size)))
+        assert [page_bytes(pool, p) for p in src] == want
+    finally:
+        release.set()
+        b.close()
+
+
 def test_every_write_goes_through_pwritev(tmp_path):
     """Pages are written by the pwritev agent (posix without a mapping), alternate slots per
     transfer, both into never-written slots and into slots reused after eviction (whose pages
