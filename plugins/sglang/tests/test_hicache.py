@@ -421,11 +421,11 @@ def test_a_put_waits_for_the_prefault_step_over_its_slots(tmp_path, monkeypatch)
     entered, release = threading.Event(), threading.Event()
     real = SlabStore._pf_write
 
-    def slow_step(self, zeros, a):  # the first step holds until released
+    def slow_step(self, zeros, a, n):  # the first step holds until released
         if not release.is_set():
             entered.set()
             assert release.wait(30)
-        real(self, zeros, a)
+        real(self, zeros, a, n)
 
     monkeypatch.setattr(SlabStore, "_pf_write", slow_step)
     b = make(tmp_path, pool, capacity_gb=256 * pb / (1 << 30), prefault_gb=64 * pb / (1 << 30))
