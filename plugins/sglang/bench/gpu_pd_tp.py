@@ -12,12 +12,13 @@ layer and K/V (MHA, ``[tokens, heads on the rank, head_dim]``) or per layer (MLA
 - MHA, Qwen2.5-7B: 28 layers, 4 KV heads of 128, bf16 (3.5 MiB per page over all ranks);
 - MLA, DeepSeek-V3: 61 layers, 576 values per token, bf16 (4.3 MiB per page per rank).
 
-Shapes 1->2 and 2->1 against the same-TP plan (1->1, 2->2) in the same run. Bytes are verified:
+Shapes 1->2 and 2->1 against the same-TP plan (1->1, 2->2) in the same run, their requests
+alternating. Bytes are verified:
 each decode rank's pages equal the prefill page at the heads the rank holds (MLA: the latent),
 other pages untouched. Pages/s counts request pages delivered to every decode rank; GB/s the
 bytes moved (MLA 1->2 moves each page twice: both decode ranks need the whole latent).
 
-    python plugins/sglang/bench/gpu_pd_tp.py [--pages 512] [--batch 32] [--iters 30] [--json OUT]
+    python plugins/sglang/bench/gpu_pd_tp.py [--pages 512] [--batch 32] [--iters 100] [--json OUT]
 
 (with the repository root and plugins/sglang on PYTHONPATH, after ``python setup.py build_ext --inplace``).
 """
@@ -206,39 +207,64 @@ def verify(kind: str, full: list[torch.Tensor], dec: list[Rank], plan: list[tupl
     return True
 
 
-def run_shape(kind: str, ptp: int, dtp: int, pages: int, batch: int, iters: int, full: list[torch.Tensor],
-              rng: np.random.Generator) -> dict[str, Any]:
-    tag = f"{kind}-{ptp}to{dtp}-{time.monotonic_ns()}"
-    pre = [make_rank(f"p{r}-{tag}", kind, ptp, r, pages, 0, full) for r in range(ptp)]
-    dec = [make_rank(f"d{r}-{tag}", kind, dtp, r, pages, 1, None) for r in range(dtp)]
-    try:
+class Shape:
+    """One (prefill TP, decode TP) shape: its ranks, the plan made once, the bytes verified."""
+
+    def __init__(self, kind: str, ptp: int, dtp: int, pages: int, batch: int, full: list[torch.Tensor],
+                 rng: np.random.Generator) -> None:
+        tag = f"{kind}-{ptp}to{dtp}-{time.monotonic_ns()}"
+        self.kind, self.ptp, self.dtp, self.pages, self.batch = kind, ptp, dtp, pages, batch
+        self.pre = [make_rank(f"p{r}-{tag}", kind, ptp, r, pages, 0, full) for r in range(ptp)]
+        self.dec = [make_rank(f"d{r}-{tag}", kind, dtp, r, pages, 1, None) for r in range(dtp)]
         t0 = time.perf_counter()
-        plan = build_plan(kind, pre, dec)
-        plan_s = time.perf_counter() - t0
-        ok = verify(kind, full, dec, plan, pages, rng, batch)
-        times = []
-        for i in range(iters + 3):
-            sp = rng.choice(pages, batch, replace=False).astype(np.int64)
-            dp = rng.choice(pages, batch, replace=False).astype(np.int64)
-            t0 = time.perf_counter()
-            send(plan, sp, dp)
-            dt = time.perf_counter() - t0
-            if i >= 3:
-                times.append(dt)
-        med = statistics.median(times)
-        return {"kind": kind, "prefill_tp": ptp, "decode_tp": dtp, "modes": [m.value for _a, _b, m, *_ in plan],
-                "bytes_ok": ok, "plan_s": plan_s, "median_s": med, "pages_per_s": batch / med,
-                "GB_per_s": moved_bytes(plan, batch) / med / 1e9}
-    finally:
-        for r in pre + dec:
+        self.plan = build_plan(kind, self.pre, self.dec)
+        self.plan_s = time.perf_counter() - t0
+        self.ok = verify(kind, full, self.dec, self.plan, pages, rng, batch)
+        self.times: list[float] = []
+
+    def step(self, rng: np.random.Generator, keep: bool) -> None:
+        """One timed request of ``batch`` random pages."""
+        sp = rng.choice(self.pages, self.batch, replace=False).astype(np.int64)
+        dp = rng.choice(self.pages, self.batch, replace=False).astype(np.int64)
+        t0 = time.perf_counter()
+        send(self.plan, sp, dp)
+        dt = time.perf_counter() - t0
+        if keep:
+            self.times.append(dt)
+
+    def result(self) -> dict[str, Any]:
+        med = statistics.median(self.times)
+        return {"kind": self.kind, "prefill_tp": self.ptp, "decode_tp": self.dtp,
+                "modes": [m.value for _a, _b, m, *_ in self.plan], "bytes_ok": self.ok, "plan_s": self.plan_s,
+                "median_s": med, "pages_per_s": self.batch / med,
+                "GB_per_s": moved_bytes(self.plan, self.batch) / med / 1e9}
+
+    def close(self) -> None:
+        for r in self.pre + self.dec:
             r.agent.close()
+
+
+def run_pair(kind: str, base: tuple[int, int], shape: tuple[int, int], pages: int, batch: int, iters: int,
+             full: list[torch.Tensor], rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A shape and its same-TP base, their requests alternating (after 3 warm-up requests each), so
+    that the machine's drift during the run weighs on both alike."""
+    shapes = [Shape(kind, *base, pages, batch, full, rng)]
+    try:
+        shapes.append(Shape(kind, *shape, pages, batch, full, rng))
+        for i in range(iters + 3):
+            for sh in shapes if i % 2 == 0 else shapes[::-1]:
+                sh.step(rng, i >= 3)
+        return shapes[0].result(), shapes[1].result()
+    finally:
+        for sh in shapes:
+            sh.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=512, help="pages in each rank's pool")
     ap.add_argument("--batch", type=int, default=32, help="pages per request (32 x 64 = 2048 tokens)")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true", help="host memory instead of two GPUs (checks the logic only)")
     ap.add_argument("--cuda-option", action="append", default=[], metavar="NAME=INT",
@@ -262,8 +288,7 @@ def main() -> None:
     for kind, pages in (("mha", a.pages), ("mla", a.pages // 2)):
         full = model_buffers(kind, pages, 0)
         for base, shape in (((1, 1), (1, 2)), ((2, 2), (2, 1))):
-            rb = run_shape(kind, *base, pages, a.batch, a.iters, full, rng)
-            rs = run_shape(kind, *shape, pages, a.batch, a.iters, full, rng)
+            rb, rs = run_pair(kind, base, shape, pages, a.batch, a.iters, full, rng)
             rs["vs_same_tp"] = rs["pages_per_s"] / rb["pages_per_s"]
             results += [rb, rs]
             for r in (rb, rs):
