@@ -303,6 +303,8 @@ class KVXWorker:
         #: layer-wise steps: (seconds from start_load_kv to the last wait_for_layer_load, seconds
         #: blocked in wait_for_layer_load) of the latest steps
         self.layer_steps: list[tuple[float, float]] = []
+        #: whole offload loads: seconds from start_load_kv to the request's last block in place
+        self.whole_loads: list[float] = []
 
     # ------------------------------------------------------------------------------------------
     def _spec_of(self, name: str) -> Any:
@@ -427,7 +429,7 @@ class KVXWorker:
                 layerwise.append(lspec)
                 continue
             self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
-            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
+            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec, time.monotonic())
         if layerwise:
             self._start_layer_load(layerwise)
 
@@ -848,7 +850,7 @@ class KVXWorker:
             pass
         return pull.result()
 
-    def _load(self, spec: LoadSpec) -> list[int]:
+    def _load(self, spec: LoadSpec, t0: float | None = None) -> list[int]:
         assert self.table is not None
         bad: list[int] = []
         for g, keys, ids in zip(self.groups, spec.keys, spec.block_ids):
@@ -860,6 +862,9 @@ class KVXWorker:
                 got = 0
             bad.extend(ids[got:])
             self._count(loaded_blocks=got)
+        if t0 is not None:
+            with self._events_lock:
+                self.whole_loads = self.whole_loads[-999:] + [time.monotonic() - t0]
         return bad
 
     def _save(self, spec: SaveSpec) -> int:
