@@ -3,7 +3,8 @@
 Two engines of the same random-weight Llama (``--hidden``, ``--layers``, fp32), each with a kvx
 host tier: one loads offloaded prefixes whole (in the background; the request computes in a
 later step), one layer-wise (in the forward pass that uses them). They take turns prompt by
-prompt (on a shared machine the load drifts; taking turns spreads it over both). For each prompt
+prompt, the first of each round alternating (on a shared machine the load drifts; taking turns
+spreads it over both). For each prompt
 length and round, a new prompt is computed on each engine (cold), its blocks are saved to the
 host tier, vLLM's prefix cache is reset, and the same prompt is sent again (a hit: every full
 block but the last token's comes from the tier). Per hit it records
@@ -87,7 +88,8 @@ def main() -> int:
             for r in range(a.rounds):
                 p = prompt(n, 1000 * n + r, vocab)
                 toks: dict[str, list[list[int]]] = {}
-                for m, eng in engines.items():
+                for m in MODES if r % 2 == 0 else MODES[::-1]:  # who goes first alternates
+                    eng = engines[m]
                     c = eng.generate([p], 1)
                     cold = c["outputs"][0]
                     eng.call(cmd="drain", timeout=60)
