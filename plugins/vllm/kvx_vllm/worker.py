@@ -135,7 +135,9 @@ class _GroupStore:
         self.slots = max(1, cfg.staging_blocks)
         self.buf, self.reg, self.blocks, self.pieces = self._staging(agent)
         self.lw_reg: kvx.Registration | None = None
-        if cfg.offload_layerwise:  # a step's layer-wise loads, beside the background loads and saves
+        if cfg.offload_layerwise and len(worker.kv_cache_config.kv_cache_groups) == 1:
+            # a step's layer-wise loads, beside the background loads and saves (one KV cache
+            # group only: see KVXScheduler.layerwise)
             self.lw_buf, self.lw_reg, self.lw_blocks, self.lw_pieces = self._staging(agent)
         self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
         self._off = self.store.events.subscribe(worker._on_store_events)
@@ -430,7 +432,12 @@ class KVXWorker:
                 continue
             self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
             self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec, time.monotonic())
-        if layerwise:
+        if layerwise and not all(st.lw_reg is not None for st in self._stores.values()):
+            # scheduled as synchronous loads, which this worker cannot serve: recompute them
+            log.error("kvx_vllm: layer-wise loads for a worker without layer-wise staging; %d requests "
+                      "recompute", len(layerwise))
+            self._invalid.update(b for sp in layerwise for ids in sp.block_ids for b in ids)
+        elif layerwise:
             self._start_layer_load(layerwise)
 
     def _start_layer_load(self, specs: list[LoadSpec]) -> None:
