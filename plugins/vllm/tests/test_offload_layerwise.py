@@ -134,6 +134,55 @@ def test_first_layer_returns_while_a_later_one_is_pending() -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("staging", [9, 8])
+def test_two_requests_in_one_step(staging: int) -> None:
+    # 4 + 5 blocks to load: with 8 staging blocks the second request loads whole, in the background
+    eng = _engine(staging_blocks=staging)
+    try:
+        s = eng.scheduler
+        other = [(i * 7) % 900 + 1 for i in range(PROMPT + 16)]  # 5 full blocks
+        want = {}
+        for rid, p in (("a", None), ("x", other)):
+            req = U.create_request(rid, PROMPT, max_tokens=2, prompt=p)
+            s.add_request(req)
+            eng.step()
+            n = (len(req.prompt_token_ids) - 1) // U.BLOCK_SIZE
+            want[rid] = [[eng.caches[name][b].numpy().tobytes() for b in s.kv_cache_manager.get_block_ids(rid)[0][:n]]
+                         for name in LAYERS]
+            eng.run_until(lambda rid=rid: rid not in s.requests)
+        assert s.kv_cache_manager.reset_prefix_cache()
+        for t in eng.caches.values():
+            t.zero_()
+        seen: dict[str, dict[str, list[bytes]]] = {}
+
+        def after(name: str) -> None:
+            for rid, n in (("b", 4), ("y", 5)):
+                if rid in s.requests:
+                    ids = s.kv_cache_manager.get_block_ids(rid)[0][:n]
+                    seen.setdefault(rid, {}).setdefault(name, [eng.caches[name][b].numpy().tobytes() for b in ids])
+
+        eng.after_layer = after
+        s.add_request(U.create_request("b", PROMPT, max_tokens=2))
+        s.add_request(U.create_request("y", PROMPT, max_tokens=2, prompt=other))
+        so = eng.step()
+        w = eng.worker.worker
+        assert [seen["b"][n] for n in LAYERS] == want["a"]
+        if staging == 9:
+            assert set(so.num_scheduled_tokens) == {"b", "y"}  # both computed in the step of their load
+            assert w.stats["layer_loads"] == 1 and w.stats["loaded_blocks"] == 9
+        else:
+            assert set(so.num_scheduled_tokens) == {"b"}
+            y = s.requests["y"]
+            assert y.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            eng.run_until(lambda: y.status == RequestStatus.RUNNING)
+            assert w.stats["layer_loads"] == 1 and w.stats["loaded_blocks"] == 9
+        assert [seen["y"][n] for n in LAYERS] == want["x"]
+        eng.run_until(lambda: not s.requests)
+        assert eng.free() == eng.initial_free
+    finally:
+        eng.close()
+
+
 def test_layer_groups_one_transfer_each() -> None:
     eng = _engine(offload_layer_group=2)
     try:
