@@ -232,10 +232,6 @@ class LayerLoad:
                     bad.update(ids)
         return bad
 
-    def alive(self) -> bool:
-        """Whether the background thread still runs (reading into the staging slots)."""
-        return self._thread.is_alive()
-
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
