@@ -186,7 +186,9 @@ def main() -> None:
             pp = getattr(kvw, "push_prefill", None)
             _reply({"connector": dict(kvw.stats) if kvw is not None else {}, "tiers": tiers, "external": external,
                     "push": dict(pp.stats) if pp is not None else {},
-                    "scheduler_known_blocks": known, "pull_s": done, **state()})
+                    "scheduler_known_blocks": known, "pull_s": done,
+                    "layer_steps": list(getattr(kvw, "layer_steps", [])),
+                    "whole_loads": list(getattr(kvw, "whole_loads", [])), **state()})
         elif c == "quit":
             del llm
             _reply({"bye": True})

@@ -67,6 +67,17 @@ class KVXConnectorConfig:
         Optional disk tier below it.
     offload_policy
         Eviction policy name (``kvx.tiers.policies.POLICIES``); empty for the store's default.
+    offload_layerwise
+        Load offloaded blocks layer by layer inside the forward pass that uses them: the
+        request is scheduled in the step its load starts (a synchronous load for vLLM), the
+        tier read of its blocks and then one transfer per ``offload_layer_group`` layers into the
+        engine's cache are posted in ``start_load_kv``, and each attention layer waits
+        (``wait_for_layer_load``, bounded by ``load_timeout_s``) only for its own layers. Off:
+        the whole load runs in the background and the request computes in a later step.
+        Single KV cache group models only (others load whole); at most ``staging_blocks``
+        blocks per step load layer-wise, the rest whole.
+    offload_layer_group
+        Layers per transfer in a layer-wise load.
     pool
         The cluster-wide KV pool below the offload tiers (:mod:`kvx_vllm.pool`: the ``pool_*``
         keys, on with ``pool_etcd``); None: no pool.
@@ -106,6 +117,8 @@ class KVXConnectorConfig:
     offload_disk_path: str = ""
     offload_disk_bytes: int = 0
     offload_policy: str = ""
+    offload_layerwise: bool = False
+    offload_layer_group: int = 1
     pool: PoolSettings | None = None
     check_model_name: bool = True
     staging_blocks: int = 64
@@ -135,13 +148,13 @@ class KVXConnectorConfig:
                 raise ValueError(f"unknown kv_connector_extra_config key for KVXConnector: {k!r} "
                                  f"(known: {', '.join(sorted(known))}, offload_host_gb, offload_disk_gb)")
             if k in ("side_channel_port", "offload_host_bytes", "offload_disk_bytes", "staging_blocks",
-                     "push_group"):
+                     "push_group", "offload_layer_group"):
                 kw[k] = int(v)
             elif k in ("lease_s", "load_timeout_s", "handshake_timeout_s", "push_timeout_s", "push_wait_s"):
                 kw[k] = float(v)
             elif k in ("pd", "offload"):
                 kw[k] = None if v is None else _bool(v)
-            elif k in ("check_model_name", "layerwise"):
+            elif k in ("check_model_name", "layerwise", "offload_layerwise"):
                 kw[k] = _bool(v)
             elif k == "backends":
                 kw[k] = tuple(v.split(",")) if isinstance(v, str) else tuple(v)
@@ -156,6 +169,10 @@ class KVXConnectorConfig:
             raise ValueError(f"transfer_mode must be 'pull' or 'push', not {cfg.transfer_mode!r}")
         if cfg.layerwise and cfg.transfer_mode != "push":
             raise ValueError("layerwise needs transfer_mode 'push' (a pull reads the request after its prefill)")
+        if cfg.offload_layerwise and not cfg.offload_enabled:
+            raise ValueError("offload_layerwise needs offloading on (offload_host_gb or offload_host_bytes)")
+        if cfg.offload_layer_group < 1:
+            raise ValueError(f"offload_layer_group must be at least 1, not {cfg.offload_layer_group}")
         if cfg.push_group < 1 or cfg.push_timeout_s <= 0 or cfg.push_wait_s < 0:
             raise ValueError("push_group and push_timeout_s must be positive, push_wait_s not negative")
         return cfg

@@ -150,8 +150,10 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete before their requests are scheduled: nothing to wait for."""
-        return
+        """Layer-wise offload loads: wait for this layer's part. Other loads (pulls, whole offload
+        loads) complete before their requests are scheduled: nothing to wait for."""
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -170,12 +172,13 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise push runs Python between layers: CUDA graphs must be piecewise."""
+        """Layer-wise push and layer-wise offload loads run Python between layers: CUDA graphs
+        must be piecewise."""
         try:
             cfg = KVXConnectorConfig.from_extra(extra_config)
         except ValueError:
             return False
-        return cfg.push and cfg.layerwise
+        return (cfg.push and cfg.layerwise) or cfg.offload_layerwise
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():

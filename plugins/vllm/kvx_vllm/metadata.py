@@ -102,11 +102,13 @@ class RecvSpec:
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Offload: copy stored blocks (store keys per group) into ``block_ids`` (per group)."""
+    """Offload: copy stored blocks (store keys per group) into ``block_ids`` (per group);
+    ``layerwise``: in this step's forward pass, layer by layer (a synchronous load for vLLM)."""
 
     req_id: str
     keys: list[list[bytes]]
     block_ids: list[list[int]]
+    layerwise: bool = False
 
 
 @dataclass(slots=True)

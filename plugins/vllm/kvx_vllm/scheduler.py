@@ -83,6 +83,14 @@ class KVXScheduler:
                         hbs, self.block_size)
             self.offload = False
         self.groups = tuple(kv_cache_config.prefix_cacheable_group_ids) or (0,)
+        # layer-wise offload loads are synchronous: vLLM maps a failed one back to its request
+        # only through block ids, which are unique in a single KV cache group
+        self.layerwise = self.offload and cfg.offload_layerwise
+        if self.layerwise and len(kv_cache_config.kv_cache_groups) > 1:
+            log.warning("offload_layerwise is off: %d KV cache groups (offloaded blocks load whole)",
+                        len(kv_cache_config.kv_cache_groups))
+            self.layerwise = False
+        self._lw_budget = cfg.staging_blocks  # blocks this step may still load layer-wise
         self.compat = compat_info(vllm_config)
         #: the cluster-wide pool below the workers' stores: asked for what they do not hold
         self.pool = PoolLookup(cfg.pool, self.tp_size, self.groups) if self.offload and cfg.pool else None
@@ -95,8 +103,9 @@ class KVXScheduler:
         self._send: list[SendSpec] = []
         # offload: key -> medium -> ranks whose store holds it there
         self._stored: dict[bytes, dict[str, set[int]]] = {}
-        # request id -> (first block index, keys per group) planned by get_num_new_matched_tokens
-        self._planned: dict[str, tuple[int, list[list[bytes]]]] = {}
+        # request id -> (first block index, keys per group, layer-wise) planned by
+        # get_num_new_matched_tokens
+        self._planned: dict[str, tuple[int, list[list[bytes]], bool]] = {}
         self._events: list[KVCacheEvent] = []
         self._saving: set[str] = set()
         # ask the workers what their stores hold at the first step (the events of what a disk
@@ -175,8 +184,12 @@ class KVXScheduler:
             n += self.pool.lookup(self._keys(request, first + n, end - first - n))
         if n == 0:
             return 0, False
-        self._planned[request.request_id] = (first, self._keys(request, first, n))
-        return (first + n) * bs - num_computed_tokens, True
+        # layer-wise: loaded in this step's forward pass, into staging slots the step shares
+        sync = self.layerwise and n <= self._lw_budget
+        if sync:
+            self._lw_budget -= n
+        self._planned[request.request_id] = (first, self._keys(request, first, n), sync)
+        return (first + n) * bs - num_computed_tokens, not sync
 
     def _hold_for_registration(self, rid: str, push_id: str) -> bool:
         """Prefill side: whether a push request should wait (another step) for its decode
@@ -221,14 +234,14 @@ class KVXScheduler:
         plan = self._planned.pop(rid, None)
         if plan is None or num_external_tokens <= 0:
             return
-        first, keys = plan
+        first, keys, sync = plan
         n = min(num_external_tokens // self.block_size, len(keys[0]))
         ids = blocks.get_block_ids()
         block_ids = [list(ids[g][first:first + n]) for g in self.groups]
         if any(len(b) != n for b in block_ids):
             log.warning("request %s: allocated blocks do not cover the planned load; skipped", rid)
             return
-        self._load.append(LoadSpec(rid, [k[:n] for k in keys], block_ids))
+        self._load.append(LoadSpec(rid, [k[:n] for k in keys], block_ids, sync))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXConnectorMetadata:
         """This step's work for the workers; resets the step state."""
@@ -237,6 +250,7 @@ class KVXScheduler:
                                     push=self._push_specs(scheduler_output),
                                     idle_wait_s=self._idle_wait(scheduler_output))
         self._recv, self._load, self._save, self._send = [], [], [], []
+        self._lw_budget = self.cfg.staging_blocks
         self._announce = False
         return meta
 

@@ -36,6 +36,7 @@ from kvx.tiers import DiskTier, HostTier, TieredStore
 from kvx.tiers import events as kvx_events
 
 from .config import KVXConnectorConfig
+from .layerload import LayerLoad
 from .metadata import (
     PARAMS_VERSION,
     KVXConnectorMetadata,
@@ -132,18 +133,38 @@ class _GroupStore:
         kw["remote"] = worker_pool_tier(worker, group, self.block_bytes)  # the cluster-wide pool, if any
         self.store = TieredStore(tiers, self.block_bytes, **kw)
         self.slots = max(1, cfg.staging_blocks)
-        self.buf = kvx.alloc_host(self.slots * self.block_bytes)
-        self.reg = agent.register(self.buf)
-        self.blocks = agent.prepare(kvx.DescList.blocks(self.reg, self.block_bytes))
-        base = int(self.reg.descs.addr[0])
+        self.buf, self.reg, self.blocks, self.pieces = self._staging(agent)
+        self.lw_reg: kvx.Registration | None = None
+        if cfg.offload_layerwise and len(worker.kv_cache_config.kv_cache_groups) == 1:
+            # a step's layer-wise loads, beside the background loads and saves (one KV cache
+            # group only: see KVXScheduler.layerwise)
+            self.lw_buf, self.lw_reg, self.lw_blocks, self.lw_pieces = self._staging(agent)
+        self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
+        self._off = self.store.events.subscribe(worker._on_store_events)
+
+    def _staging(self, agent: kvx.Agent) -> tuple[Any, kvx.Registration, kvx.PreparedList, kvx.PreparedList]:
+        """``slots`` staging blocks: the buffer, its registration, the blocks, and every block's
+        layer pages (block-major) as pieces."""
+        layers = self.layers
+        buf = kvx.alloc_host(self.slots * self.block_bytes)
+        reg = agent.register(buf)
+        blocks = agent.prepare(kvx.DescList.blocks(reg, self.block_bytes))
+        base = int(reg.descs.addr[0])
         offs = np.cumsum([0] + [lay.page for lay in layers[:-1]]).astype(_U64)
         pages = np.array([lay.page for lay in layers], dtype=_U64)
         j = np.repeat(np.arange(self.slots, dtype=_U64), len(layers))
-        self.pieces = agent.prepare(kvx.DescList.from_arrays(
+        pieces = agent.prepare(kvx.DescList.from_arrays(
             kind=kvx.MemoryKind.HOST, addr=_U64(base) + j * _U64(self.block_bytes) + np.tile(offs, self.slots),
             nbytes=np.tile(pages, self.slots)))
-        self.layer_offsets = np.array([worker.offsets[lay.name] for lay in layers], dtype=np.int64)
-        self._off = self.store.events.subscribe(worker._on_store_events)
+        return buf, reg, blocks, pieces
+
+    def layer_idx(self, block_ids: list[int], slots: list[int], sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Indices into the KV block table and into the staging pieces of layers ``sel`` (indices
+        into ``layers``) of ``block_ids`` staged in ``slots``: layer-major, block order within."""
+        b = np.asarray(block_ids, dtype=np.int64)
+        kv = (self.layer_offsets[sel][:, None] + b[None, :]).reshape(-1)
+        pieces = (sel[:, None] + np.asarray(slots, dtype=np.int64)[None, :] * len(self.layers)).reshape(-1)
+        return kv, pieces
 
     def _idx(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Indices into the KV block table and into the staging pieces, block-major."""
@@ -187,6 +208,8 @@ class _GroupStore:
         self._off()
         self.store.close()
         self.reg.release()
+        if self.lw_reg is not None:
+            self.lw_reg.release()
 
 
 class KVXWorker:
@@ -238,6 +261,9 @@ class KVXWorker:
         self.table: kvx.PreparedList | None = None
         self._regs: list[kvx.Registration] = []
         self._stores: dict[int, _GroupStore] = {}
+        self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in its store)
+        self._lw: LayerLoad | None = None  # this step's layer-wise offload loads
+        self._lw_prev: LayerLoad | None = None  # the previous step's (its thread may still read)
         self._peers: dict[str, Peer] = {}
         self._peer_lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}  # peer name -> held while connecting it
@@ -273,7 +299,14 @@ class KVXWorker:
         #: seconds of those spent posting their reads (index work and kvx posts, a new peer's
         #: descriptor lists the first time); offload blocks loaded, and blocks saved
         self.stats: dict[str, float] = {"pulls": 0, "pulled_blocks": 0, "pull_s": 0.0, "post_s": 0.0,
-                                        "pull_failures": 0, "loaded_blocks": 0, "saved_blocks": 0}
+                                        "pull_failures": 0, "loaded_blocks": 0, "saved_blocks": 0,
+                                        "layer_loads": 0, "layer_load_s": 0.0, "layer_wait_s": 0.0,
+                                        "layer_load_failures": 0}
+        #: layer-wise steps: (seconds from start_load_kv to the last wait_for_layer_load, seconds
+        #: blocked in wait_for_layer_load) of the latest steps
+        self.layer_steps: list[tuple[float, float]] = []
+        #: whole offload loads: seconds from start_load_kv to the request's last block in place
+        self.whole_loads: list[float] = []
 
     # ------------------------------------------------------------------------------------------
     def _spec_of(self, name: str) -> Any:
@@ -348,6 +381,12 @@ class KVXWorker:
                 layers = [lay for lay in self.layouts if lay.group == g]
                 if layers:
                     self._stores[g] = _GroupStore(self, g, layers)
+                    pos = {lay.name: i for i, lay in enumerate(layers)}
+                    first = {(int(kv_caches[n].data_ptr()), int(kv_caches[n].shape[0])): n for n in pos}
+                    for name, t in kv_caches.items():  # layers sharing a tensor wait for its owner
+                        owner = first.get((int(t.data_ptr()), int(t.shape[0])))
+                        if owner is not None:
+                            self._layer_of[name] = (g, pos[owner])
         if self.pd and self.cfg.push and self.geoms:
             if self.serves:
                 self.push_prefill = PrefillPush(self)
@@ -386,9 +425,54 @@ class KVXWorker:
                 self._recv[spec.req_id] = fut  # type: ignore[assignment]
         for params in meta.heartbeat:
             self._pull_pool.submit(self._heartbeat, params)
+        layerwise = []
         for lspec in meta.load:
+            if lspec.layerwise:
+                layerwise.append(lspec)
+                continue
             self._recv_blocks[lspec.req_id] = [b for g in lspec.block_ids for b in g]
-            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec)
+            self._recv[lspec.req_id] = self._store_pool.submit(self._load, lspec, time.monotonic())
+        if layerwise and not all(st.lw_reg is not None for st in self._stores.values()):
+            # scheduled as synchronous loads, which this worker cannot serve: recompute them
+            log.error("kvx_vllm: layer-wise loads for a worker without layer-wise staging; %d requests "
+                      "recompute", len(layerwise))
+            self._invalid.update(b for sp in layerwise for ids in sp.block_ids for b in ids)
+        elif layerwise:
+            self._start_layer_load(layerwise)
+
+    def _start_layer_load(self, specs: list[LoadSpec]) -> None:
+        """Post this step's layer-wise loads (:mod:`kvx_vllm.layerload`)."""
+        if self._lw is not None:  # a step that ended without reporting (never in vLLM)
+            self._invalid.update(self._finish_layer_load())
+        prev = self._lw_prev
+        if prev is not None and not prev.join(self.cfg.load_timeout_s):
+            # its tier read still fills the staging slots: this step's loads cannot use them
+            log.error("kvx_vllm: a layer-wise load is still reading after its bound; %d requests recompute",
+                      len(specs))
+            self._invalid.update(b for sp in specs for ids in sp.block_ids for b in ids)
+            return
+        self._lw = LayerLoad(self, specs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise offload: wait (bounded) for this layer's pages of this step's loads."""
+        lw = self._lw
+        if lw is None:
+            return
+        where = self._layer_of.get(layer_name)
+        if where is not None and where[0] in lw.parts:
+            lw.wait(*where)
+
+    def _finish_layer_load(self) -> set[int]:
+        """End the step's layer-wise loads: the blocks that did not arrive for sure."""
+        lw, self._lw = self._lw, None
+        if lw is None:
+            return set()
+        self._lw_prev = lw
+        bad = lw.finish()
+        self._count(layer_loads=1, layer_load_s=lw.last_wait - lw.t0, layer_wait_s=lw.wait_s,
+                    loaded_blocks=lw.loaded_blocks(bad), layer_load_failures=1 if bad else 0)
+        self.layer_steps = self.layer_steps[-999:] + [(lw.last_wait - lw.t0, lw.wait_s)]
+        return bad
 
     def save_layer(self, meta: KVXConnectorMetadata, layer_name: str) -> None:
         """``save_kv_layer``: push mode's writes of this layer (prefill side)."""
@@ -515,7 +599,9 @@ class KVXWorker:
         return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call (single KV cache group only)."""
+        """Blocks whose load failed since the last call (single KV cache group only); ends the
+        step's layer-wise loads (called after the forward pass)."""
+        self._invalid.update(self._finish_layer_load())
         bad, self._invalid = self._invalid, set()
         if len(self.kv_cache_config.kv_cache_groups) > 1:
             return set()
@@ -771,7 +857,7 @@ class KVXWorker:
             pass
         return pull.result()
 
-    def _load(self, spec: LoadSpec) -> list[int]:
+    def _load(self, spec: LoadSpec, t0: float | None = None) -> list[int]:
         assert self.table is not None
         bad: list[int] = []
         for g, keys, ids in zip(self.groups, spec.keys, spec.block_ids):
@@ -783,6 +869,9 @@ class KVXWorker:
                 got = 0
             bad.extend(ids[got:])
             self._count(loaded_blocks=got)
+        if t0 is not None:
+            with self._events_lock:
+                self.whole_loads = self.whole_loads[-999:] + [time.monotonic() - t0]
         return bad
 
     def _save(self, spec: SaveSpec) -> int:
@@ -800,6 +889,9 @@ class KVXWorker:
         """Stop the background threads and release everything kvx holds."""
         if self.push_prefill is not None:
             self.push_prefill.close()
+        self._finish_layer_load()
+        if self._lw_prev is not None:
+            self._lw_prev.join(self.cfg.load_timeout_s)
         self._pull_pool.shutdown(wait=True, cancel_futures=True)
         self._store_pool.shutdown(wait=True, cancel_futures=True)
         for st in self._stores.values():

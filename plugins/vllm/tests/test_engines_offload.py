@@ -4,7 +4,9 @@ A prompt is computed, vLLM's own prefix cache is reset, and the same prompt agai
 the kvx host tier: its full blocks are loaded (counted), only the rest is computed, and the output
 is the same. Another prompt then pushes the first one's blocks down to the disk tier. vLLM's KV
 events (its ZMQ publisher, read here by a subscriber) show kvx's stores with their medium. A new
-engine process on the same disk tier gets the first prompt's hit from disk.
+engine process on the same disk tier gets the first prompt's hit from disk. With
+``offload_layerwise`` the stored prefixes of two prompts load layer by layer in the forward pass
+that uses them, and the tokens are a plain engine's.
 """
 
 from __future__ import annotations
@@ -116,5 +118,39 @@ def test_offload_hit_after_reset_and_after_restart(tiny_model: str, tmp_path) ->
         assert st["connector"]["loaded_blocks"] == FULL
         (tiers,) = st["tiers"].values()
         assert tiers[1]["medium"] == "DISK" and tiers[1]["promoted"] == FULL, tiers  # read from disk
+    finally:
+        eng.close()
+
+
+def test_offload_layerwise_same_tokens(tiny_model: str, tmp_path) -> None:
+    # offload_layerwise: a stored prefix is loaded inside the forward pass that uses it, layer by
+    # layer (wait_for_layer_load), in the step the request is scheduled
+    extra = {"offload_host_bytes": 4 * FULL * PAGE, "offload_layerwise": True}
+    opts = {"model": tiny_model, "block_size": BLOCK, "num_blocks": 64, "role": "kv_both", "extra": extra}
+    prompts = [prompt(PROMPT_LEN, 11), prompt(PROMPT_LEN + 40, 12)]
+    full = sum(len(p) // BLOCK for p in prompts)
+    plain = EngineProcess({k: v for k, v in opts.items() if k not in ("role", "extra")}, core=0,
+                          log=str(tmp_path / "engine-plain.log"))
+    try:
+        want = [o["tokens"] for o in plain.generate(prompts, MAX_TOKENS)["outputs"]]
+    finally:
+        plain.close()
+    eng = EngineProcess(opts, core=0, log=str(tmp_path / "engine-lw.log"))
+    try:
+        first = [o["tokens"] for o in eng.generate(prompts, MAX_TOKENS)["outputs"]]
+        assert first == want
+        eng.call(cmd="drain", timeout=30)
+        assert eng.call(cmd="stats")["connector"]["saved_blocks"] >= full
+        assert eng.call(cmd="reset_prefix_cache")["ok"]
+        before = eng.call(cmd="stats")["external"]["tokens"]
+        again = eng.generate(prompts, MAX_TOKENS)["outputs"]
+        assert [o["tokens"] for o in again] == want
+        st = eng.call(cmd="stats")
+        assert [o["num_cached_tokens"] for o in again] == [len(p) // BLOCK * BLOCK for p in prompts]
+        assert st["external"]["tokens"] - before == full * BLOCK
+        c = st["connector"]
+        assert c["loaded_blocks"] == full and c["layer_loads"] >= 1 and c["layer_load_failures"] == 0, c
+        # both requests loaded in one step, each layer waited for (the wait time is counted)
+        assert c["layer_load_s"] > 0 and c["layer_wait_s"] <= c["layer_load_s"]
     finally:
         eng.close()

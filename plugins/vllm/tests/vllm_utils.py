@@ -189,7 +189,8 @@ class Engine:
             if hs is not None:
                 self.scheduler.connector.set_xfer_handshake_metadata({0: hs})
         self.outputs: dict[str, Any] = {}
-        #: called after each layer's save_kv_layer in a forward pass (tests stall or kill there)
+        #: called after each layer's wait_for_layer_load and save_kv_layer in a forward pass
+        #: (tests stall, kill or look at the layer there)
         self.after_layer: Any = None
         # the scheduler drains the connector's KV events in update_from_output (to publish
         # them); record what it takes
@@ -212,8 +213,9 @@ class Engine:
             w = self.worker
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
-            if so.total_num_scheduled_tokens:  # a forward pass: each layer's save_kv_layer
-                for name, t in self.caches.items():
+            if so.total_num_scheduled_tokens:  # a forward pass: each layer's wait_for_layer_load
+                for name, t in self.caches.items():  # (the layer computes) and save_kv_layer
+                    w.wait_for_layer_load(name)
                     w.save_kv_layer(name, t, None)
                     if self.after_layer is not None:
                         self.after_layer(name)
