@@ -311,6 +311,9 @@ class Pool:
         self._oagent: _GuardedAgent | None = None
         #: id(dst) -> (dst, its twin with the tcp backend's keep_digests on, the digest array)
         self._twins: dict[int, tuple[PreparedList, PreparedList, np.ndarray]] = {}
+        #: take the checksums of tcp reads in the receive (False: re-read every landed block;
+        #: benchmarks/pool_get_cpu.py compares the two)
+        self._sums_in_copy = True
         if agent is not None and (not isinstance(agent, Agent) or agent.closed):
             raise UsageError("agent must be an open kvx.Agent")
         self._own_agent = agent is None
@@ -656,7 +659,7 @@ class Pool:
         lease = dst is not None
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(start, n))
-        twin = self._twin(dst) if dst is not None else None
+        twin = self._twin(dst) if dst is not None and self._sums_in_copy else None
         answered: queue.SimpleQueue[int] = queue.SimpleQueue()
         calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
                  for g, (j, pos) in enumerate(groups)]
