@@ -12,7 +12,7 @@ alternates ``--rounds`` times between the two ways of checking a get (``Pool._su
 Per mode and round: ``--gets`` gets (after 3 warm-up ones), each checked byte for byte after the
 timing; wall GB/s = bytes / sum of get times, p50/p99 of the get times, and CPU per get = the
 client process's CPU time (every thread) plus every member's (``/proc/PID/stat`` utime + stime)
-over the timed gets, divided by their number. JSON with ``--json``.
+over the timed gets, divided by their number (and the client's part alone). JSON with ``--json``.
 
     PYTHONPATH=. python benchmarks/pool_get_cpu.py --block-sizes 65536,524288 --rounds 3 --gets 60
 """
@@ -77,14 +77,15 @@ def _run_size(etcd: str, bs: int, batch: int, gets: int, rounds: int, members: i
                     for it in range(3):  # warm-up
                         c.get(names[it % nb], pd, ident)
                     ts = []
-                    cpu0 = time.process_time() + sum(_proc_cpu(p.pid) for p in procs)
+                    c0, m0 = time.process_time(), sum(_proc_cpu(p.pid) for p in procs)
                     for it in range(gets):
                         t = time.perf_counter()
                         n = c.get(names[it % nb], pd, ident)
                         ts.append(time.perf_counter() - t)
                         if n != batch:
                             raise RuntimeError(f"get served {n} of {batch} blocks")
-                    cpu = time.process_time() + sum(_proc_cpu(p.pid) for p in procs) - cpu0
+                    ccpu, mcpu = time.process_time() - c0, sum(_proc_cpu(p.pid) for p in procs) - m0
+                    cpu = ccpu + mcpu
                     if not np.array_equal(dst.reshape(batch, bs), want):
                         raise RuntimeError("wrong bytes after the gets")
                     after = c.stats()
@@ -94,11 +95,14 @@ def _run_size(etcd: str, bs: int, batch: int, gets: int, rounds: int, members: i
                                  "p50_ms": float(np.percentile(a, 50) * 1e3),
                                  "p99_ms": float(np.percentile(a, 99) * 1e3),
                                  "cpu_ms_per_get": cpu / gets * 1e3,
+                                 "client_cpu_ms_per_get": ccpu / gets * 1e3,
+                                 "members_cpu_ms_per_get": mcpu / gets * 1e3,
                                  "sums_in_copy": after.get("sums_in_copy", 0) - before.get("sums_in_copy", 0),
                                  "sums_reread": after.get("sums_reread", 0) - before.get("sums_reread", 0)})
                     r = rows[-1]
                     print(f"{bs >> 10:4d} KiB {mode:8s} round {rnd}: {r['gbps']:.2f} GB/s p50 {r['p50_ms']:.1f} "
                           f"p99 {r['p99_ms']:.1f} ms, {r['cpu_ms_per_get']:.2f} ms CPU/get "
+                          f"(client {r['client_cpu_ms_per_get']:.2f}, members {r['members_cpu_ms_per_get']:.2f}) "
                           f"(in-recv sums {r['sums_in_copy']}, re-read {r['sums_reread']})", flush=True)
     finally:
         _stop(procs)
@@ -122,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             rows += _run_size(etcd.endpoint, bs, a.batch, a.gets, a.rounds, a.members, a.member_bytes)
     finally:
         etcd.close()
-    print("| block | mode | GB/s (rounds) | p99 ms (rounds) | ms CPU/get (rounds) |")
-    print("|---|---|---|---|---|")
+    print("| block | mode | GB/s (rounds) | p99 ms (rounds) | ms CPU/get (rounds) | client ms CPU/get |")
+    print("|---|---|---|---|---|---|")
     for bs in sorted({r["block"] for r in rows}):
         for mode in ("reread", "in-recv"):
             rs = [r for r in rows if r["block"] == bs and r["mode"] == mode]
             cols = [", ".join(f"{r[k]:{fmt}}" for r in rs)
-                    for k, fmt in (("gbps", ".2f"), ("p99_ms", ".1f"), ("cpu_ms_per_get", ".2f"))]
+                    for k, fmt in (("gbps", ".2f"), ("p99_ms", ".1f"), ("cpu_ms_per_get", ".2f"),
+                                   ("client_cpu_ms_per_get", ".2f"))]
             print(f"| {bs >> 10} KiB | {mode} | {' | '.join(cols)} |")
     if a.json:
         with open(a.json, "w") as f:

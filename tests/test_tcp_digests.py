@@ -139,6 +139,16 @@ def test_reads_fill_digests_of_the_landed_blocks(pair: tuple[kvx.Agent, kvx.Agen
     assert [int(dig[4]), int(dig[6])] == [want[4], want[6]]
 
 
+def test_a_plan_made_before_keep_digests_still_fills_them(pair: tuple[kvx.Agent, kvx.Agent]) -> None:
+    ini, tgt = pair
+    sizes = [100, 2000, 5000]
+    rbuf, lbuf, offs, loc, rem = _lists(ini, tgt, sizes, 5)
+    small = ini.make_transfer("read", loc, [0, 2], rem, [0, 2])  # the fast path's descriptors, frozen
+    dig = ini.backend("tcp").keep_digests(loc)  # type: ignore[attr-defined]
+    small.post().wait(10)
+    assert [int(dig[0]), int(dig[2])] == [nh64(rbuf[offs[i]:offs[i] + sizes[i]].tobytes()) for i in (0, 2)]
+
+
 def test_read_of_the_same_sized_rows_moves_bytes_and_digests(pair: tuple[kvx.Agent, kvx.Agent]) -> None:
     """Rows paired with other rows of the remote list: each digest is of what landed in its row."""
     ini, tgt = pair

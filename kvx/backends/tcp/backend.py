@@ -525,8 +525,11 @@ class _TcpRoute(Route):
         if small is None:
             return super().plan(lidx, ridx, notify)
         peer, op, peers, fast_post, slow = self._peer, self.op, b._peers, b._fast_post, self.post
+        lp, hashed = self._lp, small[5] is not None or op is not Op.READ
 
         def post() -> Request:
+            if not hashed and lp.digests is not None:  # keep_digests came after the plan
+                return slow(lidx, ridx, notify)
             conn = peers.get(peer)
             if conn is None or conn.dead:
                 raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"
