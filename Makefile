@@ -187,7 +187,7 @@ gpu-carry:
 ASAN_DIR   ?= build/asan
 ASAN_TESTS ?= tests -m "not gpu"
 ASAN_CI_TESTS ?= tests/test_native_inputs.py tests/test_memory.py tests/test_host.py tests/test_posix.py tests/test_posix_digests.py \
-	tests/test_wire.py tests/test_agent.py tests/test_tcp.py tests/test_ucx_batch.py -m "not gpu and not slow"
+	tests/test_wire.py tests/test_agent.py tests/test_tcp.py tests/test_tcp_digests.py tests/test_ucx_batch.py -m "not gpu and not slow"
 ASAN_LIBS   = $$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)
 ASAN_ENV    = LD_PRELOAD=$(ASAN_LIBS) PYTHONPATH=$(abspath $(ASAN_DIR))/tree PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99:allow_user_segv_handler=1:handle_sigbus=0:log_path=$(abspath $(ASAN_DIR))/logs/asan \

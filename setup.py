@@ -46,8 +46,8 @@ setup(
         ),
         Extension(
             "kvx._net",
-            sources=["native/kvx_net.c"],
-            depends=["native/kvx_buf.h"],
+            sources=["native/kvx_net.c", "native/kvx_hash.c"],
+            depends=["native/kvx_buf.h", "native/kvx_native.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-missing-field-initializers"],
         ),
     ]

@@ -25,6 +25,12 @@
 #include <unistd.h>
 
 #define BATCH 1024 /* iovecs per syscall (IOV_MAX on Linux) */
+/* Receives that hash (recvv's ``digests``) ask for at most this many bytes per recvmsg (at least
+ * one descriptor), so each block is hashed right after the kernel copied it, while it is in L2. */
+#define HASH_WINDOW (512u << 10)
+
+/* kvx_hash.c (linked into this module too): the kvx-nh64 of n bytes (dst NULL: hash only) */
+uint64_t copy_hash(void *dst, const void *src, size_t n, int stream);
 
 static int wait_fd(int fd, short ev, double timeout) {
     struct pollfd p = {.fd = fd, .events = ev, .revents = 0};
@@ -85,20 +91,33 @@ static double now_s(void) {
  * ``spin`` > 0: on EAGAIN retry for up to that many seconds before sleeping in poll (small,
  * latency-bound transfers: no wakeup when the reply comes within the spin).
  */
-static int recv_iov2(int fd, struct iovec *iov, size_t n, double timeout, double idle, double spin,
-                     long lowat_max, uint64_t *got) {
-    size_t i = 0;
+/*
+ * ``dig`` (NULL: no hashing): once descriptor j is complete, dig[j] = kvx-nh64 of its n bytes at
+ * ``base[j]`` (the iovecs' start addresses before the call; iov is modified). A descriptor whose
+ * bytes did not all arrive (an error return) gets no digest.
+ */
+static int recv_iov3(int fd, struct iovec *iov, size_t n, double timeout, double idle, double spin,
+                     long lowat_max, uint64_t *got, void *const *base, const size_t *len, uint64_t *dig) {
+    size_t i = 0, hashed = 0;
     uint64_t want = 0;
     int lowat = 1, e = 0;
     double spin_end = 0.0;
     for (size_t j = 0; j < n; j++) want += iov[j].iov_len;
     *got = 0;
     while (i < n) {
+        if (dig) {
+            for (; hashed < i; hashed++) dig[hashed] = copy_hash(NULL, base[hashed], len[hashed], 0);
+        }
         if (iov[i].iov_len == 0) { i++; continue; }
         struct msghdr m;
         memset(&m, 0, sizeof(m));
         m.msg_iov = iov + i;
         m.msg_iovlen = n - i > BATCH ? BATCH : n - i;
+        if (dig) { /* a window of whole descriptors (at least one) */
+            size_t k = 1, bytes = iov[i].iov_len;
+            while (k < m.msg_iovlen && bytes + iov[i + k].iov_len <= HASH_WINDOW) bytes += iov[i + k++].iov_len;
+            m.msg_iovlen = k;
+        }
         ssize_t r = recvmsg(fd, &m, MSG_DONTWAIT);
         if (r < 0) {
             if (errno == EINTR) continue;
@@ -132,11 +151,19 @@ static int recv_iov2(int fd, struct iovec *iov, size_t n, double timeout, double
             else { iov[i].iov_base = (char *)iov[i].iov_base + left; iov[i].iov_len -= left; left = 0; }
         }
     }
+    if (dig && !e) {
+        for (; hashed < n; hashed++) dig[hashed] = copy_hash(NULL, base[hashed], len[hashed], 0);
+    }
     if (lowat != 1) {
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
     }
     return e;
+}
+
+static int recv_iov2(int fd, struct iovec *iov, size_t n, double timeout, double idle, double spin,
+                     long lowat_max, uint64_t *got) {
+    return recv_iov3(fd, iov, n, timeout, idle, spin, lowat_max, got, NULL, NULL, NULL);
 }
 
 /* The original contract: ``idle`` > 0 allows an idle exit, 0 means none. */
@@ -207,15 +234,21 @@ fail0:
     return NULL;
 }
 
-/* recvv(fd, addr: u64, nbytes: u64, timeout) -> None: fill every descriptor, in order */
+/*
+ * recvv(fd, addr: u64, nbytes: u64, timeout, spin=0, lowat=0, digests=None) -> None: fill every
+ * descriptor, in order. ``digests``: a writable uint64 buffer of one row per descriptor, which
+ * receives the kvx-nh64 of each descriptor's bytes, taken right after they landed (the rows are
+ * complete only when the call returns without an exception).
+ */
 static PyObject *py_recvv(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
-    PyObject *ao, *lo;
+    PyObject *ao, *lo, *dobj = Py_None;
     double timeout, spin = 0.0;
     long lowat = 0;
-    if (!PyArg_ParseTuple(args, "iOOd|dl", &fd, &ao, &lo, &timeout, &spin, &lowat)) return NULL;
-    Py_buffer ba, bl;
+    if (!PyArg_ParseTuple(args, "iOOd|dlO", &fd, &ao, &lo, &timeout, &spin, &lowat, &dobj)) return NULL;
+    Py_buffer ba, bl, bd;
+    int hd = 0;
     if (get_u64(ao, &ba, "addr") < 0) return NULL;
     if (get_u64(lo, &bl, "nbytes") < 0) { PyBuffer_Release(&ba); return NULL; }
     if (ba.len != bl.len) {
@@ -223,15 +256,43 @@ static PyObject *py_recvv(PyObject *self, PyObject *args) {
         PyBuffer_Release(&ba); PyBuffer_Release(&bl);
         return NULL;
     }
+    if (dobj != Py_None) {
+        if (PyObject_GetBuffer(dobj, &bd, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&ba); PyBuffer_Release(&bl);
+            return NULL;
+        }
+        hd = 1;
+        if (bd.len != ba.len) {
+            PyErr_SetString(PyExc_ValueError, "digests must hold one uint64 per descriptor");
+            PyBuffer_Release(&bd); PyBuffer_Release(&ba); PyBuffer_Release(&bl);
+            return NULL;
+        }
+    }
     size_t n;
     struct iovec *iov = build(NULL, &ba, &bl, &n);
+    void **base = NULL;
+    size_t *len = NULL;
     int e = 0;
     uint64_t got = 0;
-    if (!iov) { PyBuffer_Release(&ba); PyBuffer_Release(&bl); return PyErr_NoMemory(); }
+    if (iov && hd) {
+        base = malloc((n ? n : 1) * sizeof(void *));
+        len = malloc((n ? n : 1) * sizeof(size_t));
+        for (size_t j = 0; base && len && j < n; j++) { base[j] = iov[j].iov_base; len[j] = iov[j].iov_len; }
+    }
+    if (!iov || (hd && (!base || !len))) {
+        free(iov); free(base); free(len);
+        if (hd) PyBuffer_Release(&bd);
+        PyBuffer_Release(&ba); PyBuffer_Release(&bl);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
-    e = recv_iov2(fd, iov, n, timeout, -1.0, spin, lowat, &got);
+    e = recv_iov3(fd, iov, n, timeout, -1.0, spin, lowat, &got, (void *const *)base, len,
+                  hd ? (uint64_t *)bd.buf : NULL);
     Py_END_ALLOW_THREADS
     free(iov);
+    free(base);
+    free(len);
+    if (hd) PyBuffer_Release(&bd);
     PyBuffer_Release(&ba);
     PyBuffer_Release(&bl);
     if (e) return raise_err(e);
@@ -337,7 +398,8 @@ static PyMethodDef methods[] = {
     {"recv_frame", py_recv_frame, METH_VARARGS,
      "recv_frame(fd, max_bytes, timeout, idle, spin) -> body bytes, 0 on EOF, -1 when idle."},
     {"sendv", py_sendv, METH_VARARGS, "sendv(fd, head, addr, nbytes, timeout): send head then every descriptor."},
-    {"recvv", py_recvv, METH_VARARGS, "recvv(fd, addr, nbytes, timeout, spin=0, lowat=0): receive into every descriptor."},
+    {"recvv", py_recvv, METH_VARARGS, "recvv(fd, addr, nbytes, timeout, spin=0, lowat=0, digests=None): receive into every descriptor "
+     "(and kvx-nh64 each into digests)."},
     {"recv_into", py_recv_into, METH_VARARGS, "recv_into(fd, buf, timeout, idle) -> n, 0 on EOF, -1 when idle."},
     {"discard", py_discard, METH_VARARGS, "discard(fd, n, timeout): read and drop n bytes."},
     {NULL, NULL, 0, NULL},

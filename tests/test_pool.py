@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvx
+from kvx._native import nh64
 from kvx.errors import ProtocolError
 from kvx.memory import MemoryKind
 from kvx.pool import Placement, Pool, PoolConfig
@@ -346,6 +347,29 @@ def test_corrupt_block_is_a_miss_never_wrong_bytes(trio: tuple[Pool, Pool, Pool]
     assert c.get(ks, pd, range(16)) == 7
     assert c.stats()["corrupt"] == 1
     assert np.array_equal(dst[:7 * BB], src[:7 * BB])
+    # a client reads over tcp: the checksums were taken as the blocks landed, not re-read
+    assert c.stats()["sums_in_copy"] >= 8 and c.stats().get("sums_reread", 0) == 0
+
+
+@pytest.mark.services
+def test_get_verifies_against_the_checksums_taken_in_the_receive(trio: tuple[Pool, Pool, Pool]) -> None:
+    """The digests the tcp receive took are the nh64 of the landed blocks, and a get uses them
+    (no second pass) for what it read over tcp."""
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 12)
+    ks = _keys(12, b"digest")
+    assert c.put(ks, ps, range(12)) == 12
+    assert c.get(ks, pd, range(12)) == 12 and np.array_equal(src, dst)
+    twin = c._twin(pd)
+    assert twin is not None
+    dig = twin[1]
+    assert [int(d) for d in dig[:12]] == [nh64(dst[i * BB:(i + 1) * BB].tobytes()) for i in range(12)]
+    assert c.stats()["sums_in_copy"] == 12
+    # a storing member reads its own blocks by local copy: those are re-read
+    _, d2, _, pd2 = _bufs(a, 12, seed=1)
+    assert a.get(ks, pd2, range(12)) == 12 and np.array_equal(d2, src)
+    st = a.stats()
+    assert st["sums_reread"] == st["owner"]["blocks"] > 0 and st["sums_in_copy"] == 12 - st["sums_reread"]
 
 
 @pytest.mark.services

@@ -40,6 +40,7 @@ from .. import wire
 from .._native import nh64
 from ..agent import Agent, PreparedList
 from ..backends.base import index_array
+from ..backends.tcp import TcpBackend
 from ..channel import Channel
 from ..config import AgentConfig
 from ..errors import (
@@ -308,6 +309,11 @@ class Pool:
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._oagent: _GuardedAgent | None = None
+        #: id(dst) -> (dst, its twin with the tcp backend's keep_digests on, the digest array)
+        self._twins: dict[int, tuple[PreparedList, PreparedList, np.ndarray]] = {}
+        #: take the checksums of tcp reads in the receive (False: re-read every landed block;
+        #: benchmarks/pool_get_cpu.py compares the two)
+        self._sums_in_copy = True
         if agent is not None and (not isinstance(agent, Agent) or agent.closed):
             raise UsageError("agent must be an open kvx.Agent")
         self._own_agent = agent is None
@@ -653,6 +659,7 @@ class Pool:
         lease = dst is not None
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(start, n))
+        twin = self._twin(dst) if dst is not None and self._sums_in_copy else None
         answered: queue.SimpleQueue[int] = queue.SimpleQueue()
         calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
                  for g, (j, pos) in enumerate(groups)]
@@ -690,7 +697,7 @@ class Pool:
             # the read is posted as soon as this owner answered (the others' answers may still
             # shorten the prefix: what is read past it is not looked at)
             take = bisect.bisect_left(pos[:k].tolist(), end)
-            x, ok = self._read(m, dst, ia[pos[:take]], slots[:take]) if take else (None, True)
+            x, ok = self._read(m, dst, ia[pos[:take]], slots[:take], twin) if take else (None, True)
             reads.append((j, pos[:k], sums, lid if k else None, x, ok))
         if not lease:
             return end
@@ -702,7 +709,10 @@ class Pool:
             if not ok:
                 end = min(end, int(pos[0]))
             elif take:
-                bad = self._verify(dst, ia[pos[:take]], sums[:take])
+                # a tcp read into the twin took the checksums as the bytes landed: no second pass
+                dig = twin[1] if twin is not None and x is not None and x.backend == "tcp" else None
+                self._stats["sums_in_copy" if dig is not None else "sums_reread"] += take
+                bad = self._verify(dst, ia[pos[:take]], sums[:take], dig)
                 if bad < take:
                     self._stats["corrupt"] += 1
                     log.warning("pool: a block from %s failed its checksum (a miss)", m.name)
@@ -752,8 +762,10 @@ class Pool:
             log.info("pool: write to %s failed: %s", m.name, exc)
             return None, False
 
-    def _read(self, m: Member, dst: PreparedList, didx: np.ndarray, slots: list[int]) -> tuple[Any, bool]:
-        """Post the read of ``slots`` of ``m`` into ``dst[didx]``: (transfer or None, posted)."""
+    def _read(self, m: Member, dst: PreparedList, didx: np.ndarray, slots: list[int],
+              twin: tuple[PreparedList, np.ndarray] | None = None) -> tuple[Any, bool]:
+        """Post the read of ``slots`` of ``m`` into ``dst[didx]``: (transfer or None, posted).
+        With ``twin`` (see :meth:`_twin`), a remote read goes through it (the same memory)."""
         try:
             if self._local(m):
                 for a, s in zip(dst.descs.addr[didx], slots):
@@ -762,7 +774,7 @@ class Pool:
             c = self._conn(m)
             if c is None:
                 return None, False
-            return self.agent.read(dst, didx, c.arena, slots), True
+            return self.agent.read(twin[0] if twin is not None else dst, didx, c.arena, slots), True
         except KVXError as exc:
             log.info("pool: read from %s failed: %s", m.name, exc)
             return None, False
@@ -784,8 +796,38 @@ class Pool:
         except KVXError:
             pass
 
-    def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int]) -> int:
-        """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none)."""
+    def _twin(self, dst: PreparedList) -> tuple[PreparedList, np.ndarray] | None:
+        """A second prepared list over ``dst``'s descriptors with the tcp backend's
+        ``keep_digests`` on, and its digest array: tcp reads into it checksum each block as it
+        lands (cached for a few destinations). None where tcp cannot (not running, blocks longer
+        than its frames, ``dst`` staged or registered anew)."""
+        with self._lock:
+            hit = self._twins.get(id(dst))
+        if hit is not None and hit[0] is dst and hit[1].gens == dst.gens:
+            return hit[1], hit[2]
+        try:
+            tcp = self.agent.backend("tcp")
+            if not isinstance(tcp, TcpBackend) or self.block_bytes > tcp.chunk:
+                return None
+            twin = self.agent.prepare(dst.descs)
+            dig = tcp.keep_digests(twin)
+        except KVXError:
+            return None
+        if twin.gens != dst.gens:  # a region of dst was registered anew since dst was prepared
+            return None
+        with self._lock:
+            while len(self._twins) >= 4:
+                self._twins.pop(next(iter(self._twins)))
+            self._twins[id(dst)] = (dst, twin, dig)
+        return twin, dig
+
+    def _verify(self, dst: PreparedList, ia: np.ndarray, sums: list[int], dig: np.ndarray | None = None) -> int:
+        """Index of the first block of ``dst[ia]`` whose checksum differs (``len`` if none):
+        from ``dig`` (the checksums taken as the blocks landed, by row of ``dst``) where given,
+        otherwise over the bytes in ``dst``."""
+        if dig is not None:
+            diff = np.flatnonzero(dig[ia] != np.array(sums, dtype=np.uint64))
+            return int(diff[0]) if diff.size else len(sums)
         block = ctypes.c_char * self.block_bytes  # one array type, every block a view of it
         for i, (a, want) in enumerate(zip(dst.descs.addr[ia].tolist(), sums)):
             if nh64(block.from_address(a)) != want:

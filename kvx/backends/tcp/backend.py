@@ -65,6 +65,8 @@ class _Prep:
     kind: MemoryKind = MemoryKind.HOST
     dev: np.ndarray | None = None  # CUDA lists: the device of each descriptor
     copier: Copier | None = None  # local lists staged through pinned slots
+    #: HOST lists with keep_digests on: kvx-nh64 of each descriptor as last read into it
+    digests: np.ndarray | None = None
 
 
 def _strict_bounds(cum: np.ndarray, chunk: int, most: int) -> list[int]:
@@ -285,6 +287,31 @@ class TcpBackend(_Target, Backend):
         return _Prep(np.ascontiguousarray(d.addr, dtype=_U64), np.ascontiguousarray(d.nbytes, dtype=_U64),
                      d.kind, dev, copier)
 
+    def keep_digests(self, plist: PreparedList) -> np.ndarray:
+        """Checksum every block this backend reads into the local HOST list ``plist``.
+
+        From now on each read into ``plist`` takes the kvx-nh64 checksum (``kvx._native.nh64``)
+        of every descriptor it fills right after the kernel copied the descriptor's bytes out of
+        the socket (while they are still in cache, instead of a second pass over memory) and,
+        before the transfer is seen finished (``wait``/``done`` returned True), stores it at the
+        descriptor's row of the returned array (one uint64 per descriptor of ``plist``). Rows of a
+        failed read hold nothing meaningful. Transfers running at the same time must not fill the
+        same rows. Reads into ``plist`` of a descriptor longer than ``KVX_TCP_CHUNK`` are refused
+        (``BackendUnavailable``): the checksum is of whole descriptors, which then span frames.
+
+        Raises
+        ------
+        UsageError
+            If ``plist`` is not a local HOST list prepared by this backend's agent, or is staged
+            (``KVX_TCP_STAGE_HOST``).
+        """
+        p: _Prep | None = plist.bdata.get(self.name)
+        if p is None or plist.peer is not None or p.kind is not MemoryKind.HOST or p.copier is not None:
+            raise UsageError("keep_digests needs a local, unstaged HOST list prepared by this agent")
+        if p.digests is None:
+            p.digests = np.zeros(len(p.addr), dtype=_U64)
+        return p.digests
+
     # ---- transfers -------------------------------------------------------------------------
     def route(self, op: Op, local: PreparedList, remote: PreparedList) -> Route:
         return _TcpRoute(self, op, local, remote)
@@ -314,6 +341,10 @@ class TcpBackend(_Target, Backend):
         if not np.array_equal(ln, rp.nbytes[ri]):
             raise ValueError("paired descriptors differ in length")
         laddr, raddr = lp.addr[li], rp.addr[ri]
+        dig = lp.digests if op is Op.READ else None
+        if dig is not None and int(ln.max()) > self.chunk:
+            raise BackendUnavailable("tcp takes checksums of descriptors of at most KVX_TCP_CHUNK "
+                                     f"({self.chunk}) bytes")
         rstaged = rp.kind == MemoryKind.CUDA or conn.stage_host
         chunk, most = self.chunk, MAX_DESCS
         if rstaged:
@@ -343,14 +374,15 @@ class TcpBackend(_Target, Backend):
         chunks = []
         rkind = int(MemoryKind.CUDA) if rp.kind == MemoryKind.CUDA else 0
         for a, b in zip(bounds, bounds[1:]):
-            if lp.copier is None:
+            if lp.copier is None and dig is None:
                 la, lnb = _coalesce(laddr[a:b], ln[a:b])
-            else:
+            else:  # staged, or hashed per descriptor: one iovec each
                 la, lnb = laddr[a:b], ln[a:b]
             chunks.append(_Chunk(op, req, la, lnb, raddr[a:b].tobytes(), ln[a:b].tobytes(),
                                  int(cum[b - 1] - (cum[a - 1] if a else 0)), 0, rkind,
                                  rdev[a:b].tobytes() if rdev is not None else None, lp.copier,
-                                 ldev[a:b] if ldev is not None else None))
+                                 ldev[a:b] if ldev is not None else None,
+                                 dig=dig, drows=li[a:b] if dig is not None else None))
         if len(chunks) == 1 and total <= self.inline and lp.copier is None:
             # small: send from the posting thread when a stream is free (saves a thread hop)
             for st in conn.streams:
@@ -368,9 +400,10 @@ class TcpBackend(_Target, Backend):
         return req
 
     def _small(self, op: Op, lp: _Prep, lidx: Any, rp: _Prep, ridx: Any
-               ) -> tuple[bytes, bytes, bytes, bytes, int] | None:
+               ) -> tuple[bytes, bytes, bytes, bytes, int, Any] | None:
         """The fast path's descriptors, computed without numpy, or None when not small:
-        (local addr, local nbytes as native u64; target addr, nbytes as little-endian u64; bytes)."""
+        (local addr, local nbytes as native u64; target addr, nbytes as little-endian u64; bytes;
+        for a read into a list with keep_digests on, (its digest array, the local rows), else None)."""
         if type(lidx) is int:
             lidx = [lidx]
         if type(ridx) is int:
@@ -400,11 +433,12 @@ class TcpBackend(_Target, Backend):
         total = sum(ln)
         if total > self.fast_max:
             return None
+        dig = (lp.digests, list(lidx)) if op is Op.READ and lp.digests is not None else None
         return (struct.pack(f"={k}Q", *la), struct.pack(f"={k}Q", *ln), struct.pack(f"<{k}Q", *ra),
-                struct.pack(f"<{k}Q", *rn), total)
+                struct.pack(f"<{k}Q", *rn), total, dig)
 
     def _fast_post(self, conn: _PeerConn, op: Op, la: bytes, ln: bytes, ra: bytes, rn: bytes, total: int,
-                   notify: bytes | None) -> Request | None:
+                   dig: Any, notify: bytes | None) -> Request | None:
         """Send a small transfer on the peer's fast stream; None when that stream is busy."""
         fs = conn.fast
         if fs is None:
@@ -414,6 +448,7 @@ class TcpBackend(_Target, Backend):
             if not fs.owner.acquire(blocking=False):
                 return None
         req = _FastRequest(fs, total, la, ln, notify)
+        req.dig = dig
         req.rid = rid = conn.next_rid()
         body = wire.pack("w" if op is Op.WRITE else "r", rid=rid, addr=ra, nbytes=rn)
         head = wire.frame_header(_K_MSG, len(body)) + body
@@ -490,8 +525,11 @@ class _TcpRoute(Route):
         if small is None:
             return super().plan(lidx, ridx, notify)
         peer, op, peers, fast_post, slow = self._peer, self.op, b._peers, b._fast_post, self.post
+        lp, hashed = self._lp, small[5] is not None or op is not Op.READ
 
         def post() -> Request:
+            if not hashed and lp.digests is not None:  # keep_digests came after the plan
+                return slow(lidx, ridx, notify)
             conn = peers.get(peer)
             if conn is None or conn.dead:
                 raise PeerDisconnected(f"peer {peer!r} is not connected over tcp"

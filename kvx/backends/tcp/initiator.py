@@ -89,6 +89,9 @@ class _Chunk:
     slot: Slot | None = None
     ring: SlotRing | None = None
     ticket: Ticket | None = None
+    #: a read into a list with keep_digests on: its digest array and the rows of ``laddr``
+    dig: np.ndarray | None = None
+    drows: np.ndarray | None = None
 
 
 class _Stream:
@@ -325,6 +328,11 @@ class _Stream:
                     _net.recvv(self.fd, np.array([item.slot.addr], dtype=np.uint64),
                                np.array([item.nbytes], dtype=np.uint64), self.conn.timeout, 0.0,
                                self.conn.backend.rcv_lowat)
+                elif take and item.dig is not None:
+                    out = np.empty(item.laddr.shape[0], dtype=np.uint64)
+                    _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat,
+                               out)
+                    item.dig[item.drows] = out
                 elif take:
                     _net.recvv(self.fd, item.laddr, item.lnb, self.conn.timeout, 0.0, self.conn.backend.rcv_lowat)
                 else:
@@ -364,7 +372,7 @@ class _Stream:
 class _FastRequest(Request):
     """A small transfer on the fast stream: done when its reply was read (by whoever tests)."""
 
-    __slots__ = ("done", "err", "fs", "laddr", "lnb", "nbytes", "notify", "rid")
+    __slots__ = ("dig", "done", "err", "fs", "laddr", "lnb", "nbytes", "notify", "rid")
 
     def __init__(self, fs: "_FastStream", nbytes: int, laddr: Any, lnb: Any, notify: bytes | None) -> None:
         self.fs = fs
@@ -375,6 +383,8 @@ class _FastRequest(Request):
         self.notify = notify
         self.done = False
         self.err: BaseException | None = None
+        #: a read into a list with keep_digests on: (its digest array, the local rows)
+        self.dig: tuple[np.ndarray, list[int]] | None = None
 
     def finish(self, err: BaseException | None) -> None:
         if self.done:
@@ -470,7 +480,12 @@ class _FastStream:
                         wire.check(msg, "rd", {"n": int})
                         if msg["n"] != req.nbytes:
                             raise ProtocolError("read reply of the wrong size")
-                        _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0)
+                        if req.dig is not None:
+                            out = np.empty(len(req.dig[1]), dtype=np.uint64)
+                            _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0, 0, out)
+                            req.dig[0][req.dig[1]] = out
+                        else:
+                            _net.recvv(self.fd, req.laddr, req.lnb, conn.timeout, 0.0)
                     elif t == "err":
                         err = RemoteError(f"{conn.name}: {msg.get('msg', 'refused')}")
                     elif t != "ok":
