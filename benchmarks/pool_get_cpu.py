@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-import kvx
-from kvx.bench.pool import _Etcd, _members, _stop
+from kvx.bench.pool import _Etcd, _members, _stop, client_buffers
 from kvx.pool import Pool, PoolConfig
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -50,16 +49,7 @@ def _run_size(etcd: str, bs: int, batch: int, gets: int, rounds: int, members: i
     try:
         with Pool("client", etcd=etcd, pool=name, capacity=0, block_bytes=bs,
                   options=PoolConfig(refresh=0.2, timeout=30.0)) as c:
-            deadline = time.monotonic() + 10
-            while len(c.members()) < members and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if len(c.members()) < members:
-                raise RuntimeError(f"only {len(c.members())} of {members} members listed")
-            src = kvx.alloc_host(batch * bs)
-            src[:] = np.random.default_rng(7).integers(0, 256, src.size, dtype=np.uint8)
-            dst = kvx.alloc_host(batch * bs)
-            ps = c.agent.prepare(kvx.DescList.blocks(c.agent.register(src), bs))
-            pd = c.agent.prepare(kvx.DescList.blocks(c.agent.register(dst), bs))
+            src, dst, ps, pd = client_buffers(c, members, batch, bs)
             perm = np.random.default_rng(8).permutation(batch)
             ident = np.arange(batch)
             nb = 4

@@ -98,6 +98,25 @@ def _members(endpoint: str, pool: str, n: int, nbytes: int, bs: int) -> list[sub
     return procs
 
 
+def client_buffers(c: Any, members: int, batch: int, bs: int) -> tuple[Any, Any, Any, Any]:
+    """Wait (10 s at most) until pool client ``c`` lists ``members`` members; then a source of
+    ``batch`` random blocks of ``bs`` bytes and a destination as large, registered and prepared
+    with ``c``'s agent: (src, dst, prepared src, prepared dst)."""
+    import kvx
+
+    deadline = time.monotonic() + 10
+    while len(c.members()) < members and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if len(c.members()) < members:
+        raise RuntimeError(f"only {len(c.members())} of {members} members listed")
+    src = kvx.alloc_host(batch * bs)
+    src[:] = np.random.default_rng(7).integers(0, 256, src.size, dtype=np.uint8)
+    dst = kvx.alloc_host(batch * bs)
+    ps = c.agent.prepare(kvx.DescList.blocks(c.agent.register(src), bs))
+    pd = c.agent.prepare(kvx.DescList.blocks(c.agent.register(dst), bs))
+    return src, dst, ps, pd
+
+
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         if p.stdin is not None:
@@ -112,7 +131,6 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members: int = 4,
              member_bytes: int = 1 << 30) -> list[dict[str, Any]]:
     """kvx rows: ``op``, ``block``, ``gbps``, ``p50_ms``, ``p99_ms`` per block size."""
-    import kvx
     from kvx.pool import Pool, PoolConfig
 
     rows: list[dict[str, Any]] = []
@@ -127,16 +145,7 @@ def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members:
             try:
                 with Pool("client", etcd=etcd.endpoint, pool=name, capacity=0, block_bytes=bs,
                           options=PoolConfig(refresh=0.2, timeout=30.0)) as c:
-                    deadline = time.monotonic() + 10
-                    while len(c.members()) < members and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    if len(c.members()) < members:
-                        raise RuntimeError(f"only {len(c.members())} of {members} members listed")
-                    src = kvx.alloc_host(batch * bs)
-                    src[:] = np.random.default_rng(7).integers(0, 256, src.size, dtype=np.uint8)
-                    dst = kvx.alloc_host(batch * bs)
-                    ps = c.agent.prepare(kvx.DescList.blocks(c.agent.register(src), bs))
-                    pd = c.agent.prepare(kvx.DescList.blocks(c.agent.register(dst), bs))
+                    src, dst, ps, pd = client_buffers(c, members, batch, bs)
                     perm = np.random.default_rng(8).permutation(batch)
                     ident = np.arange(batch)
                     warm = 2
