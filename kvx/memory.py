@@ -375,6 +375,14 @@ def regions_of(obj: Registrable) -> list[Any]:
 # DescList
 
 
+def _per_address(arr: np.ndarray, what: str, a: np.ndarray) -> np.ndarray:
+    """``arr`` (one value, or one per address of ``a``) broadcast to ``a``'s shape."""
+    if arr.ndim == 1 and arr.shape != a.shape:
+        raise ArgumentValueError(f"{what} must be one int or hold one per address ({a.shape[0]}), "
+                                 f"not {arr.shape[0]}")
+    return np.broadcast_to(arr, a.shape)
+
+
 def _as_u64(a: Any, name: str, *, scalar: bool = False) -> np.ndarray:
     """``a`` as a 1-D ``uint64`` array (a 0-d one too with ``scalar``); vectorised checks only."""
     if isinstance(a, (str, bytes, bytearray, memoryview)) or a is None:
@@ -485,14 +493,8 @@ class DescList:
         """
         base = cls.from_arrays(kind=kind, addr=addr, nbytes=nbytes, dev=dev)
         a = base._addr
-        c = _as_u64(count, "count", scalar=True)
-        s = _as_u64(stride, "stride", scalar=True)
-        for arr, what in ((c, "count"), (s, "stride")):
-            if arr.ndim == 1 and arr.shape != a.shape:
-                raise ArgumentValueError(f"{what} must be one int or hold one per address ({a.shape[0]}), "
-                                         f"not {arr.shape[0]}")
-        c = np.ascontiguousarray(np.broadcast_to(c, a.shape))
-        s = np.ascontiguousarray(np.broadcast_to(s, a.shape))
+        c = np.ascontiguousarray(_per_address(_as_u64(count, "count", scalar=True), "count", a))
+        s = np.ascontiguousarray(_per_address(_as_u64(stride, "stride", scalar=True), "stride", a))
         why = _strided_problem(base._nbytes, c, s)
         if why is not None:
             raise ArgumentValueError(why)
@@ -576,14 +578,8 @@ class DescList:
         """
         k = _kind(kind, "DescList kind")
         a = _as_u64(addr, "addr")
-        n = _as_u64(nbytes, "nbytes", scalar=True)
-        d = _as_u64(dev, "dev", scalar=True)
-        for arr, what in ((n, "nbytes"), (d, "dev")):
-            if arr.ndim == 1 and arr.shape != a.shape:
-                raise ArgumentValueError(f"{what} must be one int or hold one per address ({a.shape[0]}), "
-                                         f"not {arr.shape[0]}")
-        n = np.broadcast_to(n, a.shape)
-        d = np.broadcast_to(d, a.shape)
+        n = _per_address(_as_u64(nbytes, "nbytes", scalar=True), "nbytes", a)
+        d = _per_address(_as_u64(dev, "dev", scalar=True), "dev", a)
         _check_descs(a, n, d)
         return cls._wrap(k, a, np.ascontiguousarray(n), np.ascontiguousarray(d))
 
