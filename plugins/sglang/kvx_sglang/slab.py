@@ -194,6 +194,7 @@ class SlabStore:
         self._pf_cv = threading.Condition(threading.Lock())
         self._pf_claim: tuple[int, int] | None = None  # bytes [a, b) being zeroed (set under _lock)
         self._pf_fd = -1
+        self._pf_zeros = memoryview(b"")
         self._pf_thread: threading.Thread | None = None
         if self._pf_window > 0:
             self._start_prefault()
@@ -275,6 +276,7 @@ class SlabStore:
             log.warning("slab %s: no prefault (cannot open it: %s)", self.slab_path, exc)
             return
         self._pf_done = self._fresh * self.geom.page_bytes
+        self._pf_zeros = memoryview(bytearray(self.PREFAULT_WRITE))  # the source of every zero write
         # the first window too is populated by the thread: building the store does not wait for it
         self._pf_busy = True
         self._pf_thread = threading.Thread(target=self._prefault_loop, name="kvx-slab-prefault", daemon=True)
@@ -286,13 +288,16 @@ class SlabStore:
         writes cost ~20x more kernel time per byte, in the allocation of the larger folios)."""
         end = a + n
         while a < end:
-            a += os.pwrite(self._pf_fd, zeros[:min(len(zeros), end - a)], a)
+            k = os.pwrite(self._pf_fd, zeros[:min(len(zeros), end - a)], a)
+            if k <= 0:
+                raise OSError(f"pwrite wrote nothing at byte {a}")
+            a += k
 
     def _prefault_to(self, want: int) -> bool:
         """Zero the never-written slots from ``_pf_done`` up to ``want`` bytes, a step at a time;
         False when the kernel refuses (the prefault is turned off) or a stop was asked."""
         step = self.PREFAULT_STEP
-        zeros = memoryview(bytearray(self.PREFAULT_WRITE))
+        zeros = self._pf_zeros
         pb = self.geom.page_bytes
         while self._pf_done < want:
             if self._pf_stop:
