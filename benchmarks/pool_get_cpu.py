@@ -48,7 +48,7 @@ def _run_size(etcd: str, bs: int, batch: int, gets: int, rounds: int, members: i
     rows: list[dict[str, Any]] = []
     try:
         with Pool("client", etcd=etcd, pool=name, capacity=0, block_bytes=bs,
-                  options=PoolConfig(refresh=0.2, timeout=30.0)) as c:
+                  options=PoolConfig(refresh=0.2, timeout=30.0, near=False)) as c:
             src, dst, ps, pd = client_buffers(c, members, batch, bs)
             perm = np.random.default_rng(8).permutation(batch)
             ident = np.arange(batch)

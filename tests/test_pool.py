@@ -3,6 +3,7 @@ process and in separate processes (kill -9) -- with real tcp transfers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -173,6 +174,10 @@ _val = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 65), _bkey, st.t
 _msg = st.fixed_dictionaries({"t": st.sampled_from(["grant", "commit", "lookup", "release", "x"])},
                              optional={f: _val for f in ("keys", "parents", "gid", "slots", "sums", "ok", "lease",
                                                          "lid")})
+# the same-node requests (kvx.pool.near), their fields as random as the others
+_near_msg = st.fixed_dictionaries({"t": st.sampled_from(["near", "fetch", "store"])},
+                                  optional={f: _val for f in ("keys", "parents", "sums", "addrs", "addr", "rows",
+                                                              "meta")})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -279,11 +284,14 @@ def test_owner_refuses_oversized_batches() -> None:
 # ---- members in this process (tcp over loopback) ------------------------------------------
 @pytest.fixture()
 def trio(etcd_server: Etcd, request: Any) -> Iterator[tuple[Pool, Pool, Pool]]:  # noqa: F811
+    """Two storing members and a client in this process. Owners serve it the same-node way
+    (``near``) unless the test is parametrized with ``trio="tcp"``."""
     name = request.node.name[-40:].replace("[", "_").replace("]", "_")
     kw = {"etcd": etcd_server.endpoint, "pool": name, "block_bytes": BB}
-    a = Pool("a", capacity=64 * BB, options=FAST, **kw)  # type: ignore[arg-type]
-    b = Pool("b", capacity=64 * BB, options=FAST, **kw)  # type: ignore[arg-type]
-    c = Pool("c", capacity=0, options=FAST, **kw)  # type: ignore[arg-type]
+    opts = FAST if getattr(request, "param", "near") == "near" else dataclasses.replace(FAST, near=False)
+    a = Pool("a", capacity=64 * BB, options=opts, **kw)  # type: ignore[arg-type]
+    b = Pool("b", capacity=64 * BB, options=opts, **kw)  # type: ignore[arg-type]
+    c = Pool("c", capacity=0, options=opts, **kw)  # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 5
         while any(p.members() != ["a", "b"] for p in (a, b, c)) and time.monotonic() < deadline:
@@ -305,6 +313,7 @@ def _bufs(p: Pool, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, kvx.P
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["near", "tcp"], indirect=True)
 def test_put_get_lookup_roundtrip_over_two_owners(trio: tuple[Pool, Pool, Pool]) -> None:
     a, b, c = trio
     src, dst, ps, pd = _bufs(c, 48)
@@ -335,6 +344,7 @@ def test_put_get_lookup_roundtrip_over_two_owners(trio: tuple[Pool, Pool, Pool])
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["near", "tcp"], indirect=True)
 def test_corrupt_block_is_a_miss_never_wrong_bytes(trio: tuple[Pool, Pool, Pool]) -> None:
     a, b, c = trio
     src, dst, ps, pd = _bufs(c, 16)
@@ -347,11 +357,14 @@ def test_corrupt_block_is_a_miss_never_wrong_bytes(trio: tuple[Pool, Pool, Pool]
     assert c.get(ks, pd, range(16)) == 7
     assert c.stats()["corrupt"] == 1
     assert np.array_equal(dst[:7 * BB], src[:7 * BB])
-    # a client reads over tcp: the checksums were taken as the blocks landed, not re-read
-    assert c.stats()["sums_in_copy"] >= 8 and c.stats().get("sums_reread", 0) == 0
+    if c.opts.near:  # the owners copied into the landings, the client checked as it took them
+        assert c.stats()["near_blocks"] >= 8 and "sums_in_copy" not in c.stats()
+    else:  # a client reads over tcp: the checksums were taken as the blocks landed, not re-read
+        assert c.stats()["sums_in_copy"] >= 8 and c.stats().get("sums_reread", 0) == 0
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["tcp"], indirect=True)
 def test_get_verifies_against_the_checksums_taken_in_the_receive(trio: tuple[Pool, Pool, Pool]) -> None:
     """The digests the tcp receive took are the nh64 of the landed blocks, and a get uses them
     (no second pass) for what it read over tcp."""
@@ -373,6 +386,7 @@ def test_get_verifies_against_the_checksums_taken_in_the_receive(trio: tuple[Poo
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["tcp"], indirect=True)
 def test_data_plane_refuses_slots_not_granted_or_leased(trio: tuple[Pool, Pool, Pool]) -> None:
     a, b, c = trio
     src, dst, ps, pd = _bufs(c, 4)
@@ -405,6 +419,7 @@ def test_data_plane_refuses_slots_not_granted_or_leased(trio: tuple[Pool, Pool, 
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["tcp"], indirect=True)
 def test_data_plane_binds_grants_and_leases_to_their_client(trio: tuple[Pool, Pool, Pool],
                                                             etcd_server: Etcd) -> None:  # noqa: F811
     a, b, c = trio
@@ -716,7 +731,8 @@ def test_replicas_serve_when_an_owner_is_gone(etcd_server: Etcd) -> None:  # noq
 @pytest.mark.services
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(frames=st.lists(st.one_of(st.binary(max_size=64), _msg.map(lambda m: {**m, "rid": 1})), min_size=1,
+@given(frames=st.lists(st.one_of(st.binary(max_size=64), _msg.map(lambda m: {**m, "rid": 1}),
+                                 _near_msg.map(lambda m: {**m, "rid": 1})), min_size=1,
                        max_size=6))
 def test_control_channel_survives_fuzzed_frames(trio: tuple[Pool, Pool, Pool], frames: list[Any]) -> None:
     """Authenticated garbage on a control connection: refused or dropped, the owner's books stay
@@ -832,6 +848,7 @@ def test_one_way_release_over_the_wire_gets_no_answer(trio: tuple[Pool, Pool, Po
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("trio", ["tcp"], indirect=True)
 def test_a_slow_owner_does_not_hold_back_the_others_reads(trio: tuple[Pool, Pool, Pool],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     a, b, c = trio
@@ -861,3 +878,108 @@ def test_a_slow_owner_does_not_hold_back_the_others_reads(trio: tuple[Pool, Pool
     order = [e for e, _ in sorted(events, key=lambda x: x[1])]
     assert order.index("read b") < order.index("a answered"), order
     assert "read a" in order
+
+
+# ---- same-node owners copy themselves (kvx.pool.near) ---------------------------------------
+@pytest.mark.services
+def test_near_owners_serve_in_one_round_and_accept_no_peer(trio: tuple[Pool, Pool, Pool]) -> None:
+    """A client on the owners' node: puts are one ``store`` round per owner and gets one
+    ``fetch`` round, the owner moving the bytes; its serving agent, which holds the arena,
+    refuses every peer (no client can map or read the arena one-sided)."""
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 40, seed=3)
+    ks = _keys(40, b"near")
+    assert c.put(ks, ps, range(40)) == 40
+    st = c.stats()
+    assert st["near_stores"] == 2 and "busy" in st and st.get("put_failed", 0) == 0
+    for p in (a, b):
+        o = p.owner
+        assert o is not None and o.stats.granted == o.stats.committed == p.stats()["owner"]["blocks"] > 0
+        assert not o.grants and not o.leases
+        o.check()
+    assert c.get(ks, pd, range(40)) == 40 and np.array_equal(src, dst)
+    assert c.stats()["near_blocks"] == 40 and "sums_in_copy" not in c.stats()
+    for p in (a, b):
+        assert not p.owner.leases  # type: ignore[union-attr]  # taken and ended within the fetch
+    # nobody reaches an owner's serving agent: it dials out only
+    near = a._near
+    assert near is not None
+    with kvx.Agent("intruder") as x:
+        with pytest.raises(kvx.KVXError):
+            x.add_peer(near.agent.metadata())
+    assert near.agent.backend("host").refused.counts.get("connections", 0) >= 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.services
+def test_near_store_keeps_nothing_that_fails_its_checksum_or_lies_outside_the_client(
+        trio: tuple[Pool, Pool, Pool], etcd_server: Etcd) -> None:  # noqa: F811
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 4, seed=4)
+    m = next(mm for mm in c._place[1] if mm.name == "a")  # type: ignore[index]
+    conn = c._conn(m)
+    assert conn is not None and conn.near is not None
+    addr = [int(x) for x in ps.descs.addr[:2]]
+    good = [nh64(src[i * BB:(i + 1) * BB].tobytes()) for i in range(2)]
+    # a checksum that does not match the bytes: the owner checks after its copy, keeps nothing
+    rep = conn.chan.request("store", 5.0, keys=[b"s0", b"s1"], parents=[None, b"s0"], sums=[good[0], 1],
+                            addrs=addr)[0]
+    assert rep["codes"] == [REFUSED, REFUSED] and "checksum" in rep["why"]
+    # memory the client did not register (the owner's own arena, a wild address): refused, not read
+    for bad in ([int(a._reg.descs.addr[0])] * 2, [8192, 8192 + BB]):
+        rep = conn.chan.request("store", 5.0, keys=[b"s0", b"s1"], parents=[None, None], sums=good,
+                                addrs=bad)[0]
+        assert rep["codes"] == [REFUSED, REFUSED] and "copy from the client failed" in rep["why"]
+    assert a.owner.lookup("t", [b"s0"], False)[0] == 0  # type: ignore[union-attr]
+    a.owner.check()  # type: ignore[union-attr]
+    assert not a.owner.grants  # type: ignore[union-attr]
+    # the honest store still works, and a fetch on a connection without a near handshake is refused
+    rep = conn.chan.request("store", 5.0, keys=[b"s0", b"s1"], parents=[None, b"s0"], sums=good, addrs=addr)[0]
+    assert rep["codes"] == [HELD, HELD]
+    pool = c._members.prefix.split("/")[3]  # type: ignore[union-attr]
+    with Pool("t", etcd=etcd_server.endpoint, pool=pool, capacity=0, block_bytes=BB,
+              options=dataclasses.replace(FAST, near=False)) as t:
+        tc = t._conn(m)
+        assert tc is not None and tc.near is None
+        with pytest.raises(kvx.RemoteError, match="near handshake"):
+            tc.chan.request("fetch", 5.0, keys=[b"s0"])
+        with pytest.raises(kvx.RemoteError, match="another agent"):  # c's metadata on t's connection
+            tc.chan.request("near", 5.0, meta=c.agent.metadata(), addr=addr[0], rows=2)
+    a.owner.check()  # type: ignore[union-attr]
+
+
+@pytest.mark.services
+def test_near_fetch_past_the_bound_is_a_miss_and_drops_its_landing(trio: tuple[Pool, Pool, Pool],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that answers a fetch too late: its blocks miss within the bound, the client drops
+    that connection and its landing (a late copy lands in memory nobody reads), then recovers."""
+    a, b, c = trio
+    src, dst, ps, pd = _bufs(c, 16, seed=6)
+    ks = _keys(16, b"late")
+    assert c.put(ks, ps, range(16)) == 16
+    assert c.get(ks, pd, range(16)) == 16
+    first = next(i for i, k in enumerate(ks) if k in a.owner.index)  # type: ignore[union-attr]
+    m = next(mm for mm in c._place[1] if mm.name == "a")  # type: ignore[index]
+    conn = c._conn(m)
+    assert conn is not None and conn.near is not None
+    land = conn.near
+    assert a._near is not None
+    real = a._near._fetch
+
+    def slow(*args: Any) -> Any:
+        time.sleep(c.opts.timeout + 0.5)
+        return real(*args)
+
+    monkeypatch.setattr(a._near, "_fetch", slow)
+    dst[:] = 0
+    t0 = time.monotonic()
+    got = c.get(ks, pd, range(16))
+    took = time.monotonic() - t0
+    assert got == first and took < c.opts.timeout + 2.0, (got, first, took)
+    assert np.array_equal(dst[:got * BB], src[:got * BB])
+    assert land.reg.released and c.stats()["member_failures"] >= 1
+    monkeypatch.setattr(a._near, "_fetch", real)
+    time.sleep(c.opts.retry + 0.1)
+    dst[:] = 0
+    assert c.get(ks, pd, range(16)) == 16 and np.array_equal(src, dst)
+    conn2 = c._conn(m)
+    assert conn2 is not None and conn2.near is not None and conn2.near is not land

@@ -40,6 +40,10 @@ class SameNodeLink:
     #: memfd name of a counter page, and the link's name in log messages
     _INFL_NAME = "kvx-inflight"
     _LINK_WHAT = "same-node"
+    #: False: the listener refuses every peer (an agent that only dials out, e.g. a pool owner's
+    #: serving agent, whose registrations no peer may map or read one-sided); set it before the
+    #: agent registers anything and before its metadata is published
+    accept_peers = True
 
     cfg: Any
     ctx: Any
@@ -85,6 +89,9 @@ class SameNodeLink:
             if uid != os.getuid():  # root too serves only its own user (CMA, mappings)
                 notice(s, "denied", "a peer of another user is not served")
                 raise AuthError(f"refusing same-node peer of another user (uid {uid}, pid {pid})")
+            if not self.accept_peers:
+                notice(s, "denied", "this agent accepts no same-node peers")
+                raise AuthError(f"refusing same-node peer pid {pid}: this agent only dials out")
             chan = Channel(s, self.max_msg, self._on_message, self._on_close, name=f"pid{pid}")
             nonce = auth.new_nonce()
             chan.send(wire.pack("challenge", nonce=nonce, id=self.ctx.agent_id))

@@ -11,7 +11,10 @@ sum of the batch times, p99 the 99th percentile of the batch times.
 
 etcd is started for the run (the ``etcd`` binary: Debian ``etcd-server``). JSON (``--json``):
 ``{"header": ..., "rows": [{"op": "put"|"get", "block": bytes, "kvx_gbps", "kvx_p50_ms",
-"kvx_p99_ms", "mooncake_gbps", "mooncake_p99_ms", ...}]}``.
+"kvx_p99_ms", "kvx_tcp_gbps", "kvx_tcp_p99_ms", "mooncake_gbps", "mooncake_p99_ms", ...}]}``:
+``kvx_*`` is the client as configured by default (members on its node serve it the same-node
+way, :mod:`kvx.pool.near`), ``kvx_tcp_*`` the same client with ``PoolConfig(near=False)``, what
+a client on another host gets.
 """
 
 from __future__ import annotations
@@ -129,8 +132,10 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members: int = 4,
-             member_bytes: int = 1 << 30) -> list[dict[str, Any]]:
-    """kvx rows: ``op``, ``block``, ``gbps``, ``p50_ms``, ``p99_ms`` per block size."""
+             member_bytes: int = 1 << 30, near: bool = True) -> list[dict[str, Any]]:
+    """kvx rows: ``op``, ``block``, ``gbps``, ``p50_ms``, ``p99_ms`` per block size. ``near``:
+    the members serve the client the same-node way (the default), else over loopback tcp (what
+    a client on another host gets)."""
     from kvx.pool import Pool, PoolConfig
 
     rows: list[dict[str, Any]] = []
@@ -144,7 +149,7 @@ def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members:
             procs = _members(etcd.endpoint, name, members, member_bytes, bs)
             try:
                 with Pool("client", etcd=etcd.endpoint, pool=name, capacity=0, block_bytes=bs,
-                          options=PoolConfig(refresh=0.2, timeout=30.0)) as c:
+                          options=PoolConfig(refresh=0.2, timeout=30.0, near=near)) as c:
                     src, dst, ps, pd = client_buffers(c, members, batch, bs)
                     perm = np.random.default_rng(8).permutation(batch)
                     ident = np.arange(batch)
@@ -173,6 +178,9 @@ def run_pool(block_sizes: list[int], batch: int = 128, iters: int = 30, members:
                             raise RuntimeError(f"pool get served {n} of {batch} blocks or wrong bytes")
                         if it >= warm:
                             get_t.append(dt)
+                    st = c.stats()
+                    if bool(st.get("near_blocks")) != near or bool(st.get("near_stores")) != near:
+                        raise RuntimeError(f"the client was {'not ' if near else ''}served the same-node way: {st}")
                     for op, ts in (("put", put_t), ("get", get_t)):
                         a = np.asarray(ts)
                         rows.append({"op": op, "block": bs, "batch": batch,
@@ -213,19 +221,22 @@ def cmd(block_sizes: list[int] | None, iters: int, compare: list[str], json_path
         why = mooncake_store_available()
         if why is not None:
             raise UsageError(f"--compare mooncake-store: {why}")
-    kvr, mcr = [], []
+    kvr, tcpr, mcr = [], [], []
     for _ in range(max(1, rounds)):
         kvr.append(run_pool(sizes, iters=iters))
+        tcpr.append(run_pool(sizes, iters=iters, near=False))
         if compare:
             from ..compare.mooncake_store import run_mooncake_store
 
             mcr.append(run_mooncake_store(sizes, iters=iters))
     kv = _median_rows(kvr)
+    tcp_rows = _median_rows(tcpr)
     mc_rows = _median_rows(mcr) if mcr else []
     rows = []
-    for r in kv:
+    for r, t in zip(kv, tcp_rows):
         row = {"op": r["op"], "block": r["block"], "batch": r["batch"], "iters": r["iters"], "kvx_gbps": r["gbps"],
-               "kvx_p50_ms": r["p50_ms"], "kvx_p99_ms": r["p99_ms"], "kvx_gbps_rounds": r["gbps_rounds"]}
+               "kvx_p50_ms": r["p50_ms"], "kvx_p99_ms": r["p99_ms"], "kvx_gbps_rounds": r["gbps_rounds"],
+               "kvx_tcp_gbps": t["gbps"], "kvx_tcp_p99_ms": t["p99_ms"], "kvx_tcp_gbps_rounds": t["gbps_rounds"]}
         m = next((x for x in mc_rows if x["op"] == r["op"] and x["block"] == r["block"]), None)
         if m is not None:
             row.update({"mooncake_gbps": m["gbps"], "mooncake_p50_ms": m["p50_ms"], "mooncake_p99_ms": m["p99_ms"],
@@ -234,14 +245,18 @@ def cmd(block_sizes: list[int] | None, iters: int, compare: list[str], json_path
         rows.append(row)
     hdr = {"machine": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "workload": "4 members x 1 GiB, 1 client, 128-block batches, registered buffers, loopback tcp",
+           "workload": "4 members x 1 GiB, 1 client, 128-block batches, registered buffers; kvx: the "
+                       "same-node path (owners copy, PoolConfig.near) and loopback tcp (kvx_tcp_*, what a "
+                       "client on another host gets); Mooncake Store: its tcp transport",
            "rounds": max(1, rounds), "iters": iters}
-    print("| op | block | kvx GB/s | kvx p99 ms | mooncake GB/s | mooncake p99 ms | kvx/mooncake |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | block | kvx GB/s | kvx p99 ms | kvx tcp GB/s | kvx tcp p99 ms | mooncake GB/s | mooncake p99 ms "
+          "| kvx/mooncake | kvx tcp/mooncake |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        mc = (f"{r['mooncake_gbps']:.2f} | {r['mooncake_p99_ms']:.1f} | {r['ratio']:.2f}x"
-              if "mooncake_gbps" in r else "- | - | -")
-        print(f"| {r['op']} | {r['block'] >> 10} KiB | {r['kvx_gbps']:.2f} | {r['kvx_p99_ms']:.1f} | {mc} |")
+        mc = (f"{r['mooncake_gbps']:.2f} | {r['mooncake_p99_ms']:.1f} | {r['ratio']:.2f}x | "
+              f"{r['kvx_tcp_gbps'] / r['mooncake_gbps']:.2f}x" if r.get("mooncake_gbps") else "- | - | - | -")
+        print(f"| {r['op']} | {r['block'] >> 10} KiB | {r['kvx_gbps']:.2f} | {r['kvx_p99_ms']:.1f} | "
+              f"{r['kvx_tcp_gbps']:.2f} | {r['kvx_tcp_p99_ms']:.1f} | {mc} |")
     if json_path:
         d = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(d, exist_ok=True)

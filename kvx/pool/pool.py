@@ -13,6 +13,10 @@ once, in three rounds of messages:
   release, not waited for;
 - ``lookup``: the lookup round without lease and data.
 
+An owner on the client's node (``PoolConfig.near``) moves the bytes itself instead, in one
+round each (``fetch``, ``store``; :mod:`kvx.pool.near`): one copy, no socket in between, the
+same checksums and the same rule that no client reaches the arena.
+
 Failure is a miss, never wrong bytes: an owner that is dead, cut off, slow past ``timeout``,
 that evicted the block or whose lease ran out ends the served prefix at its first block; a
 block whose checksum differs from the one committed is a miss too (``stats()["corrupt"]``).
@@ -55,6 +59,7 @@ from ..net import client_handshake
 from ..tiers.policies import DEFAULT_POLICY
 from .disk import DiskSpill
 from .membership import Member, Membership, check_name
+from .near import NEAR_WINDOW, Landing, NearServer, on_this_node
 from .owner import BUSY, HELD, LOCAL, REFUSED, Owner
 from .placement import Placement, key64, key_bytes
 from .server import CTL_MAX, SVC, ControlServer
@@ -100,6 +105,13 @@ class PoolConfig:
     prefault
         Touch every page of the arena when joining, so that its memory is committed at start
         (a member that cannot have it fails now, not under load) and no put pays page faults.
+    near
+        Owners on this node serve this client by copying between their arena and its memory
+        themselves (``fetch``/``store``, :mod:`kvx.pool.near`) instead of over tcp: both sides
+        need the ``host`` backend. The client never reaches the arena, so this keeps ``strict``.
+    near_window
+        Bytes of the landing buffer a client keeps per same-node owner (a fetch of more blocks
+        than it holds, or while another fetch uses it, goes over tcp).
     """
 
     replicas: int = 1
@@ -116,6 +128,8 @@ class PoolConfig:
     max_batch: int = 4096
     strict: bool = True
     prefault: bool = True
+    near: bool = True
+    near_window: int = NEAR_WINDOW
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 8:
@@ -126,6 +140,11 @@ class PoolConfig:
                 raise UsageError(f"PoolConfig.{f} must be a positive number of seconds")
         if not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= 4096:
             raise UsageError("max_batch must be an int in 1..4096")
+        if not isinstance(self.near, bool):
+            raise UsageError("near must be a bool")
+        if not isinstance(self.near_window, int) or isinstance(self.near_window, bool) or \
+                not 0 < self.near_window <= 1 << 34:
+            raise UsageError("near_window must be an int of bytes in 1 .. 16 GiB")
 
 
 class _GuardedAgent(Agent):
@@ -144,6 +163,7 @@ class _Conn:
     member: Member
     chan: Channel
     arena: PreparedList
+    near: Landing | None = None  # the owner serves this client itself (same node)
 
 
 class _Ev(threading.Event):
@@ -309,6 +329,7 @@ class Pool:
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._oagent: _GuardedAgent | None = None
+        self._near: NearServer | None = None
         #: id(dst) -> (dst, its twin with the tcp backend's keep_digests on, the digest array)
         self._twins: dict[int, tuple[PreparedList, PreparedList, np.ndarray]] = {}
         #: take the checksums of tcp reads in the receive (False: re-read every landed block;
@@ -335,8 +356,10 @@ class Pool:
                     oa.guard = self.owner.guard
                     tcp = oa.backend("tcp")
                     tcp.scalar_checks = False  # type: ignore[attr-defined]  # every request through the guard
+                if opts.near:
+                    self._near = NearServer(name, cfg, self._arena, self.owner, opts.timeout)
                 self._server = ControlServer(self.owner, opts.host, 0, ocfg.auth_token, oa.id, name,
-                                             ocfg.handshake_timeout)
+                                             ocfg.handshake_timeout, near=self._near)
                 self._reaper = threading.Thread(target=self._reap, name=f"kvx-pool-reap-{name}", daemon=True)
                 self._reaper.start()
             self._members = Membership(etcd, pool, opts.namespace, opts.ttl, opts.refresh,
@@ -425,15 +448,44 @@ class Pool:
                     sock.close()
                 self._fail(m.name)
                 return None
-            c = _Conn(m, ch, arena)
+            c = _Conn(m, ch, arena, self._near_landing(m, ch))
             self._conns[m.name] = c
             return c
+
+    def _near_landing(self, m: Member, ch: Channel) -> Landing | None:
+        """A landing buffer that owner ``m`` (on this node) now serves this client through, or
+        None (another node, no host backend here, an owner that declines or predates it)."""
+        if not (self.opts.near and self.block_bytes and on_this_node(m.meta)):
+            return None
+        try:
+            self.agent.backend("host")
+        except KVXError:
+            return None
+        land = None
+        try:
+            rows = max(1, min(self.opts.max_batch, self.opts.near_window // self.block_bytes))
+            land = Landing(self.agent, rows, self.block_bytes)
+            known = {(s, g) for s, (_r, g) in self.agent.regions().items()}  # before: the meta has them all
+            rep = _Call(ch, "near", meta=self.agent.metadata(), addr=land.addr, rows=rows).wait(
+                time.monotonic() + self.opts.timeout)
+            wire.check(rep, "near", {"ok": bool, "why": str})
+            if not rep["ok"]:
+                raise ProtocolError(rep["why"][:200])
+            land.known |= known
+            return land
+        except (KVXError, OSError) as exc:
+            log.info("pool: member %s serves this client over tcp (%s)", m.name, exc)
+            if land is not None:
+                land.close()
+            return None
 
     def _unsolicited(self, ch: Channel, msg: dict[str, Any], payload: Any, fds: list[int]) -> None:
         raise ProtocolError("a pool member sent an unsolicited message")
 
     def _close_conn(self, c: _Conn) -> None:
         c.chan.close()
+        if c.near is not None:
+            c.near.close()
         try:
             self.agent.remove_peer(f"{c.member.name}/owner")
         except KVXError:
@@ -565,17 +617,27 @@ class Pool:
                    ia: np.ndarray, col: np.ndarray, mem: list[Member], stored: np.ndarray) -> None:
         deadline = time.monotonic() + self.opts.timeout
         groups = self._groups(col, np.arange(len(keys)))
+        # an owner on this node reads the blocks from src itself (one round: store)
+        near = [self._near_conn(mem[j]) for j, _pos in groups]
         calls = [self._send(mem[j], "grant", keys=[keys[p] for p in pos], parents=[parents[p] for p in pos])
-                 for j, pos in groups]
+                 if c is None else self._store(c, src, ia[pos], [keys[p] for p in pos],
+                                               [parents[p] for p in pos], [sums[p] for p in pos])
+                 for (j, pos), c in zip(groups, near)]
         posted: list[tuple[int, np.ndarray, list[int], bytes, Any, bool]] = []
-        for (j, pos), call in zip(groups, calls):
+        for (j, pos), call, nc in zip(groups, calls, near):
             m = mem[j]
             rep = self._answer(m, call, deadline)
             if rep is None:
+                if nc is not None:
+                    self._stats["put_failed"] += len(pos)
                 continue
             try:
-                wire.check(rep, "granted", {"gid": bytes, "why": str})
-                codes = _ints(rep.get("codes"), len(pos), BUSY, m.nslots - 1, "grant")
+                if nc is not None:
+                    wire.check(rep, "stored", {"why": str})
+                    codes = _ints(rep.get("codes"), len(pos), BUSY, HELD, "store")
+                else:
+                    wire.check(rep, "granted", {"gid": bytes, "why": str})
+                    codes = _ints(rep.get("codes"), len(pos), BUSY, m.nslots - 1, "grant")
             except ProtocolError as exc:
                 log.warning("pool: %s: %s", m.name, exc)
                 self._fail(m.name)
@@ -607,6 +669,34 @@ class Pool:
                 continue
             if rep.get("t") == "committed" and rep.get("n") == len(pos):
                 stored[pos] = True
+
+    def _near_conn(self, m: Member) -> _Conn | None:
+        """The connection to ``m`` if it is an owner on this node that serves this client itself."""
+        if self._local(m):
+            return None
+        c = self._conn(m)
+        return c if c is not None and c.near is not None else None
+
+    def _store(self, c: _Conn, src: PreparedList, sidx: np.ndarray, keys: list[bytes],
+               parents: list[bytes | None], sums: list[int]) -> Any:
+        """Send a same-node owner a ``store`` of ``src[sidx]`` (with this agent's metadata if
+        ``src`` lies in registrations it was not told of yet); None if it failed to go."""
+        land = c.near
+        assert land is not None
+        fields: dict[str, Any] = {"keys": keys, "parents": parents, "sums": sums,
+                                  "addrs": src.descs.addr[sidx].tolist()}
+        need = set(src.gens.items())
+        if not need <= land.known:
+            known = {(s, g) for s, (_r, g) in self.agent.regions().items()}
+            fields["meta"] = self.agent.metadata()
+            land.known |= known
+        self._stats["near_stores"] += 1
+        try:
+            return _Call(c.chan, "store", **fields)
+        except KVXError as exc:
+            log.info("pool: store to %s failed: %s", c.member.name, exc)
+            self._fail(c.member.name)
+            return None
 
     # ---- get / lookup ----------------------------------------------------------------------
     def lookup(self, hashes: Sequence[Any]) -> int:
@@ -661,16 +751,58 @@ class Pool:
         groups = self._groups(col, np.arange(start, n))
         twin = self._twin(dst) if dst is not None and self._sums_in_copy else None
         answered: queue.SimpleQueue[int] = queue.SimpleQueue()
-        calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
-                 for g, (j, pos) in enumerate(groups)]
+        # an owner on this node copies the blocks into its landing itself (one round: fetch)
+        lands: list[Landing | None] = []
+        try:
+            for j, pos in groups:
+                lands.append(self._landing(mem[j], len(pos)) if lease else None)
+            calls = [self._send(mem[j], "lookup", answered, g, keys=[keys[p] for p in pos], lease=lease)
+                     if land is None else self._fetch(mem[j], land, answered, g, [keys[p] for p in pos])
+                     for g, ((j, pos), land) in enumerate(zip(groups, lands))]
+            return self._round_answers(keys, groups, calls, lands, mem, dst, ia, twin, answered, deadline)
+        finally:
+            for land in lands:
+                if land is not None:
+                    land.lock.release()
+
+    def _round_answers(self, keys: list[bytes], groups: list[tuple[int, np.ndarray]], calls: list[Any],
+                       lands: list[Landing | None], mem: list[Member], dst: PreparedList | None,
+                       ia: np.ndarray | None, twin: Any, answered: "queue.SimpleQueue[int]", deadline: float) -> int:
+        n = len(keys)
+        lease = dst is not None
         reads: list[tuple[int, np.ndarray, list[int], Any, Any, bool]] = []
+        fetched: list[tuple[int, int]] = []  # (owner, position of a block that failed its checksum)
         end = n
         for g in self._arrivals(answered, len(groups), deadline):  # each owner's answer as it comes
-            (j, pos), call = groups[g], calls[g]
+            (j, pos), call, land = groups[g], calls[g], lands[g]
             m = mem[j]
             rep = self._answer(m, call, deadline)
             if rep is None:
                 end = min(end, int(pos[0]))
+                if land is not None:  # its landing may still be written: the connection goes with it
+                    self._fail(m.name)
+                continue
+            if land is not None:
+                try:
+                    wire.check(rep, "fetched", {"n": int})
+                    k = rep["n"]
+                    if not 0 <= k <= len(pos):
+                        raise ProtocolError("pool member answered a malformed fetch")
+                    sums = _ints(rep.get("sums"), k, 0, (1 << 64) - 1, "fetch")
+                except ProtocolError as exc:
+                    log.warning("pool: %s: %s", m.name, exc)
+                    self._fail(m.name)
+                    end = min(end, int(pos[0]))
+                    continue
+                if k < len(pos):
+                    end = min(end, int(pos[k]))
+                # landed already: taken now, while other owners still copy (checked block by block)
+                take = bisect.bisect_left(pos[:k].tolist(), end)
+                assert dst is not None and ia is not None
+                bad = land.take(dst, ia[pos[:take]], sums[:take]) if take else 0
+                self._stats["near_blocks"] += bad
+                if bad < take:
+                    fetched.append((j, int(pos[bad])))
                 continue
             try:
                 wire.check(rep, "found", {"n": int})
@@ -702,6 +834,11 @@ class Pool:
         if not lease:
             return end
         assert dst is not None and ia is not None
+        for j, p in fetched:
+            if p < end:
+                self._stats["corrupt"] += 1
+                log.warning("pool: a block from %s failed its checksum (a miss)", mem[j].name)
+                end = p
         for j, pos, sums, lid, x, ok in self._landings(reads):
             m = mem[j]
             ok = self._landed(x, ok, m, "read from", deadline)
@@ -720,6 +857,31 @@ class Pool:
             if lid is not None:
                 self._release(m, lid)
         return end
+
+    def _landing(self, m: Member, nblocks: int) -> Landing | None:
+        """The landing through which owner ``m`` serves a fetch of ``nblocks`` now, locked; None
+        if it serves over tcp (another node, too many blocks, the landing busy)."""
+        if self._local(m):
+            return None
+        c = self._conn(m)
+        land = c.near if c is not None else None
+        if land is None or nblocks > land.rows or not land.lock.acquire(blocking=False):
+            return None
+        return land
+
+    def _fetch(self, m: Member, land: Landing, q: "queue.SimpleQueue[int]", tag: int, keys: list[bytes]) -> Any:
+        with self._lock:
+            c = self._conns.get(m.name)
+        call = None
+        if c is not None and c.near is land:
+            try:
+                call = _Call(c.chan, "fetch", q, tag, keys=keys)
+            except KVXError as exc:
+                log.info("pool: fetch to %s failed: %s", m.name, exc)
+                self._fail(m.name)
+        if call is None:
+            q.put(tag)
+        return call
 
     @staticmethod
     def _landings(reads: list[Any]) -> Iterator[Any]:
@@ -862,6 +1024,8 @@ class Pool:
             self._members.close()
         if self._server is not None:
             self._server.close()
+        if self._near is not None:
+            self._near.close()
         if self._reaper is not None:
             self._reaper.join(timeout=5.0)
         with self._lock:

@@ -34,8 +34,10 @@ class ControlServer:
     """Serve ``owner`` on ``(host, port)`` (port 0: any free port)."""
 
     def __init__(self, owner: Owner, host: str, port: int, token: str | None, my_id: str, my_name: str,
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, near: Any = None) -> None:
         self.owner = owner
+        #: the :class:`~kvx.pool.near.NearServer` that serves same-node clients, or None
+        self.near = near
         self._token = token
         self._id = my_id
         self._name = my_name
@@ -88,7 +90,11 @@ class ControlServer:
         if not isinstance(rid, int) or isinstance(rid, bool) or payload is not None or fds:
             raise ProtocolError("a pool request carries an int rid and nothing else")
         try:
-            t, fields = self.owner.handle(ch, msg)
+            near = self.near
+            if near is not None and msg.get("t") in near.TYPES:
+                t, fields = near.handle(ch, msg)
+            else:
+                t, fields = self.owner.handle(ch, msg)
         except ProtocolError as exc:
             self.refused("requests", "pool: refused a request from %s: %s", ch.peer_name, exc)
             ch.reply_error(rid, str(exc)[:200])
@@ -98,6 +104,8 @@ class ControlServer:
 
     def _on_close(self, ch: Channel) -> None:
         self.owner.drop_client(ch)
+        if self.near is not None:
+            self.near.drop(ch)
         with self._lock:
             self._chans.pop(id(ch), None)
 
