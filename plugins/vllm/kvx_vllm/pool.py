@@ -14,10 +14,10 @@ share blocks, rank by rank; give each model its own ``pool_name``. A worker with
 ``pool_capacity_gb`` > 0 stores blocks for the pool (the capacity is split across its groups);
 0 makes it a client that reads and writes the others' memory.
 
-The scheduler asks the pool (rank 0's pools, through clients of its own that store nothing)
-how many blocks beyond the ones its own stores hold it can load, so an engine loads a prefix
-another engine computed. A block the pool loses in between is a failed load, which vLLM
-recomputes.
+The scheduler asks the pool (every rank's pool of every group, through clients of its own that
+store nothing) how many blocks beyond the ones its own stores hold it can load, so an engine
+loads a prefix another engine computed: the prefix every rank's pool holds, since each rank loads
+its own heads. A block the pool loses in between is a failed load, which vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -182,15 +182,18 @@ def worker_pool_tier(worker: Any, group: int, block_bytes: int) -> PoolTier | No
 
 
 class PoolLookup:
-    """The scheduler's view of the pool: a client that only looks up (no memory, no blocks moved)
-    of rank 0's pool of every group."""
+    """The scheduler's view of the pool: clients that only look up (no memory, no blocks moved),
+    one per TP rank's pool of every group (``pools[(group, rank)]``)."""
 
     def __init__(self, s: PoolSettings, tp_size: int, groups: tuple[int, ...]) -> None:
-        self.pools: dict[int, Pool] = {}
+        self.pools: dict[tuple[int, int], Pool] = {}
+        self.groups = tuple(groups)
+        self.tp_size = tp_size
         try:
             for g in groups:
-                self.pools[g] = open_pool(s, tp_size=tp_size, rank=0, group=g, block_bytes=0, capacity=0,
-                                          role="sched")
+                for r in range(tp_size):
+                    self.pools[(g, r)] = open_pool(s, tp_size=tp_size, rank=r, group=g, block_bytes=0, capacity=0,
+                                                   role="sched")
         except BaseException:
             self.close()
             raise
@@ -199,16 +202,17 @@ class PoolLookup:
 
     def lookup(self, keys: list[list[bytes]]) -> int:
         """Blocks of the prefix ``keys`` (one key list per group, in the order given at start)
-        that every group's pool holds (0 on any failure)."""
+        that every rank's pool of every group holds (0 on any failure)."""
         n = min((len(k) for k in keys), default=0)
-        for pool, ks in zip(self.pools.values(), keys):
-            if not n:
-                break
-            try:
-                n = min(n, pool.lookup(ks[:n]))
-            except kvx.KVXError as exc:
-                log.warning("kvx_vllm: pool lookup failed: %s", exc)
-                n = 0
+        for g, ks in zip(self.groups, keys):
+            for r in range(self.tp_size):
+                if not n:
+                    break
+                try:
+                    n = min(n, self.pools[(g, r)].lookup(ks[:n]))
+                except kvx.KVXError as exc:
+                    log.warning("kvx_vllm: pool lookup failed: %s", exc)
+                    n = 0
         self.lookups += 1
         self.hits += n
         return n

@@ -65,7 +65,7 @@ def test_worker_tiers_and_scheduler_lookup_share_one_pool(etcd_server: Etcd) -> 
             pa: Pool = ta.pool
             assert pa.capacity == 32 * BB and pa.name == "eng-a-r0-g0"
             end = time.monotonic() + 5
-            views = (look.pools[0], ta.pool, tb.pool)  # each reads the member list every second
+            views = (look.pools[(0, 0)], ta.pool, tb.pool)  # each reads the member list every second
             while any(len(p.members()) < 2 for p in views) and time.monotonic() < end:
                 time.sleep(0.05)
             assert all(p.members() == ["eng-a-r0-g0", "eng-b-r0-g0"] for p in views)
@@ -80,10 +80,41 @@ def test_worker_tiers_and_scheduler_lookup_share_one_pool(etcd_server: Etcd) -> 
             assert sb_.get(keys, pd) == 6
             assert np.array_equal(src, dst)
             with pytest.raises(kvx.UsageError, match="only looks up"):
-                look.pools[0].get(keys, pd, range(6))
+                look.pools[(0, 0)].get(keys, pd, range(6))
         finally:
             look.close()
             sb_.close()
             sa.close()
         assert ta.pool.closed and tb.pool.closed  # the store's close left the pool
         assert not wa.closed  # the worker's agent is the worker's
+
+
+@pytest.mark.services
+def test_scheduler_lookup_counts_what_every_rank_holds(etcd_server: Etcd) -> None:  # noqa: F811
+    """TP 2: each rank keeps its heads in a pool of its own; the scheduler's lookup is the prefix
+    that both ranks' pools hold (a block held by rank 0's pool only would be a failed load)."""
+    s = PoolSettings(etcd_server.endpoint, name=f"tp2-{time.monotonic_ns()}", member="eng",
+                     capacity_bytes=32 * BB, timeout_s=3.0)
+    with kvx.Agent("w0") as w0, kvx.Agent("w1") as w1:
+        tiers = [group_pool_tier(s, tp_size=2, rank=r, group=0, ngroups=1, block_bytes=BB, agent=w)
+                 for r, w in ((0, w0), (1, w1))]
+        look = PoolLookup(s, 2, (0,))
+        try:
+            assert sorted(look.pools) == [(0, 0), (0, 1)]
+            end = time.monotonic() + 5
+            while any(len(p.members()) < 1 for p in look.pools.values()) and time.monotonic() < end:
+                time.sleep(0.05)
+            keys = [i.to_bytes(32, "little") + b"\0\0\0\0" for i in range(6)]
+            src = kvx.alloc_host(6 * BB)
+            src[:] = np.random.default_rng(2).integers(0, 256, src.size, dtype=np.uint8)
+            for t, w, n in ((tiers[0], w0, 6), (tiers[1], w1, 4)):
+                p = t.pool
+                ps = w.prepare(kvx.DescList.blocks(w.register(src), BB))
+                assert p.put(keys[:n], ps, range(n)) == n
+                if n == 6:  # rank 0 holds all six, rank 1 none yet
+                    assert look.pools[(0, 0)].lookup(keys) == 6 and look.lookup([keys]) == 0
+            assert look.lookup([keys]) == 4
+        finally:
+            look.close()
+            for t in tiers:
+                t.pool.close()
