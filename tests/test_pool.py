@@ -932,6 +932,13 @@ def test_near_store_keeps_nothing_that_fails_its_checksum_or_lies_outside_the_cl
     assert a.owner.lookup("t", [b"s0"], False)[0] == 0  # type: ignore[union-attr]
     a.owner.check()  # type: ignore[union-attr]
     assert not a.owner.grants  # type: ignore[union-attr]
+    # a fetch of more blocks than the landing holds, and an oversized store: refused, nothing moved
+    with pytest.raises(kvx.RemoteError, match="batch|must be"):
+        conn.chan.request("fetch", 5.0, keys=_keys(conn.near.rows + 1))
+    with pytest.raises(kvx.RemoteError, match="batch|must be"):
+        conn.chan.request("store", 5.0, keys=_keys(5000), parents=[None] * 5000, sums=[0] * 5000,
+                          addrs=[addr[0]] * 5000)
+    assert not a.owner.leases and not a.owner.grants  # type: ignore[union-attr]
     # the honest store still works, and a fetch on a connection without a near handshake is refused
     rep = conn.chan.request("store", 5.0, keys=[b"s0", b"s1"], parents=[None, b"s0"], sums=good, addrs=addr)[0]
     assert rep["codes"] == [HELD, HELD]
