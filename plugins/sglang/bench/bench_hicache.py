@@ -7,7 +7,12 @@ the zero-copy ``_page_set_zero_copy``/``_page_get_zero_copy`` for kvx (``dynamic
 file backend. Batches of 128 pages (SGLang's ``STORAGE_BATCH_SIZE``), fresh keys every
 round, backends interleaved round by round; every loaded page is compared byte for byte
 outside the timed region. All stores write buffered files under one directory (one
-filesystem); reads therefore come from the page cache for every backend alike. The time to
+filesystem); reads therefore come from the page cache for every backend alike. Before each timed
+set the dirty pages of every earlier set are written back (``os.sync``, outside the timing), so
+no store's set is throttled by the writeback of the gigabytes the other stores wrote: without it
+(``--no-sync``), once the dirty pages pass the kernel's limits every buffered store's set runs at
+the disk's writeback rate alike, whichever wrote them. Each page size's stores live in a
+directory of their own, removed after that page size. The time to
 build each backend is reported (also per GiB of store). ``kvx`` is the store as built by
 default (no prefault: a first write into a never-written slot goes through ``pwritev``);
 ``kvx-noprefault`` the same with ``prefault_gb: 0`` spelled out (the same configuration since
@@ -60,6 +65,55 @@ def _prefault_s(backend: Any) -> float:
     return float(slab.prefault_seconds) if slab is not None else 0.0
 
 
+class RawFiles:
+    """The ceiling of a buffered first fill: no store, no index, no checksum; each batch into a
+    fresh file with one ``pwritev`` per page of its fragments (the calling thread), read back
+    with one ``preadv`` per page."""
+
+    def __init__(self, d: str) -> None:
+        self.d = d
+        self.files: dict[str, str] = {}
+
+    def register_mem_pool_host(self, pool: Any) -> None:
+        self.pool = pool
+
+    def _iov(self, idx: Any) -> list[list[Any]]:
+        import ctypes
+
+        ps = self.pool.page_size
+        out = []
+        for i in range(0, len(idx), ps):
+            ptrs, sizes = self.pool.get_page_buffer_meta(idx[i:i + ps])
+            out.append([(ctypes.c_char * int(n)).from_address(int(a)) for a, n in zip(ptrs, sizes)])
+        return out
+
+    @staticmethod
+    def page_set(ctl: Any, keys: list[str], idx: Any) -> bool:
+        self: RawFiles = ctl.storage_backend
+        path = os.path.join(self.d, f"b{len(self.files)}")
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            for iov in self._iov(idx):
+                off += os.pwritev(fd, iov, off)
+        finally:
+            os.close(fd)
+        self.files[keys[0]] = path
+        return True
+
+    @staticmethod
+    def page_get(ctl: Any, op: Any, keys: list[str], idx: Any) -> int:
+        self: RawFiles = ctl.storage_backend
+        fd = os.open(self.files[keys[0]], os.O_RDONLY)
+        try:
+            off = 0
+            for iov in self._iov(idx):
+                off += os.preadv(fd, iov, off)
+        finally:
+            os.close(fd)
+        return len(keys)
+
+
 def _settle(backend: Any) -> None:
     """Let a kvx slab's background prefault catch up (outside every timed region)."""
     slab = _slab(backend)
@@ -92,6 +146,9 @@ def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any
         extra = {"use_direct_io": name == "nixl-direct", "l3_cleaner_enabled": False}
         b = StorageBackendFactory.create_backend("nixl", storage_config(extra), pool)
         fns = (HiCacheController._page_set_zero_copy, HiCacheController._page_get_zero_copy)
+    elif name == "raw":
+        b = RawFiles(d)
+        fns = (RawFiles.page_set, RawFiles.page_get)
     else:
         extra = {"file_storage_path": d}
         b = StorageBackendFactory.create_backend("file", storage_config(extra), pool)
@@ -102,7 +159,16 @@ def build(name: str, root: str, pool: Any, capacity_gb: float) -> tuple[Any, Any
     return b, ctl, fns
 
 
-def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, Any]:
+def run(page_size: int, rounds: int, root: str, names: list[str], sync: bool = True) -> dict[str, Any]:
+    root = os.path.join(root, f"page{page_size}")  # removed at the end: no dirty pages left behind
+    os.makedirs(root)
+    try:
+        return _run(page_size, rounds, root, names, sync)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(page_size: int, rounds: int, root: str, names: list[str], sync: bool) -> dict[str, Any]:
     n = STORAGE_BATCH_SIZE
     pool = mha_pool("page_first", page_size=page_size, pages=2 * n + 1, **GEOMETRY)
     fill(pool, page_size)
@@ -136,6 +202,8 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
             _b, ctl, (pset, pget) = backends[nm]
             keys = [f"{page_size:04x}{r:08x}{i:052x}" for i in range(n)]
             _settle(_b)
+            if sync:  # the pages earlier sets dirtied (every store's) written back, outside the timing
+                os.sync()
             c0, t0 = time.process_time(), time.perf_counter()
             ok = pset(ctl, keys, src_idx)
             t1, c1 = time.perf_counter(), time.process_time()
@@ -166,6 +234,8 @@ def run(page_size: int, rounds: int, root: str, names: list[str]) -> dict[str, A
                 t = f(times[nm][opn])
                 row[f"{opn}_{stat}"] = {"s_per_batch": t, "pages_per_s": n / t, "GB_per_s": n * pb / t / 1e9}
             row[f"{opn}_cpu_median_s"] = statistics.median(cpu[nm][opn])
+            row[f"{opn}_rounds_s"] = times[nm][opn]
+            row[f"{opn}_cpu_rounds_s"] = cpu[nm][opn]
         out["backends"][nm] = row
     return out
 
@@ -176,15 +246,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument("--backends",
-                    default="kvx,kvx-window,kvx-noprefault,kvx-inline,kvx-full,nixl,file,kvx-direct,nixl-direct",
+                    default="kvx,kvx-window,kvx-noprefault,kvx-inline,kvx-full,nixl,file,raw,kvx-direct,nixl-direct",
                     help="kvx: every page stays stored, so each set writes slab slots for the first time (the "
                          "store as built by default); kvx-window: the same with a "
                          "prefault window of a few batches kept ahead by a background thread; "
                          "kvx-full: the slab holds one batch, so each set evicts and rewrites slots "
                          "(the steady state of a full store); kvx-direct and nixl-direct: O_DIRECT (SGLang's "
                          "default for HiCacheNixl); kvx-noprefault: prefault_gb 0 spelled out (the default); "
-                         "kvx-inline: inline true (every batch in the calling thread)")
+                         "kvx-inline: inline true (every batch in the calling thread); raw: the ceiling "
+                         "of a buffered first fill (no store: each batch into a fresh file, one pwritev "
+                         "per page)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-sync", dest="sync", action="store_false",
+                    help="do not write back dirty pages before each timed set: sets then run in whatever "
+                         "writeback state the earlier sets (of every store) left, throttled alike once the "
+                         "dirty pages pass the kernel's limits")
     a = ap.parse_args()
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="kvx-hicache-bench-", dir=a.dir)
@@ -192,7 +268,7 @@ def main() -> None:
     results = []
     try:
         for ps in [int(x) for x in a.page_sizes.split(",")]:
-            results.append(run(ps, a.rounds, root, names))
+            results.append(run(ps, a.rounds, root, names, a.sync))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     # like against like: buffered kvx against the buffered stores, O_DIRECT against O_DIRECT
