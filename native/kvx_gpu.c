@@ -435,7 +435,8 @@ PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
 
 /*
  * CudaRoute(launch_fn, record_fn, ctx_get_fn, ctx_set_fn, ctx, stream, func, threads, grid_cap, shift,
- *           dst_addrs, src_addrs, src_lens, ulen, n_dst, n_src, wide, guards[, min_shift])
+ *           dst_addrs, src_addrs, src_lens, ulen, n_dst, n_src, wide, guards[, min_shift[, count, dst_strides,
+ *           group]])
  *
  * One route of the cuda backend (an op between two prepared lists of equal block length on one
  * GPU, run by the gather kernel with its indices read in place from a pinned staging slot), built
@@ -452,6 +453,11 @@ PyObject *py_cuda_event_spin(PyObject *self, PyObject *args) {
  *      while that leaves at most half as many items as the grid has warps, chunks half as large,
  *      down to 2^min_shift, default shift) on stream, records event (if nonzero), restores the
  *      previous context.
+ * With count (> 1): strided lists of count pieces of ulen bytes per descriptor, run by the strided
+ * group kernel: src_lens and dst_strides are the device arrays of the two lists' strides, items are
+ * groups of 2^s consecutive pieces of one pair (s: the largest with 2^(s+1) * ulen <= group and
+ * 2^s < count, then smaller while the groups leave warps of the grid idle), and the kernel takes
+ * ulen | count << 32. The caller builds such a route only where 2 * ulen <= group.
  *   step 3 and rc 0: launched. step 0 (context switch), 1 (launch) or 2 (record) with the CUDA
  *   error rc: the guards' counters stay raised (the caller lowers them after synchronizing).
  * Run with the GIL held except while large index arrays are staged (the launch itself takes a
@@ -470,6 +476,7 @@ typedef struct {
     void *ctx, *stream, *func;
     unsigned threads, grid_cap, shift, min_shift;
     uint64_t dst_addrs, src_addrs, src_lens, ulen, cpd;
+    uint64_t count, dst_strides, group; /* strided group kernel: count > 1 */
     Py_ssize_t n_dst, n_src;
     int wide;
     Py_ssize_t nguards;
@@ -483,17 +490,22 @@ static void Route_dealloc(RouteObject *self) {
 
 static int Route_init(RouteObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
-    unsigned long long fl, fr, fg, fs, ctx, stream, func, dA, sA, sL, ulen;
+    unsigned long long fl, fr, fg, fs, ctx, stream, func, dA, sA, sL, ulen, count = 0, dS = 0, group = 0;
     unsigned int threads, cap, shift, min_shift = 99;
     Py_ssize_t nd, ns;
     int wide;
     PyObject *guards;
-    if (!PyArg_ParseTuple(args, "KKKKKKKIIIKKKKnnpO|I", &fl, &fr, &fg, &fs, &ctx, &stream, &func, &threads, &cap,
-                          &shift, &dA, &sA, &sL, &ulen, &nd, &ns, &wide, &guards, &min_shift))
+    if (!PyArg_ParseTuple(args, "KKKKKKKIIIKKKKnnpO|IKKK", &fl, &fr, &fg, &fs, &ctx, &stream, &func, &threads, &cap,
+                          &shift, &dA, &sA, &sL, &ulen, &nd, &ns, &wide, &guards, &min_shift, &count, &dS, &group))
         return -1;
     if (min_shift > shift) min_shift = shift;
     if (!fl || !fr || !fg || !fs || !func || !threads || !cap || !ulen || shift > 40) {
         PyErr_SetString(PyExc_ValueError, "CudaRoute: missing function, kernel or length");
+        return -1;
+    }
+    if (count && (count < 2 || count >= (1ull << 31) || ulen >= (1ull << 31) || !dS || !sL || 2 * ulen > group)) {
+        PyErr_SetString(PyExc_ValueError, "CudaRoute: a strided route needs count 2..2^31, pieces of at most half "
+                                          "a group and both stride arrays");
         return -1;
     }
     if (nd < 0 || ns < 0 || (!wide && (nd > INT32_MAX || ns > INT32_MAX))) {
@@ -538,6 +550,9 @@ static int Route_init(RouteObject *self, PyObject *args, PyObject *kw) {
     self->src_lens = sL;
     self->ulen = ulen;
     self->cpd = (ulen + (1ull << shift) - 1) >> shift;
+    self->count = count;
+    self->dst_strides = dS;
+    self->group = group;
     self->n_dst = nd;
     self->n_src = ns;
     self->wide = wide;
@@ -578,22 +593,34 @@ static PyObject *Route_post(RouteObject *self, PyObject *const *args, Py_ssize_t
         ret = Py_BuildValue("(nii)", n, -1, 0);
         goto out;
     }
-    /* few items for the grid's warps: smaller chunks, so more warps share the transfer */
     uint32_t sh = self->shift;
     uint64_t cpd = self->cpd;
+    uint64_t karg = self->ulen, first = 0;
     const uint64_t warps = (uint64_t)self->grid_cap * self->threads / 32;
-    while (sh > self->min_shift) {
-        const uint64_t c = (self->ulen + (1ull << (sh - 1)) - 1) >> (sh - 1);
-        if ((uint64_t)n * c > warps) break;
-        sh--;
-        cpd = c;
+    if (self->count) {
+        /* groups of 2^sh consecutive pieces; smaller while they leave warps of the grid idle */
+        const uint64_t cnt = self->count;
+        sh = 0;
+        while ((2ull << sh) * self->ulen <= self->group && (1ull << sh) < cnt) sh++;
+        while (sh > 0 && (uint64_t)n * ((cnt + (1ull << sh) - 1) >> sh) < warps) sh--;
+        cpd = (cnt + (1ull << sh) - 1) >> sh;
+        karg = self->ulen | (cnt << 32);
+        first = self->dst_strides;
+    } else {
+        /* few items for the grid's warps: smaller chunks, so more warps share the transfer */
+        while (sh > self->min_shift) {
+            const uint64_t c = (self->ulen + (1ull << (sh - 1)) - 1) >> (sh - 1);
+            if ((uint64_t)n * c > warps) break;
+            sh--;
+            cpd = c;
+        }
     }
     const uint64_t items = (uint64_t)n * cpd;
     uint64_t grid = (items * 32 + self->threads - 1) / self->threads;
     if (grid > self->grid_cap) grid = self->grid_cap;
     if (grid < 1) grid = 1;
-    uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, 0, (uint64_t)n,
-                      self->ulen, items};
+    uint64_t pv[8] = {self->dst_addrs, self->src_addrs, (uint64_t)addr, self->src_lens, first, (uint64_t)n,
+                      karg, items};
     int step = 0, rc;
     void *cur = NULL;
     rc = self->ctx_get(&cur);

@@ -290,6 +290,28 @@ def test_native_cuda_route_stages_guards_launches(monkeypatch: pytest.MonkeyPatc
         assert launch_args[6] == want_shift and launch_args[5][7] == items, (min_shift, n_pairs, launch_args)
         assert launch_args[2] == min(528, (items * 32 + 255) // 256)
         assert _chunk_shift(n_pairs, ulen, 528 * 256 // 32, 14, min_shift) == want_shift
+    # strided lists (head slices of 512 bytes, 64 per descriptor) on the group kernel: the strides'
+    # arrays where the lengths go, the piece length and count in one argument, groups of pieces as
+    # items (as kvx.backends.cuda.indices._group_shift picks them), the bytes moved per pair
+    from kvx.backends.cuda.indices import _group_shift
+
+    for n_pairs in (1, 7, 56, 3000):
+        route = _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, 512, 4000, 4000, False,
+                                  guards, 12, 64, 0xD0, 8192)
+        slot = np.zeros(16 * n_pairs, dtype=np.uint8)
+        calls.clear()
+        assert route.post(np.arange(n_pairs), np.arange(n_pairs), slot.ctypes.data, slot.size, 0) == (n_pairs, 3, 0)
+        ctl[1] = ctl[3] = 0
+        gs = _group_shift(n_pairs, 64, 512, 8192, 528 * 256 // 32)
+        items = n_pairs * -(-64 // (1 << gs))
+        launch_args = calls[1]
+        assert launch_args[5] == [0xA0, 0xB0, slot.ctypes.data, 0xC0, 0xD0, n_pairs, 512 | 64 << 32, items]
+        assert launch_args[6] == gs and launch_args[2] == min(528, (items * 32 + 255) // 256), (n_pairs, launch_args)
+    for count, dsp, group, ulen_s in ((1, 0xD0, 8192, 512), (64, 0, 8192, 512), (64, 0xD0, 8192, 8192),
+                                      (1 << 31, 0xD0, 8192, 512)):
+        with pytest.raises(ValueError, match="strided"):
+            _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen_s, 1, 1, False, guards,
+                              12, count, dsp, group)
     with pytest.raises(ValueError):  # guards must be u64 triples
         _native.CudaRoute(*fns, 0x7, 0x30, 0x40, 256, 528, 14, 0xA0, 0xB0, 0xC0, ulen, 1, 1, False, guards[:4])
     with pytest.raises(ValueError):  # no kernel

@@ -104,13 +104,19 @@ class _Launcher:
         """Build the native part of route ``r`` (``r.nat``), or leave it None where it does not apply
         (then :meth:`_post` runs): lists of unequal block lengths, a plan other than the kernel's,
         settings the route does not implement (pieces, index upload, the Python post
-        path), a copy ordered after another GPU's default stream, or driver entry points missing."""
+        path), a copy ordered after another GPU's default stream, or driver entry points missing.
+        Strided lists (head slices) of equal counts whose pieces the group kernel takes run natively
+        too, with that kernel; others take the general path's strided launch."""
         lp: _Prep = r.local.bdata["cuda"]
         rp: _Prep = r.remote.bdata["cuda"]
         op = r.op
         if (not (self.native_post and self.native_staging and self.index_zerocopy) or self.pipe_pairs
-                or not lp.ulen or lp.ulen != rp.ulen or rp.pending_host or self._closed or lp.count or rp.count):
-            return  # (strided lists: the general path's strided launch)
+                or not lp.ulen or lp.ulen != rp.ulen or rp.pending_host or self._closed):
+            return
+        count = int(lp.count or 0)
+        if (lp.count or rp.count) and (lp.count != rp.count
+                                       or _group_shift(1, count, lp.ulen, self.strided_group, 1) < 0):
+            return
         peer: _Peer | None = rp.peer
         if peer is not None and (self._peers.get(peer.name) is not peer or not peer.alive):
             return
@@ -118,25 +124,29 @@ class _Launcher:
         if lp.kind == MemoryKind.CUDA and lp.dev != d.dev:
             return  # _order_after_default per post
         path = self.mode
-        if path == "auto":
+        if path == "auto" and not count:
             path = self._plan(lp.ulen, 1, gpu2gpu)[0]
         fns = d.route_fns()
-        if path != "kernel" or fns is None:
-            return
+        if (path != "kernel" and not count) or fns is None:
+            return  # (strided lists always run the kernel, as _launch_strided does)
         cp = self.cp
         src, dst = (lp, rp) if op is Op.WRITE else (rp, lp)
         i32 = len(dst.addr) <= self.i32_max and len(src.addr) <= self.i32_max
         host_side = dst.kind == MemoryKind.HOST or src.kind == MemoryKind.HOST
-        _kern, func, threads, cap = d.config(cp, self.kernel, host_side, i32)
+        _kern, func, threads, cap = d.config(cp, "strided_g" if count else self.kernel, host_side, i32)
         if not func:
             return
         dap = dst.device_ptrs(cp, d.dev)[0]
         sap, slp = src.device_ptrs(cp, d.dev)
+        dsp = 0
+        if count:  # the group kernel reads the two lists' strides where the others read lengths
+            slp, dsp = src.stride_ptr(cp, d.dev), dst.stride_ptr(cp, d.dev)
         guards = np.array([x for g in rp.guards for x in g] if peer is not None else [], dtype=np.uint64)
         nat = _native.CudaRoute(fns[0], fns[1], fns[2], fns[3], d.ctx, int(d.stream.ptr), func, threads, cap,
                                 self.chunk_shift, dap, sap, slp, lp.ulen, len(dst.addr), len(src.addr), not i32,
-                                guards, min(self.chunk_shift, self.chunk_shift_min))
-        r.d, r.peer, r.ulen, r.isz = d, peer, lp.ulen, 4 if i32 else 8
+                                guards, min(self.chunk_shift, self.chunk_shift_min), count, dsp,
+                                self.strided_group if count else 0)
+        r.d, r.peer, r.ulen, r.isz = d, peer, lp.ulen * max(1, count), 4 if i32 else 8
         r.cnts = [g[2] for g in rp.guards] if peer is not None else []
         r.nat = nat  # last: a post on another thread sees the whole route or none
 

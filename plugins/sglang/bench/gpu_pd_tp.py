@@ -15,7 +15,8 @@ layer and K/V (MHA, ``[tokens, heads on the rank, head_dim]``) or per layer (MLA
 Shapes 1->2 and 2->1 against the same-TP plan (1->1, 2->2) in the same run, their requests
 alternating. Bytes are verified:
 each decode rank's pages equal the prefill page at the heads the rank holds (MLA: the latent),
-other pages untouched. Pages/s counts request pages delivered to every decode rank; GB/s the
+other pages untouched. Pages/s counts request pages delivered to every decode rank; post, the
+median time to post one request's writes (before waiting for them); GB/s the
 bytes moved (MLA 1->2 moves each page twice: both decode ranks need the whole latent).
 
     python plugins/sglang/bench/gpu_pd_tp.py [--pages 512] [--batch 32] [--iters 100] [--json OUT]
@@ -161,16 +162,20 @@ def build_plan(kind: str, pre: list[Rank], dec: list[Rank]) -> list[tuple[Any, .
     return plan
 
 
-def send(plan: list[tuple[Any, ...]], src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
-    """One request, as KVXKVManager._send moves it: one write per pair, all posted, then waited."""
+def send(plan: list[tuple[Any, ...]], src_pages: np.ndarray, dst_pages: np.ndarray) -> float:
+    """One request, as KVXKVManager._send moves it: one write per pair, all posted, then waited;
+    returns the seconds the posting took."""
+    t0 = time.perf_counter()
     xs = []
     for a, _b, mode, src, sbase, dst, dbase in plan:
         if mode is Mode.PAGES:
             xs.append(a.agent.write(src, page_rows(sbase, src_pages), dst, page_rows(dbase, dst_pages)))
         elif mode is Mode.SLICE:
             xs.append(a.agent.write(src, page_rows(sbase, src_pages), dst, page_rows(dbase, dst_pages)))
+    posted = time.perf_counter() - t0
     for x in xs:
         x.wait(60.0)
+    return posted
 
 
 def moved_bytes(plan: list[tuple[Any, ...]], n: int) -> int:
@@ -221,22 +226,24 @@ class Shape:
         self.plan_s = time.perf_counter() - t0
         self.ok = verify(kind, full, self.dec, self.plan, pages, rng, batch)
         self.times: list[float] = []
+        self.posts: list[float] = []
 
     def step(self, rng: np.random.Generator, keep: bool) -> None:
         """One timed request of ``batch`` random pages."""
         sp = rng.choice(self.pages, self.batch, replace=False).astype(np.int64)
         dp = rng.choice(self.pages, self.batch, replace=False).astype(np.int64)
         t0 = time.perf_counter()
-        send(self.plan, sp, dp)
+        post = send(self.plan, sp, dp)
         dt = time.perf_counter() - t0
         if keep:
             self.times.append(dt)
+            self.posts.append(post)
 
     def result(self) -> dict[str, Any]:
         med = statistics.median(self.times)
         return {"kind": self.kind, "prefill_tp": self.ptp, "decode_tp": self.dtp,
                 "modes": [m.value for _a, _b, m, *_ in self.plan], "bytes_ok": self.ok, "plan_s": self.plan_s,
-                "median_s": med, "pages_per_s": self.batch / med,
+                "median_s": med, "post_us": statistics.median(self.posts) * 1e6, "pages_per_s": self.batch / med,
                 "GB_per_s": moved_bytes(self.plan, self.batch) / med / 1e9}
 
     def close(self) -> None:
@@ -293,7 +300,8 @@ def main() -> None:
             results += [rb, rs]
             for r in (rb, rs):
                 print(f"{r['kind']} {r['prefill_tp']}->{r['decode_tp']}: {r['pages_per_s']:8.0f} pages/s "
-                      f"{r['GB_per_s']:6.1f} GB/s  bytes {'ok' if r['bytes_ok'] else 'WRONG'}  plan {r['modes']} "
+                      f"{r['GB_per_s']:6.1f} GB/s  post {r['post_us']:4.0f} us  "
+                      f"bytes {'ok' if r['bytes_ok'] else 'WRONG'}  plan {r['modes']} "
                       f"(made in {1e3 * r['plan_s']:.0f} ms)"
                       + (f"  = {r['vs_same_tp']:.2f}x same TP" if "vs_same_tp" in r else ""), flush=True)
         del full
