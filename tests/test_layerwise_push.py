@@ -484,3 +484,39 @@ def test_registrations_are_validated() -> None:
                 b"kvx-push-reg\x00" + b"\x95\x01\xa1r\x01\x00\x91\x92\xc4\x03abc\xc4\x03abc"):  # not whole u32s
         with pytest.raises(kvx.ProtocolError):
             parse_registration(bad)
+
+
+def test_landing_with_several_writers() -> None:
+    """A decode rank written by two prefill ranks (prefill TP larger than decode TP): landed only
+    when both writers' parts are in; a part from a third peer or a repeat never counts; given up,
+    both writers are told and the blocks quiesce when both acknowledged, or at the bound."""
+    now = [0.0]
+    sent: list[tuple[str, bytes]] = []
+    landing = PushLanding(timeout=5.0, quiesce_s=10.0, notify=lambda p, m: sent.append((p, m)),
+                          clock=lambda: now[0])
+    landing.expect("r", ["p0", "p1"])
+    with pytest.raises(kvx.UsageError):
+        landing.expect("r2", ["p0", "p0"])
+    with pytest.raises(kvx.UsageError):
+        landing.expect("r", "p0")  # already expected
+    landed, failed, quiesced, _ = landing.poll({"p0": [push_note("r", 0, 2), push_note("r", 1, 2)],
+                                                "x": [push_note("r", 0, 1)]})
+    assert (landed, failed, quiesced) == (set(), set(), set()) and landing.pending() == {"r"}
+    landed, *_ = landing.poll({"p0": [push_note("r", 1, 2)], "p1": [push_note("r", 0, 2)]})
+    assert not landed  # p1 has one part of two; p0's repeat changed nothing
+    landed, *_ = landing.poll({"p1": [push_note("r", 1, 2)]})
+    assert landed == {"r"} and not landing.pending()
+    # given up (deadline): both writers told, quiesced once both acknowledged
+    landing.expect("s", ["p0", "p1"])
+    now[0] = 6.0
+    landed, failed, quiesced, _ = landing.poll({"p0": [push_note("s", 0, 1)]})
+    assert failed == {"s"} and not landed and not quiesced
+    assert sorted(p for p, m in sent if m == abort_note("s")) == ["p0", "p1"]
+    assert landing.poll({"p0": [aborted_note("s")]})[2] == set()  # one of two
+    assert landing.poll({"p1": [aborted_note("s")]})[2] == {"s"} and not landing.pending()
+    # a writer that never acknowledges: the quiesce bound frees the blocks
+    landing.expect("t", ["p0", "p1"])
+    landing.give_up("t")
+    landing.poll({"p0": [aborted_note("t")]})
+    now[0] = 6.0 + 10.0
+    assert landing.poll({})[2] == {"t"} and not landing.pending()

@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,15 +373,23 @@ class LayerPusher:
 
 @dataclass
 class _Expect:
+    """One writer's part of an expected request."""
+
     parts: int | None
     deadline: float
     got: set[int] = field(default_factory=set)
     peer: str | None = None
     gave_up: float | None = None
+    done: bool = False  # all its parts landed
+    acked: bool = False  # it acknowledged the abort
 
 
 class PushLanding:
     """Decode-worker half of push mode (see the module docstring).
+
+    A request may have several writers (a decode rank whose heads several prefill ranks hold:
+    prefill TP larger than decode TP): it has landed when every writer's parts have, and a
+    given-up request quiesces when every writer has acknowledged the abort (or ``quiesce_s``).
 
     Parameters
     ----------
@@ -403,35 +411,49 @@ class PushLanding:
         self.quiesce_s = quiesce_s
         self._notify = notify
         self._clock = clock
-        self._expect: dict[str, _Expect] = {}
-        self._quiescing: dict[str, _Expect] = {}
+        self._expect: dict[str, dict[str | None, _Expect]] = {}
+        self._quiescing: dict[str, dict[str | None, _Expect]] = {}
 
-    def expect(self, rid: str, peer: str, parts: int | None = None) -> None:
-        """``rid``'s blocks are allocated and its destination sent to ``peer`` (the prefill worker)."""
+    def expect(self, rid: str, peer: str | Sequence[str] | None, parts: int | None = None) -> None:
+        """``rid``'s blocks are allocated and its destination sent to ``peer`` (the prefill
+        worker; a list: every prefill worker that writes a part of them; None: any one)."""
         if rid in self._expect or rid in self._quiescing:
             raise kvx.UsageError(f"request {rid!r} is already expected")
-        self._expect[rid] = _Expect(parts, self._clock() + self.timeout, peer=peer)
+        peers: list[str | None] = [peer] if peer is None or isinstance(peer, str) else list(peer)
+        if not peers or len(set(peers)) != len(peers):
+            raise kvx.UsageError(f"request {rid!r}: the writers must be distinct and at least one")
+        deadline = self._clock() + self.timeout
+        self._expect[rid] = {p: _Expect(parts, deadline, peer=p) for p in peers}
 
     def give_up(self, rid: str) -> None:
-        """Decode aborts ``rid`` (client gone, request cancelled): tell the prefill worker, keep
-        the blocks until it acknowledges or ``quiesce_s`` has passed."""
-        e = self._expect.pop(rid, None)
-        if e is None:
+        """Decode aborts ``rid`` (client gone, request cancelled): tell its prefill workers, keep
+        the blocks until every one acknowledges or ``quiesce_s`` has passed."""
+        es = self._expect.pop(rid, None)
+        if es is None:
             return
-        e.gave_up = self._clock()
-        self._quiescing[rid] = e
-        if e.peer is not None:
-            try:
-                self._notify(e.peer, abort_note(rid))
-            except Exception as exc:  # the prefill is gone: the quiesce bound covers it
-                log.info("push %s: abort not delivered: %s", rid, exc)
+        now = self._clock()
+        self._quiescing[rid] = es
+        for e in es.values():
+            e.gave_up = now
+            if e.peer is not None:
+                try:
+                    self._notify(e.peer, abort_note(rid))
+                except Exception as exc:  # the prefill is gone: the quiesce bound covers it
+                    log.info("push %s: abort not delivered to %s: %s", rid, e.peer, exc)
+
+    @staticmethod
+    def _writer(es: dict[str | None, _Expect] | None, peer: str) -> _Expect | None:
+        if es is None:
+            return None
+        e = es.get(peer)
+        return e if e is not None else es.get(None)
 
     def poll(self, notes: dict[str, list[bytes]]) -> tuple[set[str], set[str], set[str], list[bytes]]:
         """Feed drained notifications; returns ``(landed, failed, quiesced, other messages)``.
 
-        ``landed``: every part arrived (the request can be scheduled). ``failed``: deadline
-        passed (fail the request now; do NOT reuse its blocks yet). ``quiesced``: failed or
-        given-up requests whose blocks may now be freed.
+        ``landed``: every part of every writer arrived (the request can be scheduled).
+        ``failed``: deadline passed (fail the request now; do NOT reuse its blocks yet).
+        ``quiesced``: failed or given-up requests whose blocks may now be freed.
         """
         landed: set[str] = set()
         quiesced: set[str] = set()
@@ -448,28 +470,34 @@ class PushLanding:
                     continue
                 kind, rid, a, b = parsed
                 if kind == "part":
-                    e = self._expect.get(rid)
-                    if e is None or (e.peer is not None and e.peer != peer):
-                        continue  # late (given up) or not ours: never counts
+                    es = self._expect.get(rid)
+                    e = self._writer(es, peer)
+                    if es is None or e is None or e.done:
+                        continue  # late (given up), not ours, or a repeat: never counts
                     if e.parts is None:
                         e.parts = b
                     elif e.parts != b:
                         continue
                     e.got.add(a)
                     if len(e.got) == e.parts:
-                        landed.add(rid)
-                        del self._expect[rid]
+                        e.done = True
+                        if all(x.done for x in es.values()):
+                            landed.add(rid)
+                            del self._expect[rid]
                 elif kind == "aborted":
                     q = self._quiescing.get(rid)
-                    if q is not None and (q.peer is None or q.peer == peer):
-                        quiesced.add(rid)
-                        del self._quiescing[rid]
+                    e = self._writer(q, peer)
+                    if q is not None and e is not None:
+                        e.acked = True
+                        if all(x.acked for x in q.values()):
+                            quiesced.add(rid)
+                            del self._quiescing[rid]
         now = self._clock()
-        failed = {rid for rid, e in self._expect.items() if now >= e.deadline}
+        failed = {rid for rid, es in self._expect.items() if any(now >= e.deadline for e in es.values())}
         for rid in failed:
             self.give_up(rid)
         for rid, q in list(self._quiescing.items()):
-            if q.gave_up is not None and now - q.gave_up >= self.quiesce_s:
+            if any(e.gave_up is not None and now - e.gave_up >= self.quiesce_s for e in q.values()):
                 quiesced.add(rid)
                 del self._quiescing[rid]
         return landed, failed, quiesced, rest

@@ -1,11 +1,12 @@
 """Push mode inside the connector's workers: :mod:`kvx_vllm.push`'s halves wired to vLLM's steps.
 
 Decode worker (:class:`DecodePush`): a push request's blocks are allocated as soon as it
-arrives; the worker connects to the prefill worker it reads from (side channel, as for a pull),
+arrives; the worker connects to each prefill worker it reads from (side channel, as for a pull:
+one, or several when the prefill's TP is larger and each holds part of this rank's heads),
 introduces itself once (:func:`~kvx_vllm.push.hello_note`: its agent metadata and layers), and
-sends a :func:`~kvx_vllm.push.registration_note` with the request's new block ids and their
+sends each a :func:`~kvx_vllm.push.registration_note` with the request's new block ids and their
 positions. :class:`~kvx_vllm.push.PushLanding` counts the writes' notifications; the request is
-reported loaded when all have landed, and failed (its blocks invalid, recomputed or failed by
+reported loaded when every writer's have landed, and failed (its blocks invalid, recomputed or failed by
 vLLM's policy) once it has passed ``push_timeout_s`` AND the prefill has confirmed that nothing of
 it is in flight (or a second ``push_timeout_s`` has passed: the prefill is gone). A request
 aborted while it waits keeps its blocks (delayed free) until the same confirmation.
@@ -105,20 +106,25 @@ class DecodePush:
         w = self.w
         try:
             reads, _notify, _payload = w._check_params(spec)
-            if len(reads) != 1:
-                raise kvx.UsageError(f"push needs each decode rank to read one prefill rank; rank {w.tp_rank} "
-                                     f"reads {len(reads)} (prefill TP larger than decode TP): use pull")
-            entry = reads[0][0]
-            peer = w._peer(entry)
-            if peer.name not in self._hello:
-                w.agent.notify(peer.name, hello_note(w.agent.metadata(), [g.to_list() for g in w.geoms],
-                                                     int(w.kind), w.dev))
-                self._hello.add(peer.name)
+            # every prefill rank that holds heads of this rank writes them (prefill TP larger
+            # than decode TP: several, each into its slice of the same blocks)
+            peers: list[str] = []
+            for entry, *_heads_of in reads:
+                if entry[0] in peers:
+                    continue
+                peer = w._peer(entry)
+                if peer.name not in self._hello:
+                    w.agent.notify(peer.name, hello_note(w.agent.metadata(), [g.to_list() for g in w.geoms],
+                                                         int(w.kind), w.dev))
+                    self._hello.add(peer.name)
+                peers.append(peer.name)
             pos = spec.local_pos or [list(range(len(g))) for g in spec.local_block_ids]
             groups = [(list(ids), list(p)) for ids, p in zip(spec.local_block_ids, pos)]
             with self._lock:
-                self.landing.expect(push_id, peer.name)
-            w.agent.notify(peer.name, registration_note(push_id, groups, int(w.compat["tp_size"]), w.tp_rank))
+                self.landing.expect(push_id, peers)
+            note = registration_note(push_id, groups, int(w.compat["tp_size"]), w.tp_rank)
+            for name in peers:
+                w.agent.notify(name, note)
         except Exception as exc:
             log.error("kvx_vllm: registering push %s with the prefill worker failed: %s", push_id, exc)
             w._count(pull_failures=1)

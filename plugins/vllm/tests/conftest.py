@@ -42,7 +42,7 @@ def pd_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     # pair does
     push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
     spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1", "extra": push}, "0"),
-            "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2}, "0|1"),
+            "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2, "extra": push}, "0|1"),
             "d1": ({"role": "kv_consumer", "engine_id": "decode-tp1", "extra": push}, "1"),
             "d2": ({"role": "kv_consumer", "engine_id": "decode-tp2", "tp": 2}, "0|1")}
     started: dict[str, EngineProcess] = {}

