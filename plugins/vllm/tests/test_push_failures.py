@@ -115,7 +115,7 @@ def test_decode_aborts_mid_stream(lw_prefill: PrefillProcess) -> None:
         th, box = _in_thread(prefill.call, cmd="push", id="p3", tokens=TOKENS, params=pre, stall=[0, 2.0],
                              timeout=60)
         end = time.monotonic() + 30
-        while not any(e.got for e in landing._expect[pid].values()):  # layer 0 landed, the prefill stalls before layer 1
+        while not any(e.got for e in landing._expect[pid].values()):  # layer 0 landed; the prefill stalls
             assert time.monotonic() < end
             eng.step()
             time.sleep(0.01)
