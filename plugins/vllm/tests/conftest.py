@@ -38,8 +38,8 @@ def pd_engines(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(why_no_cpu_engine())
     logs = tmp_path_factory.mktemp("logs-pd")
     common = {"model": tiny_model, "block_size": 32, "num_blocks": 128}
-    # p1, d1 and d2 also run push mode (test_engines_push.py, test_engines_push_tp.py); they
-    # serve pull requests as pull engines do
+    # every engine also runs push mode (test_engines_push.py, test_engines_push_tp.py,
+    # test_engines_push_tp2to1.py); they serve pull requests as pull engines do
     push = {"transfer_mode": "push", "push_wait_s": 20, "push_timeout_s": 20}
     spec = {"p1": ({"role": "kv_producer", "engine_id": "prefill-tp1", "extra": push}, "0"),
             "p2": ({"role": "kv_producer", "engine_id": "prefill-tp2", "tp": 2, "extra": push}, "0|1"),
