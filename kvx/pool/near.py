@@ -39,7 +39,7 @@ from ..errors import KVXError, ProtocolError
 from ..memory import DescList, MemoryKind, alloc_host
 from .owner import HELD, REFUSED, Owner, _ints, _keys
 
-__all__ = ["NearServer", "Landing", "NEAR_WINDOW", "on_this_node"]
+__all__ = ["NearServer", "Landing", "NEAR_WINDOW", "on_this_node", "slot_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,9 @@ def on_this_node(meta: bytes, host: bool = False) -> bool:
     return info.sections.get("_boot") == BOOT_ID and (not host or "host" in info.sections)
 
 
-def _rows(base: int, n: int, bb: int) -> DescList:
-    return DescList.from_arrays(kind=MemoryKind.HOST, addr=base + np.arange(n, dtype=np.uint64) * np.uint64(bb),
-                                nbytes=np.full(n, bb, dtype=np.uint64), dev=0)
+def slot_rows(base: int, n: int, bb: int) -> DescList:
+    """``n`` host blocks of ``bb`` bytes from ``base`` on (an arena's slots, a landing's rows)."""
+    return DescList.blocks(DescList.from_arrays(kind=MemoryKind.HOST, addr=[base], nbytes=[n * bb]), bb)
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class NearServer:
             for ch in early:
                 ch.close()
             self._reg: Registration = self.agent.register(arena)
-            self.arena = self.agent.prepare(_rows(owner.base, owner.nslots, self.bb))
+            self.arena = self.agent.prepare(slot_rows(owner.base, owner.nslots, self.bb))
         except BaseException:
             self.agent.close()
             raise
@@ -128,7 +128,7 @@ class NearServer:
             return "near", {"ok": False, "why": "not on this node"}
         try:
             peer = self.agent.add_peer(meta)
-            landing = self.agent.prepare(_rows(addr, rows, self.bb), peer=peer)
+            landing = self.agent.prepare(slot_rows(addr, rows, self.bb), peer=peer)
         except KVXError as exc:
             return "near", {"ok": False, "why": str(exc)[:200]}
         with self._lock:

@@ -54,12 +54,12 @@ from ..errors import (
     TransferTimeout,
     UsageError,
 )
-from ..memory import DescList, MemoryKind, alloc_host
+from ..memory import MemoryKind, alloc_host
 from ..net import client_handshake
 from ..tiers.policies import DEFAULT_POLICY
 from .disk import DiskSpill
 from .membership import Member, Membership, check_name
-from .near import NEAR_WINDOW, Landing, NearServer, on_this_node
+from .near import NEAR_WINDOW, Landing, NearServer, on_this_node, slot_rows
 from .owner import BUSY, HELD, LOCAL, REFUSED, Owner
 from .placement import Placement, key64, key_bytes
 from .server import CTL_MAX, SVC, ControlServer
@@ -435,10 +435,7 @@ class Pool:
                     if self.agent.add_peer(m.meta) != peer:
                         raise ProtocolError(f"pool member {m.name!r} published another agent's metadata")
                     bb = m.block_bytes
-                    descs = DescList.from_arrays(kind=MemoryKind.HOST,
-                                                 addr=m.arena + np.arange(m.nslots, dtype=np.uint64) * np.uint64(bb),
-                                                 nbytes=np.full(m.nslots, bb, dtype=np.uint64), dev=0)
-                    arena = self.agent.prepare(descs, peer=peer)
+                    arena = self.agent.prepare(slot_rows(m.arena, m.nslots, bb), peer=peer)
                 except BaseException:
                     ch.close()
                     raise
@@ -465,9 +462,8 @@ class Pool:
         try:
             rows = max(1, min(self.opts.max_batch, self.opts.near_window // self.block_bytes))
             land = Landing(self.agent, rows, self.block_bytes)
-            known = {(s, g) for s, (_r, g) in self.agent.regions().items()}  # before: the meta has them all
-            rep = _Call(ch, "near", meta=self.agent.metadata(), addr=land.addr, rows=rows).wait(
-                time.monotonic() + self.opts.timeout)
+            meta, known = self._meta()
+            rep = _Call(ch, "near", meta=meta, addr=land.addr, rows=rows).wait(time.monotonic() + self.opts.timeout)
             wire.check(rep, "near", {"ok": bool, "why": str})
             if not rep["ok"]:
                 raise ProtocolError(rep["why"][:200])
@@ -478,6 +474,12 @@ class Pool:
             if land is not None:
                 land.close()
             return None
+
+    def _meta(self) -> tuple[bytes, set[tuple[int, int]]]:
+        """This agent's metadata, and the (slot, generation) of the registrations it surely holds
+        (taken before it: a registration made in between is left out, and announced again)."""
+        known = {(s, g) for s, (_r, g) in self.agent.regions().items()}
+        return self.agent.metadata(), known
 
     def _unsolicited(self, ch: Channel, msg: dict[str, Any], payload: Any, fds: list[int]) -> None:
         raise ProtocolError("a pool member sent an unsolicited message")
@@ -685,10 +687,8 @@ class Pool:
         assert land is not None
         fields: dict[str, Any] = {"keys": keys, "parents": parents, "sums": sums,
                                   "addrs": src.descs.addr[sidx].tolist()}
-        need = set(src.gens.items())
-        if not need <= land.known:
-            known = {(s, g) for s, (_r, g) in self.agent.regions().items()}
-            fields["meta"] = self.agent.metadata()
+        if not set(src.gens.items()) <= land.known:
+            fields["meta"], known = self._meta()
             land.known |= known
         self._stats["near_stores"] += 1
         try:
@@ -771,7 +771,7 @@ class Pool:
         n = len(keys)
         lease = dst is not None
         reads: list[tuple[int, np.ndarray, list[int], Any, Any, bool]] = []
-        fetched: list[tuple[int, int]] = []  # (owner, position of a block that failed its checksum)
+        bad_fetch: list[tuple[int, int]] = []  # (owner, position of a fetched block that failed its checksum)
         end = n
         for g in self._arrivals(answered, len(groups), deadline):  # each owner's answer as it comes
             (j, pos), call, land = groups[g], calls[g], lands[g]
@@ -802,7 +802,7 @@ class Pool:
                 bad = land.take(dst, ia[pos[:take]], sums[:take]) if take else 0
                 self._stats["near_blocks"] += bad
                 if bad < take:
-                    fetched.append((j, int(pos[bad])))
+                    bad_fetch.append((j, int(pos[bad])))
                 continue
             try:
                 wire.check(rep, "found", {"n": int})
@@ -834,7 +834,7 @@ class Pool:
         if not lease:
             return end
         assert dst is not None and ia is not None
-        for j, p in fetched:
+        for j, p in bad_fetch:
             if p < end:
                 self._stats["corrupt"] += 1
                 log.warning("pool: a block from %s failed its checksum (a miss)", mem[j].name)
