@@ -33,7 +33,7 @@ import threading
 import uuid
 from typing import Any
 
-from kvx_vllm.proxy import Proxy
+from kvx_vllm.proxy import Proxy, serve_until_interrupted
 
 log = logging.getLogger("nixl_push_proxy")
 
@@ -94,13 +94,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     proxy = NixlPushProxy(a.prefill, a.decode, a.prefill_engine_id, a.prefill_kv_host, a.prefill_side_channel_port,
                           a.prefill_tp_size, a.prefill_pp_size, a.timeout)
-    srv = proxy.serve(a.host, a.port)
-    try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
+    serve_until_interrupted(proxy.serve(a.host, a.port))
 
 
 if __name__ == "__main__":

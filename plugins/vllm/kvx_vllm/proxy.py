@@ -29,7 +29,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["ENDPOINT_KEYS", "Proxy", "main", "push_params"]
+__all__ = ["ENDPOINT_KEYS", "Proxy", "main", "push_params", "serve_until_interrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,16 @@ class Proxy:
         return ThreadingHTTPServer((host, port), Handler)
 
 
+def serve_until_interrupted(srv: ThreadingHTTPServer) -> None:
+    """Run a proxy's server (from :meth:`Proxy.serve`) until Ctrl-C, then close its listener."""
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvx_vllm.proxy", description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="0.0.0.0")
@@ -217,12 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     srv = Proxy(a.prefill, a.decode, a.timeout, a.mode).serve(a.host, a.port)
     log.info("kvx_vllm proxy on %s:%d: prefill %s, decode %s", a.host, a.port, a.prefill, a.decode)
-    try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
+    serve_until_interrupted(srv)
 
 
 if __name__ == "__main__":
