@@ -71,11 +71,16 @@ class EngineProcess:
         except OSError:
             return ""
 
-    def call(self, timeout: float = 300, **cmd: Any) -> dict[str, Any]:
+    def send(self, **cmd: Any) -> None:
+        """Send one command without waiting for its answer (read it later with ``_read``): two
+        engines can then be given their requests at once."""
         self.ready()
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def call(self, timeout: float = 300, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
         return self._read(timeout)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, params: list[Any] | None = None,
@@ -93,6 +98,20 @@ class EngineProcess:
         finally:
             if self._log is not subprocess.DEVNULL:
                 self._log.close()
+
+
+def push_endpoint(prefill: EngineProcess, decode: EngineProcess, tokens: list[int]) -> dict[str, Any]:
+    """The prefill engine's kvx endpoint, from a pull-mode answer for prompt ``tokens`` (as the
+    proxy learns it: a prefill server's first request goes by pull, which a push-mode decode
+    engine still serves); the decode engine pulls it once, then its prefix cache is reset."""
+    from kvx_vllm.proxy import ENDPOINT_KEYS
+
+    out = prefill.generate([tokens], max_tokens=1, params=[{"do_remote_decode": True}])
+    params = out["outputs"][0]["kv_transfer_params"]
+    assert params and all(k in params for k in ENDPOINT_KEYS), params
+    assert decode.generate([tokens], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    return params  # type: ignore[no-any-return]
 
 
 def why_no_cpu_engine() -> str | None:

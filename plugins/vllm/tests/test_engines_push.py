@@ -14,16 +14,15 @@ the late path: the finished request's blocks are written whole once the registra
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
-from engines import EngineProcess, why_no_cpu_engine
+from engines import EngineProcess, push_endpoint, why_no_cpu_engine
 
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
-from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+from kvx_vllm.proxy import push_params
 
 BLOCK = 32
 LENGTHS = [5, 31, 32, 33, 64, 97, 129, 200]
@@ -41,25 +40,6 @@ def push_engines(pd_engines):
     return {"p": pd_engines["p1"], "d": pd_engines["d1"]}
 
 
-def _send(e: EngineProcess, **cmd) -> None:
-    e.ready()
-    assert e.proc.stdin is not None
-    e.proc.stdin.write(json.dumps(cmd) + "\n")
-    e.proc.stdin.flush()
-
-
-def _endpoint(prefill: EngineProcess, decode: EngineProcess) -> dict:
-    """The prefill engine's kvx endpoint, from a pull-mode answer (as the proxy learns it: a
-    prefill server's first request goes by pull, which the push-mode decode engine still does)."""
-    p = prompt(40, 999)
-    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
-    params = out["outputs"][0]["kv_transfer_params"]
-    assert params and all(k in params for k in ENDPOINT_KEYS), params
-    assert decode.generate([p], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
-    assert decode.call(cmd="reset_prefix_cache")["ok"]
-    return params
-
-
 def _plain(decode: EngineProcess, prompts: list[list[int]]) -> list[list[int]]:
     want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
     assert decode.call(cmd="reset_prefix_cache")["ok"]
@@ -70,15 +50,15 @@ def _plain(decode: EngineProcess, prompts: list[list[int]]) -> list[list[int]]:
 def test_push_equals_plain(push_engines, which: str) -> None:
     prefill, decode = push_engines["p"], push_engines["d"]
     prefill.call(cmd="push_group", layers=1 if which == "pl" else 0)
-    ep = _endpoint(prefill, decode)
+    ep = push_endpoint(prefill, decode, prompt(40, 999))
     prompts = [prompt(n, i + (50 if which == "pl" else 0)) for i, n in enumerate(LENGTHS)]
     want = _plain(decode, prompts)
     pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
     st0 = decode.call(cmd="stats")["connector"]
     ps0 = prefill.call(cmd="stats")["push"]
     # both at once, decode first (its registrations reach the prefill while it waits for them)
-    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
-    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
     pre = prefill._read(300)
     got = decode._read(300)
     assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
@@ -101,7 +81,7 @@ def test_late_registration_is_written_whole(push_engines) -> None:
     written whole when the registration comes; tokens identical, blocks freed after."""
     prefill, decode = push_engines["p"], push_engines["d"]
     prefill.call(cmd="push_group", layers=0)
-    ep = _endpoint(prefill, decode)
+    ep = push_endpoint(prefill, decode, prompt(40, 999))
     prompts = [prompt(n, 300 + i) for i, n in enumerate((70, 150))]
     want = _plain(decode, prompts)
     pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
@@ -109,7 +89,7 @@ def test_late_registration_is_written_whole(push_engines) -> None:
     try:
         prefill.generate(prompts, max_tokens=1, params=[p for p, _d in pairs])
         late0 = prefill.call(cmd="stats")["push"]["pushed_late"]
-        _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+        decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
         r = prefill.call(cmd="drain", timeout=60)  # steps the prefill engine: it sees the registrations
         got = decode._read(120)
     finally:

@@ -19,16 +19,15 @@ sends them, decode first.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
-from engines import EngineProcess, why_no_cpu_engine
+from engines import push_endpoint, why_no_cpu_engine
 
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
-from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+from kvx_vllm.proxy import push_params
 
 LENGTHS = [5, 31, 32, 33, 64, 97, 129, 200]
 MAX_TOKENS = 6
@@ -38,28 +37,10 @@ def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 89 + i * 41 + (i * i) % 19) % 509 for i in range(n)]
 
 
-def _send(e: EngineProcess, **cmd) -> None:
-    e.ready()
-    assert e.proc.stdin is not None
-    e.proc.stdin.write(json.dumps(cmd) + "\n")
-    e.proc.stdin.flush()
-
-
-def _endpoint(prefill: EngineProcess, decode: EngineProcess) -> dict:
-    """The prefill engine's kvx endpoint from a pull answer (as the proxy learns it)."""
-    p = prompt(40, 999)
-    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
-    params = out["outputs"][0]["kv_transfer_params"]
-    assert params and all(k in params for k in ENDPOINT_KEYS), params
-    assert decode.generate([p], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
-    assert decode.call(cmd="reset_prefix_cache")["ok"]
-    return params
-
-
 def test_push_tp1_to_tp2_equals_plain(pd_engines) -> None:
     prefill, decode = pd_engines["p1"], pd_engines["d2"]
     prefill.call(cmd="push_group", layers=0)
-    ep = _endpoint(prefill, decode)
+    ep = push_endpoint(prefill, decode, prompt(40, 999))
     assert ep["tp_size"] == 1
     prompts = [prompt(n, 700 + i) for i, n in enumerate(LENGTHS)]
     want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
@@ -68,8 +49,8 @@ def test_push_tp1_to_tp2_equals_plain(pd_engines) -> None:
     pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
     ext0 = decode.call(cmd="stats")["external"]
     ps0 = prefill.call(cmd="stats")["push"]
-    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
-    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
     pre = prefill._read(300)
     # an offline engine steps only while asked to (a server keeps stepping while writes are due):
     # step the prefill until its writes are done and its blocks free again

@@ -16,16 +16,15 @@ proxy's ``--mode push`` sends them, decode first.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
-from engines import EngineProcess, why_no_cpu_engine
+from engines import push_endpoint, why_no_cpu_engine
 
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
 
-from kvx_vllm.proxy import ENDPOINT_KEYS, push_params
+from kvx_vllm.proxy import push_params
 
 LENGTHS = [5, 32, 33, 97, 200]
 MAX_TOKENS = 6
@@ -35,30 +34,18 @@ def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 97 + i * 43 + (i * i) % 23) % 509 for i in range(n)]
 
 
-def _send(e: EngineProcess, **cmd) -> None:
-    e.ready()
-    assert e.proc.stdin is not None
-    e.proc.stdin.write(json.dumps(cmd) + "\n")
-    e.proc.stdin.flush()
-
-
 def test_push_tp2_to_tp1_equals_plain(pd_engines) -> None:
     prefill, decode = pd_engines["p2"], pd_engines["d1"]
-    p = prompt(40, 998)
-    out = prefill.generate([p], max_tokens=1, params=[{"do_remote_decode": True}])
-    ep = out["outputs"][0]["kv_transfer_params"]
-    assert ep and all(k in ep for k in ENDPOINT_KEYS), ep
+    ep = push_endpoint(prefill, decode, prompt(40, 998))
     assert ep["tp_size"] == 2
-    assert decode.generate([p], max_tokens=2, params=[ep])["outputs"][0]["finish"] == "length"
-    assert decode.call(cmd="reset_prefix_cache")["ok"]
     prompts = [prompt(n, 800 + i) for i, n in enumerate(LENGTHS)]
     want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
     assert len({tuple(t) for t in want}) == len(want)
     assert decode.call(cmd="reset_prefix_cache")["ok"]
     pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
     ext0 = decode.call(cmd="stats")["external"]
-    _send(decode, cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
-    _send(prefill, cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
+    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
     pre = prefill._read(300)
     r = prefill.call(cmd="drain", timeout=60)  # step until its writes are done and its blocks free
     assert r["free"] == r["initial"]

@@ -7,32 +7,10 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from nixl_push_proxy import NixlPushProxy
-
-
-def _server(answer: Callable[[dict[str, Any]], Any]) -> tuple[ThreadingHTTPServer, list[tuple[dict[str, Any], str]]]:
-    seen: list[tuple[dict[str, Any], str]] = []  # (body, X-Request-Id)
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((body, self.headers.get("X-Request-Id", "")))
-            data = json.dumps(answer(body)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, seen
+from stand_in import http_stand_in
 
 
 def test_both_legs_at_once_under_one_request_id() -> None:
@@ -48,8 +26,8 @@ def test_both_legs_at_once_under_one_request_id() -> None:
         decode_got.set()
         return {"choices": [{"text": "out"}]}
 
-    p, pseen = _server(prefill_answer)
-    d, dseen = _server(decode_answer)
+    p, pseen, pids = http_stand_in(prefill_answer)
+    d, dseen, dids = http_stand_in(decode_answer)
     proxy = NixlPushProxy(f"http://127.0.0.1:{p.server_port}", f"http://127.0.0.1:{d.server_port}",
                           engine_id="prefill-0", kv_host="127.0.0.1", side_channel_port=5600, tp_size=2)
     srv = proxy.serve("127.0.0.1", 0)
@@ -68,7 +46,7 @@ def test_both_legs_at_once_under_one_request_id() -> None:
             threading.Event().wait(0.05)
         assert len(pseen) == 2 and len(dseen) == 2
         ids = set()
-        for (pb, pid), (db, did) in zip(pseen, dseen):
+        for pb, pid, db, did in zip(pseen, pids, dseen, dids):
             assert pid == did and pid, (pid, did)  # one X-Request-Id for both legs
             ids.add(pid)
             assert pb["max_tokens"] == 1 and pb["kv_transfer_params"] == {"do_remote_decode": True,

@@ -5,38 +5,16 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvx_vllm.proxy import Proxy
-
-
-def _server(answer: Any) -> tuple[ThreadingHTTPServer, list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            data = json.dumps(answer(body)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, seen
+from stand_in import http_stand_in
 
 
 def test_proxy_routes_prefill_then_decode() -> None:
     params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1"}
-    p, pseen = _server(lambda b: {"choices": [{"text": "x"}], "kv_transfer_params": params})
-    d, dseen = _server(lambda b: {"choices": [{"text": "hello world"}]})
+    p, pseen, _ = http_stand_in(lambda b: {"choices": [{"text": "x"}], "kv_transfer_params": params})
+    d, dseen, _ = http_stand_in(lambda b: {"choices": [{"text": "hello world"}]})
     proxy = Proxy([f"http://127.0.0.1:{p.server_port}"], [f"http://127.0.0.1:{d.server_port}"])
     srv = proxy.serve("127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -72,8 +50,8 @@ def test_proxy_push_mode_learns_the_endpoint_then_sends_both_at_once() -> None:
         decode_got.set()
         return {"choices": [{"text": "out"}]}
 
-    p, pseen = _server(prefill_answer)
-    d, dseen = _server(decode_answer)
+    p, pseen, _ = http_stand_in(prefill_answer)
+    d, dseen, _ = http_stand_in(decode_answer)
     proxy = Proxy([f"http://127.0.0.1:{p.server_port}"], [f"http://127.0.0.1:{d.server_port}"], mode="push")
     srv = proxy.serve("127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
