@@ -810,7 +810,12 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
-        """Send ``message`` to ``peer``'s notification queue."""
+        """Send ``message`` to ``peer``'s notification queue.
+
+        Two notifications to one peer may arrive in either order: the ``tcp`` backend spreads
+        its frames over several connections (``KVX_TCP_STREAMS``). A protocol built on them
+        must not depend on their order (or must send what depends on another in one message).
+        """
         self._check()
         if not isinstance(peer, str):
             raise ArgumentTypeError(f"notify peer must be a peer name (str), not {type(peer).__name__}")

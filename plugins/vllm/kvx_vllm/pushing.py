@@ -55,6 +55,10 @@ __all__ = ["DecodePush", "PrefillPush", "split_notes"]
 log = logging.getLogger(__name__)
 
 
+#: registrations kept per decode peer whose introduction has not arrived yet
+MAX_HELD_PER_PEER = 256
+
+
 def split_notes(notes: dict[str, list[bytes]]) -> tuple[dict[str, list[bytes]], dict[str, list[bytes]]]:
     """``(push messages, other messages)``, both per peer."""
     push: dict[str, list[bytes]] = {}
@@ -231,6 +235,8 @@ class PrefillPush:
         self._late: dict[str, dict[str, Any]] = {}
         self._expect: dict[int, int] = {}  # decode TP size -> decode ranks writing from this rank
         self._aborted: dict[str, float] = {}  # push ids a decode worker gave up on -> when
+        # registrations from peers whose introduction has not come yet: peer -> [(message, when)]
+        self._unintroduced: dict[str, list[tuple[bytes, float]]] = {}
         self._pass_started = False
         #: counters: requests pushed in the forward pass, written whole afterwards, failed
         self.stats = {"pushed_in_pass": 0, "pushed_late": 0, "push_failures": 0}
@@ -258,11 +264,23 @@ class PrefillPush:
             geoms = [LayerGeom.from_list(v) for v in hello.layout]
             self.w.agent.add_peer(hello.meta)
             self._decoders[peer] = _Decoder(peer, geoms, kvx.MemoryKind(hello.kind), hello.dev)
+            for held, t in self._unintroduced.pop(peer, []):  # registrations that overtook it
+                try:
+                    self._one(peer, held, t)
+                except Exception as exc:
+                    log.warning("kvx_vllm: dropping a push message from %s: %s", peer, exc)
             return
         reg = parse_registration(m)
         if reg is not None:
             if peer not in self._decoders:
-                raise kvx.ProtocolError(f"registration of {reg.rid} from {peer}, which has not introduced itself")
+                # its introduction may still be on the way (notifications to one peer can overtake
+                # each other over several tcp streams): kept until it comes, within bounds
+                held = self._unintroduced.setdefault(peer, [])
+                if len(held) >= MAX_HELD_PER_PEER:
+                    raise kvx.ProtocolError(f"registration of {reg.rid} from {peer}, which has not introduced "
+                                            f"itself ({len(held)} held already)")
+                held.append((m, now))
+                return
             regs = self._regs.setdefault(reg.rid, {})
             if peer in regs:
                 raise kvx.ProtocolError(f"{peer} registered {reg.rid} twice")
@@ -446,6 +464,15 @@ class PrefillPush:
         for push_id, t in list(self._aborted.items()):
             if now - t > 2 * self.w.cfg.push_timeout_s:
                 del self._aborted[push_id]
+        for peer, held in list(self._unintroduced.items()):
+            kept = [(m, t) for m, t in held if now - t <= self.w.cfg.push_timeout_s]
+            if len(kept) < len(held):
+                log.warning("kvx_vllm: %d registration(s) from %s dropped: it never introduced itself",
+                            len(held) - len(kept), peer)
+            if kept:
+                self._unintroduced[peer] = kept
+            else:
+                del self._unintroduced[peer]
         return out
 
     def pending(self) -> bool:
