@@ -369,7 +369,19 @@ class PrefillPush:
                     continue
                 self._in_pass[spec.push] = spec.req_id
         if self._in_pass:
-            self.pusher.on_layer(name)
+            self.pusher.on_layer(name, self._layer_event())
+
+    def _layer_event(self) -> Any:
+        """On a GPU, an event recorded on the current stream behind the layer's kernels: the
+        poster thread posts the layer's writes once it has executed, so that the copies need not
+        run on a blocking stream (``KVX_CUDA_ORDER=caller`` lets them overlap the next layers)."""
+        if self.w.kind != kvx.MemoryKind.CUDA:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
     def end_pass(self) -> None:
         """``wait_for_save``: wait for this pass's writes still in flight."""
