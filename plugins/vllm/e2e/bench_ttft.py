@@ -9,14 +9,20 @@ for every mode, sent one at a time as streamed greedy completions of ``--max-tok
 TTFT is the time from sending the request to the proxy to the first streamed token. Every
 completion's text is compared with a plain server's (no connector) for the same prompt.
 
-The kvx modes share their servers and take turns request by request (on a shared machine the
-load drifts; taking turns spreads it evenly over the modes): a push prefill server, a push +
-layer-wise prefill server, a push decode server, and three proxies (pull and push to the first
-prefill server, push to the second). A push-configured pair serves pull requests exactly as a
-pull pair does (the setting only adds the push path). NixlConnector runs after them on a pair of
-its own (with its proxy, the same code in pull mode), then vLLM's own push mode
-(``NixlPushConnector``) on a pair of its own behind ``nixl_push_proxy.py`` (both legs at once;
-the prefill server's NIXL engine id and side-channel port are fixed and given to that proxy).
+Each group of modes runs on a pair of servers of its own, one after the other, so that only two
+vLLM servers are up at a time. With ``--pin server`` (the default) every process of the prefill
+server (API server, engine core, worker) runs on core 0 and every process of the decode server on
+core 1, as if on two one-core machines; ``--pin worker`` binds only vLLM's workers there and lets
+the rest use both cores (NIXL's worker threads then get a second core; the decode's idle spinning
+can take the prefill's). An idle vLLM worker spins for a second after each step: a second server on
+the same core slowed the first one's requests several-fold in an earlier layout of this bench. kvx
+pull and kvx push share one pair (a push prefill server and a push decode server; a push-configured
+pair serves pull requests exactly as a pull pair does) and take turns request by request, so that
+the drifting load of a shared machine falls evenly on them; kvx push + layer-wise runs next on a
+pair whose prefill server has ``"layerwise": true``. NixlConnector runs after them on a pair of its
+own (with the kvx proxy in pull mode, which only relays its kv_transfer_params), then vLLM's own
+push mode (``NixlPushConnector``) on a pair of its own behind ``nixl_push_proxy.py`` (both legs at
+once; the prefill server's NIXL engine id and side-channel port are fixed and given to that proxy).
 Every proxy first gets two warm-up requests that are not counted (in push mode the kvx proxy
 learns the prefill server's endpoint from the first, a pull; the second sets up the push
 connections; NIXL makes its connections on the first); a warm-up request that fails or passes
@@ -79,11 +85,14 @@ class Servers:
         self.logs: list[Any] = []
         self.urls: dict[str, str] = {}
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None) -> None:
+    def start(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None,
+              core: int | None = None) -> None:
+        """Start ``cmd``; with ``core``, it and every process it starts run on that core only."""
         log = open(os.path.join(self.work, f"{self.tag}-{name}.log"), "w")  # closed in close()
         self.logs.append(log)
+        pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                           env=env))
+                                           env=env, preexec_fn=pin))
         if url:
             self.urls[name] = url
 
@@ -145,6 +154,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="bound on each server's start-up (s)")
     ap.add_argument("--request-timeout", type=float, default=120,
                     help="bound on a measured request (s); one that passes it counts as failed")
+    ap.add_argument("--pin", choices=("server", "worker"), default="server",
+                    help="server: every process of a server on its core (prefill 0, decode 1: two one-core "
+                         "machines); worker: only vLLM's worker bound there, the API server and engine core "
+                         "free to use both cores (NIXL's worker threads then get the other core too)")
     ap.add_argument("--max-failures", type=int, default=5,
                     help="a mode with this many failed requests gets no more (the rest count as failed)")
     ap.add_argument("--warmup-timeout", type=float, default=90,
@@ -182,7 +195,8 @@ def main() -> int:
     try:
         port = free_port()
         srv.start("plain", [*serve, "--port", str(port), *common],
-                  {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, f"http://127.0.0.1:{port}")
+                  {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, f"http://127.0.0.1:{port}",
+                  core=0 if a.pin == "server" else None)
         srv.wait(a.timeout)
         stream(srv.urls["plain"] + "/v1/completions", body(prompt(64, 7, vocab)))  # warm-up
         for n in lengths:
@@ -194,24 +208,31 @@ def main() -> int:
     finally:
         srv.close()
 
-    out: dict[str, Any] = {"prompt_tokens": lengths, "modes": {}}
+    out: dict[str, Any] = {"prompt_tokens": lengths, "modes": {}, "pin": a.pin,
+                           # the floor of every P/D mode: one server computing the prompt alone
+                           "plain": {str(n): {"ttft_ms_median": round(statistics.median(plain_ms[n]), 2),
+                                              "ttft_ms_p99": round(pct(plain_ms[n], .99), 2)} for n in lengths}}
     warm_fail: dict[str, int] = {}  # mode -> warm-up requests that failed (not counted, retried)
     wanted = a.modes.split(",")
     kvx_modes = [m for m in wanted if m.startswith("kvx-")]
 
-    def serve_pair(srv: Servers, conn: dict[str, Any], prefills: dict[str, dict[str, Any]],
+    def serve_pair(srv: Servers, conn: dict[str, Any], prefill_extra: dict[str, Any],
                    decode_extra: dict[str, Any]) -> dict[str, int]:
-        """Starts the servers; returns each one's NIXL side-channel port."""
+        """Starts the two servers, each with every process of it on a core of its own (as if on
+        two machines: the decode's idle spinning never takes the prefill's core); returns each
+        one's NIXL side-channel port."""
         side = {}
-        for name, extra in [*prefills.items(), ("decode", decode_extra)]:
+        core = {"prefill": 0, "decode": 1}
+        for name, extra in (("prefill", prefill_extra), ("decode", decode_extra)):
             port, side[name] = free_port(), free_port()
             role = "kv_consumer" if name == "decode" else "kv_producer"
             ktc = {**conn, "kv_role": role, "kv_connector_extra_config": extra}
             if "engine_id" in conn:  # fixed and told to the proxy (NIXL push)
                 ktc["engine_id"] = f"{conn['engine_id']}-{name}"
             srv.start(name, [*serve, "--port", str(port), *common, "--kv-transfer-config", json.dumps(ktc)],
-                      {**env, "VLLM_CPU_OMP_THREADS_BIND": "1" if name == "decode" else "0",
-                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[name])}, f"http://127.0.0.1:{port}")
+                      {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core[name]),
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[name])}, f"http://127.0.0.1:{port}",
+                      core=core[name] if a.pin == "server" else None)
         return side
 
     def proxy(srv: Servers, name: str, prefill: str, mode: str) -> str:
@@ -271,26 +292,26 @@ def main() -> int:
                       + (f"  ({failed[m]} failed)" if failed[m] else ""), flush=True)
 
     groups: list[tuple[list[str], Any]] = []
-    if kvx_modes:
-        def kvx_setup(srv: Servers) -> dict[str, str]:
-            conn = {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm"}
-            push = {"transfer_mode": "push"}
-            serve_pair(srv, conn, {"prefill": push, "prefill-lw": {**push, "layerwise": True}}, push)
-            routes = {}
-            for m in kvx_modes:
-                pre = "prefill-lw" if m == "kvx-push-layerwise" else "prefill"
-                routes[m] = proxy(srv, f"proxy-{m}", pre, "pull" if m == "kvx-pull" else "push")
-            return routes
-        groups.append((kvx_modes, kvx_setup))
+    # one pair of servers per group, one prefill on each core: a second prefill server on the same
+    # core would slow the first (vLLM's idle workers spin for a second after every step)
+    for lw in (False, True):
+        ms = [m for m in kvx_modes if (m == "kvx-push-layerwise") == lw]
+        if ms:
+            def kvx_setup(srv: Servers, ms: list[str] = ms, lw: bool = lw) -> dict[str, str]:
+                conn = {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx_vllm"}
+                push: dict[str, Any] = {"transfer_mode": "push", **({"layerwise": True} if lw else {})}
+                serve_pair(srv, conn, push, {"transfer_mode": "push"})
+                return {m: proxy(srv, f"proxy-{m}", "prefill", "pull" if m == "kvx-pull" else "push") for m in ms}
+            groups.append((ms, kvx_setup))
     if "nixl" in wanted:
         def nixl_setup(srv: Servers) -> dict[str, str]:
-            serve_pair(srv, {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}, {"prefill": {}}, {})
+            serve_pair(srv, {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}, {}, {})
             return {"nixl": proxy(srv, "proxy-nixl", "prefill", "pull")}
         groups.append((["nixl"], nixl_setup))
     if "nixl-push" in wanted:
         def nixl_push_setup(srv: Servers) -> dict[str, str]:
             conn = {"kv_connector": "NixlPushConnector", "kv_buffer_device": "cpu", "engine_id": "nixl-push"}
-            side = serve_pair(srv, conn, {"prefill": {}}, {})
+            side = serve_pair(srv, conn, {}, {})
             port = free_port()
             srv.start("proxy-nixl-push", [sys.executable, os.path.join(HERE, "nixl_push_proxy.py"), "--port",
                                           str(port), "--prefill", srv.urls["prefill"], "--decode", srv.urls["decode"],
