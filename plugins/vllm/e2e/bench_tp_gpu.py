@@ -197,12 +197,17 @@ def _rank(conn: Any, o: dict[str, Any]) -> None:
 
 
 def _serve(conn: Any, o: dict[str, Any], impl: str) -> None:
-    """A rank process: kvx's rank or NIXL's; whatever it raises goes to the parent before it exits."""
+    """A rank process: kvx's rank, NIXL's, or a push rank (``bench_push_gpu.py``); whatever it raises
+    goes to the parent before it exits."""
     try:
         if impl == "nixl":
             from nixl_tp import nixl_rank
 
             nixl_rank(conn, o)
+        elif impl == "push":
+            from bench_push_gpu import push_rank
+
+            push_rank(conn, o)
         else:
             _rank(conn, o)
     except BaseException as exc:
@@ -215,7 +220,7 @@ def _serve(conn: Any, o: dict[str, Any], impl: str) -> None:
 
 
 class Rank:
-    """One rank process (``impl``: kvx's worker or NIXL), driven by JSON commands."""
+    """One rank process (``impl``: kvx's worker, NIXL, or ``push``), driven by JSON commands."""
 
     def __init__(self, ctx: Any, impl: str = "kvx", **o: Any) -> None:
         self.o = o
