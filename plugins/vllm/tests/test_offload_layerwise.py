@@ -285,3 +285,55 @@ def test_config() -> None:
     assert cfg.offload_layerwise and cfg.offload_layer_group == 1
     assert KVXConnector.requires_piecewise_for_cudagraph({"offload_host_gb": 1, "offload_layerwise": True})
     assert not KVXConnector.requires_piecewise_for_cudagraph({"offload_host_gb": 1})
+
+
+def test_several_kv_cache_groups_load_whole(caplog: Any) -> None:
+    """A hybrid model (full attention + sliding window: two KV cache groups, vLLM's real hybrid
+    scheduler) turns ``offload_layerwise`` off with a warning: a stored prefix is loaded whole,
+    asynchronously, in every group, and the request computes in a later step."""
+    import logging
+
+    import torch
+    from kvx_vllm.metadata import KVXWorkerMetadata
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    page = U.NUM_KV_HEADS * U.BLOCK_SIZE * 2 * U.HEAD_DIM * 4
+    vc = U.create_vllm_config("kv_both", {"offload_host_bytes": 64 * U.NUM_LAYERS * page, "offload_layerwise": True})
+    vc.cache_config.num_gpu_blocks = 64
+    full = FullAttentionSpec(block_size=U.BLOCK_SIZE, num_kv_heads=U.NUM_KV_HEADS, head_size=U.HEAD_DIM,
+                             dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=U.BLOCK_SIZE, num_kv_heads=U.NUM_KV_HEADS, head_size=U.HEAD_DIM,
+                            dtype=torch.float32, sliding_window=4 * U.BLOCK_SIZE)
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], swa)])
+    with caplog.at_level(logging.WARNING, logger="kvx_vllm.scheduler"):
+        s = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
+                      block_size=U.BLOCK_SIZE, log_stats=True)
+    ks = s.connector.scheduler
+    assert ks.layerwise is False
+    assert "offload_layerwise is off: 2 KV cache groups" in caplog.text
+    assert ks.groups == (0, 1)
+    req = U.create_request("h", PROMPT, max_tokens=2)
+    # the workers report the prompt's full blocks stored (every group's keys), as vLLM passes
+    # their metadata on
+    keys = [make_block_hash_with_group_id(h, g) for h in req.block_hashes[:FULL] for g in ks.groups]
+    ks.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVXWorkerMetadata(
+        {0: [("stored", keys, None, "cpu")]}, {})))
+    s.add_request(req)
+    so = s.schedule()
+    # an asynchronous (whole) load: nothing computed in this step, the request waits for its KV
+    assert so.num_scheduled_tokens == {}
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    meta = so.kv_connector_metadata
+    (load,) = meta.load
+    assert load.layerwise is False
+    assert len(load.block_ids) == len(ks.groups) and all(len(b) == FULL for b in load.block_ids)
