@@ -246,13 +246,16 @@ class PrefillPush:
         """Act on push messages from decode workers."""
         now = time.monotonic()
         for peer, msgs in notes.items():
-            for m in msgs:
+            todo = [(m, now) for m in msgs]
+            while todo:
+                m, t = todo.pop(0)
                 try:
-                    self._one(peer, m, now)
+                    todo[:0] = self._one(peer, m, t)  # an introduction releases what overtook it
                 except Exception as exc:  # a peer's bad message never stops the engine
                     log.warning("kvx_vllm: dropping a push message from %s: %s", peer, exc)
 
-    def _one(self, peer: str, m: bytes, now: float) -> None:
+    def _one(self, peer: str, m: bytes, now: float) -> list[tuple[bytes, float]]:
+        """Act on one message; returns the held registrations it releases (to act on next)."""
         hello = parse_hello(m)
         if hello is not None:
             name = self.w.agent.parse_metadata(hello.meta).name  # checked before connecting anywhere
@@ -264,12 +267,7 @@ class PrefillPush:
             geoms = [LayerGeom.from_list(v) for v in hello.layout]
             self.w.agent.add_peer(hello.meta)
             self._decoders[peer] = _Decoder(peer, geoms, kvx.MemoryKind(hello.kind), hello.dev)
-            for held, t in self._unintroduced.pop(peer, []):  # registrations that overtook it
-                try:
-                    self._one(peer, held, t)
-                except Exception as exc:
-                    log.warning("kvx_vllm: dropping a push message from %s: %s", peer, exc)
-            return
+            return self._unintroduced.pop(peer, [])  # registrations that overtook it
         reg = parse_registration(m)
         if reg is not None:
             if peer not in self._decoders:
@@ -280,7 +278,7 @@ class PrefillPush:
                     raise kvx.ProtocolError(f"registration of {reg.rid} from {peer}, which has not introduced "
                                             f"itself ({len(held)} held already)")
                 held.append((m, now))
-                return
+                return []
             regs = self._regs.setdefault(reg.rid, {})
             if peer in regs:
                 raise kvx.ProtocolError(f"{peer} registered {reg.rid} twice")
@@ -288,10 +286,11 @@ class PrefillPush:
             self._new.append(reg.rid)
             if reg.rid in self._finished:
                 self._late_write(reg.rid, peer)
-            return
+            return []
         parsed = parse_push_note(m)
         if parsed is not None and parsed[0] == "abort":
             self._abort(parsed[1], peer)
+        return []
 
     def _abort(self, push_id: str, peer: str) -> None:
         if push_id in self._regs and peer not in self._regs[push_id] and push_id not in self._finished:
