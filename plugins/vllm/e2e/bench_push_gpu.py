@@ -45,13 +45,12 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_tp_gpu import Rank, _Model, cells, token_places  # noqa: E402
+from bench_tp_gpu import Rank, cells, token_places, worker_configs  # noqa: E402
 
 
 def checksum(t: Any) -> int:
@@ -83,14 +82,7 @@ def push_rank(conn: Any, o: dict[str, Any]) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     L, H, D, bs, nb = o["layers"], o["heads"], o["head_dim"], o["block"], o["blocks"]
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-    spec = SimpleNamespace(block_size=bs, num_kv_heads=H, head_size=D)
-    vc = SimpleNamespace(model_config=_Model(L, H, D, False),
-                         cache_config=SimpleNamespace(block_size=bs, cache_dtype="auto"),
-                         parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                         kv_transfer_config=SimpleNamespace(kv_role=o["role"], engine_id=o["engine"]))
-    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
-                          prefix_cacheable_group_ids=(0,))
+    names, vc, kcc = worker_configs(o, L, H, D, H, False, 1)
     cfg = KVXConnectorConfig.from_extra({"transfer_mode": "push", "layerwise": o["layerwise"],
                                          "push_group": o["group"], "backends": [o["backend"]],
                                          "push_timeout_s": 120, "load_timeout_s": 120, "lease_s": 3600})

@@ -99,6 +99,23 @@ def token_places(ids: list[int], tokens: int, bs: int, dev: Any) -> tuple[Any, A
     return torch.as_tensor(ids, device=dev)[t // bs], t % bs
 
 
+def worker_configs(o: dict[str, Any], layers: int, heads: int, head_size: int, rank_heads: int, mla: bool,
+                   tp: int) -> tuple[list[str], Any, Any]:
+    """``(layer names, vllm_config, kv_cache_config)``: the fields of vLLM's configs that
+    ``KVXWorker`` reads, for a rank holding ``rank_heads`` of ``heads`` KV heads (``o``: the rank's
+    options, ``role``, ``engine`` and ``block``)."""
+    bs = o["block"]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    spec = SimpleNamespace(block_size=bs, num_kv_heads=rank_heads, head_size=head_size)
+    vc = SimpleNamespace(model_config=_Model(layers, heads, head_size, mla),
+                         cache_config=SimpleNamespace(block_size=bs, cache_dtype="auto"),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                         kv_transfer_config=SimpleNamespace(kv_role=o["role"], engine_id=o["engine"]))
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+                          prefix_cacheable_group_ids=(0,))
+    return names, vc, kcc
+
+
 def _rank(conn: Any, o: dict[str, Any]) -> None:
     import torch
 
@@ -118,14 +135,7 @@ def _rank(conn: Any, o: dict[str, Any]) -> None:
         H, D = 1, o["latent"]
     h0, nh = (0, 1) if mla else heads_of(H, tp, rank)
     planes = 1 if mla else 2
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-    spec = SimpleNamespace(block_size=bs, num_kv_heads=nh, head_size=D)
-    vc = SimpleNamespace(model_config=_Model(L, H, D, mla),
-                         cache_config=SimpleNamespace(block_size=bs, cache_dtype="auto"),
-                         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                         kv_transfer_config=SimpleNamespace(kv_role=o["role"], engine_id=o["engine"]))
-    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
-                          prefix_cacheable_group_ids=(0,))
+    names, vc, kcc = worker_configs(o, L, H, D, nh, mla, tp)
     cfg = KVXConnectorConfig.from_extra({"load_timeout_s": 300, "lease_s": 3600})
     w = KVXWorker(vc, kcc, cfg, tp_rank=rank)  # type: ignore[arg-type]
     dt = torch.bfloat16
