@@ -8,6 +8,7 @@ import select
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,6 +113,39 @@ def push_endpoint(prefill: EngineProcess, decode: EngineProcess, tokens: list[in
     assert decode.generate([tokens], max_tokens=2, params=[params])["outputs"][0]["finish"] == "length"
     assert decode.call(cmd="reset_prefix_cache")["ok"]
     return params  # type: ignore[no-any-return]
+
+
+def pushed_equals_plain(prefill: EngineProcess, decode: EngineProcess, ep: dict[str, Any], prompts: list[list[int]],
+                        max_tokens: int, label: str) -> None:
+    """The decode engine's own greedy tokens for ``prompts`` (its prefix cache reset after), then
+    the same prompts pushed from ``prefill`` (endpoint ``ep``, from :func:`push_endpoint`): both
+    engines get them at once, decode first, as the proxy's ``--mode push`` sends them. Checks
+    that every request ran to its length with the plain tokens, that every prompt token came from
+    the connector, and that both engines free every block again (the prefill stepped until its
+    writes are done: an offline engine steps only while asked to)."""
+    from kvx_vllm.proxy import push_params
+
+    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=max_tokens)["outputs"]]
+    assert len({tuple(t) for t in want}) == len(want)
+    assert decode.call(cmd="reset_prefix_cache")["ok"]
+    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
+    ext0 = decode.call(cmd="stats")["external"]
+    decode.send(cmd="generate", prompts=prompts, max_tokens=max_tokens, params=[d for _p, d in pairs])
+    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
+    pre = prefill._read(300)
+    r = prefill.call(cmd="drain", timeout=60)
+    assert r["free"] == r["initial"]
+    got = decode._read(300)
+    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
+    assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts), [o["finish"] for o in got["outputs"]]
+    for p, w, o in zip(prompts, want, got["outputs"]):
+        assert o["tokens"] == w, f"{label} push, prompt of {len(p)} tokens: {o['tokens']} != plain {w}"
+    ext = decode.call(cmd="stats")["external"]
+    # every prompt token came from the connector (vLLM recomputes the last one's logits itself)
+    assert ext["tokens"] - ext0["tokens"] == sum(len(p) for p in prompts)
+    assert ext["requests"] - ext0["requests"] == len(prompts)
+    r = decode.call(cmd="drain", timeout=30)
+    assert r["free"] == r["initial"]
 
 
 def why_no_cpu_engine() -> str | None:

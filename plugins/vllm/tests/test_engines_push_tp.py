@@ -19,15 +19,11 @@ sends them, decode first.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from engines import push_endpoint, why_no_cpu_engine
+from engines import push_endpoint, pushed_equals_plain, why_no_cpu_engine
 
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
-
-from kvx_vllm.proxy import push_params
 
 LENGTHS = [5, 31, 32, 33, 64, 97, 129, 200]
 MAX_TOKENS = 6
@@ -42,33 +38,11 @@ def test_push_tp1_to_tp2_equals_plain(pd_engines) -> None:
     prefill.call(cmd="push_group", layers=0)
     ep = push_endpoint(prefill, decode, prompt(40, 999))
     assert ep["tp_size"] == 1
-    prompts = [prompt(n, 700 + i) for i, n in enumerate(LENGTHS)]
-    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
-    assert len({tuple(t) for t in want}) == len(want)
-    assert decode.call(cmd="reset_prefix_cache")["ok"]
-    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
-    ext0 = decode.call(cmd="stats")["external"]
     ps0 = prefill.call(cmd="stats")["push"]
-    decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
-    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
-    pre = prefill._read(300)
-    # an offline engine steps only while asked to (a server keeps stepping while writes are due):
-    # step the prefill until its writes are done and its blocks free again
-    r = prefill.call(cmd="drain", timeout=60)
-    assert r["free"] == r["initial"]
-    got = decode._read(300)
-    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
-    assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts), [o["finish"] for o in got["outputs"]]
-    for n, w, o in zip(LENGTHS, want, got["outputs"]):
-        assert o["tokens"] == w, f"TP 1 -> TP 2 push, prompt of {n} tokens: {o['tokens']} != plain {w}"
-    ext = decode.call(cmd="stats")["external"]
-    # every prompt token came from the connector (vLLM recomputes the last one's logits itself)
-    assert ext["tokens"] - ext0["tokens"] == sum(LENGTHS)
-    assert ext["requests"] - ext0["requests"] == len(prompts)
+    pushed_equals_plain(prefill, decode, ep, [prompt(n, 700 + i) for i, n in enumerate(LENGTHS)], MAX_TOKENS,
+                        "TP 1 -> TP 2")
     ps = prefill.call(cmd="stats")["push"]
     assert ps["push_failures"] == ps0["push_failures"], ps
     # two decode ranks read the one prefill rank: each request written whole, once per rank
-    assert ps["pushed_late"] - ps0["pushed_late"] == 2 * len(prompts), ps
+    assert ps["pushed_late"] - ps0["pushed_late"] == 2 * len(LENGTHS), ps
     assert ps["pushed_in_pass"] == ps0["pushed_in_pass"], ps
-    r = decode.call(cmd="drain", timeout=30)
-    assert r["free"] == r["initial"]

@@ -16,15 +16,11 @@ proxy's ``--mode push`` sends them, decode first.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from engines import push_endpoint, why_no_cpu_engine
+from engines import push_endpoint, pushed_equals_plain, why_no_cpu_engine
 
 if why_no_cpu_engine():
     pytest.skip(why_no_cpu_engine(), allow_module_level=True)
-
-from kvx_vllm.proxy import push_params
 
 LENGTHS = [5, 32, 33, 97, 200]
 MAX_TOKENS = 6
@@ -38,25 +34,5 @@ def test_push_tp2_to_tp1_equals_plain(pd_engines) -> None:
     prefill, decode = pd_engines["p2"], pd_engines["d1"]
     ep = push_endpoint(prefill, decode, prompt(40, 998))
     assert ep["tp_size"] == 2
-    prompts = [prompt(n, 800 + i) for i, n in enumerate(LENGTHS)]
-    want = [o["tokens"] for o in decode.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]]
-    assert len({tuple(t) for t in want}) == len(want)
-    assert decode.call(cmd="reset_prefix_cache")["ok"]
-    pairs = [push_params(ep, uuid.uuid4().hex) for _ in prompts]
-    ext0 = decode.call(cmd="stats")["external"]
-    decode.send(cmd="generate", prompts=prompts, max_tokens=MAX_TOKENS, params=[d for _p, d in pairs])
-    prefill.send(cmd="generate", prompts=prompts, max_tokens=1, params=[p for p, _d in pairs])
-    pre = prefill._read(300)
-    r = prefill.call(cmd="drain", timeout=60)  # step until its writes are done and its blocks free
-    assert r["free"] == r["initial"]
-    got = decode._read(300)
-    assert [o["finish"] for o in pre["outputs"]] == ["length"] * len(prompts)
-    assert [o["finish"] for o in got["outputs"]] == ["length"] * len(prompts), [o["finish"] for o in got["outputs"]]
-    for n, w, o in zip(LENGTHS, want, got["outputs"]):
-        assert o["tokens"] == w, f"TP 2 -> TP 1 push, prompt of {n} tokens: {o['tokens']} != plain {w}"
-    ext = decode.call(cmd="stats")["external"]
-    # every prompt token came from the connector (vLLM recomputes the last one's logits itself)
-    assert ext["tokens"] - ext0["tokens"] == sum(LENGTHS)
-    assert ext["requests"] - ext0["requests"] == len(prompts)
-    r = decode.call(cmd="drain", timeout=30)
-    assert r["free"] == r["initial"]
+    pushed_equals_plain(prefill, decode, ep, [prompt(n, 800 + i) for i, n in enumerate(LENGTHS)], MAX_TOKENS,
+                        "TP 2 -> TP 1")
