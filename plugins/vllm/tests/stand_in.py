@@ -1,10 +1,12 @@
-"""A stand-in HTTP server for the proxies' tests: answers each POST with ``answer(body)`` as JSON
-and records the bodies and their ``X-Request-Id`` headers ("" when absent), in order."""
+"""The proxies' tests' HTTP pieces: a stand-in server that answers each POST with
+``answer(body)`` as JSON and records the bodies and their ``X-Request-Id`` headers ("" when
+absent), in order; starting and stopping servers; posting a completion to one."""
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -31,6 +33,24 @@ def http_stand_in(answer: Callable[[dict[str, Any]], Any]
             self.end_headers()
             self.wfile.write(data)
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    return started(ThreadingHTTPServer(("127.0.0.1", 0), H)), bodies, ids
+
+
+def started(srv: ThreadingHTTPServer) -> ThreadingHTTPServer:
+    """``srv``, serving on a thread of its own."""
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, bodies, ids
+    return srv
+
+
+def stop(*servers: ThreadingHTTPServer) -> None:
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def complete(srv: ThreadingHTTPServer, body: dict[str, Any], timeout: float) -> Any:
+    """POST ``body`` to ``srv``'s ``/v1/completions``; its JSON answer."""
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.server_port}/v1/completions", method="POST",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())

@@ -4,13 +4,11 @@ NixlPushConnector reads on each side."""
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.request
 from typing import Any
 
 from nixl_push_proxy import NixlPushProxy
-from stand_in import http_stand_in
+from stand_in import complete, http_stand_in, started, stop
 
 
 def test_both_legs_at_once_under_one_request_id() -> None:
@@ -30,16 +28,11 @@ def test_both_legs_at_once_under_one_request_id() -> None:
     d, dseen, dids = http_stand_in(decode_answer)
     proxy = NixlPushProxy(f"http://127.0.0.1:{p.server_port}", f"http://127.0.0.1:{d.server_port}",
                           engine_id="prefill-0", kv_host="127.0.0.1", side_channel_port=5600, tp_size=2)
-    srv = proxy.serve("127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = started(proxy.serve("127.0.0.1", 0))
     try:
         for _ in range(2):
             decode_got.clear()
-            req = urllib.request.Request(f"http://127.0.0.1:{srv.server_port}/v1/completions", method="POST",
-                                         data=json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 9}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                assert json.loads(r.read())["choices"][0]["text"] == "out"
+            assert complete(srv, {"model": "m", "prompt": [1, 2], "max_tokens": 9}, 10)["choices"][0]["text"] == "out"
         for _ in range(100):  # the prefill leg's thread may still be writing its log
             if len(pseen) == 2:
                 break
@@ -61,6 +54,4 @@ def test_both_legs_at_once_under_one_request_id() -> None:
             assert get_base_request_id(f"cmpl-{pid}-0-0badcafe") == get_base_request_id(f"cmpl-{pid}-0-12345678")
         assert len(ids) == 2  # a fresh id per request
     finally:
-        for s in (srv, p, d):
-            s.shutdown()
-            s.server_close()
+        stop(srv, p, d)

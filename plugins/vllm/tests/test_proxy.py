@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.request
 from typing import Any
 
 from kvx_vllm.proxy import Proxy
-from stand_in import http_stand_in
+from stand_in import complete, http_stand_in, started, stop
 
 
 def test_proxy_routes_prefill_then_decode() -> None:
@@ -16,21 +14,14 @@ def test_proxy_routes_prefill_then_decode() -> None:
     p, pseen, _ = http_stand_in(lambda b: {"choices": [{"text": "x"}], "kv_transfer_params": params})
     d, dseen, _ = http_stand_in(lambda b: {"choices": [{"text": "hello world"}]})
     proxy = Proxy([f"http://127.0.0.1:{p.server_port}"], [f"http://127.0.0.1:{d.server_port}"])
-    srv = proxy.serve("127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = started(proxy.serve("127.0.0.1", 0))
     try:
-        req = urllib.request.Request(f"http://127.0.0.1:{srv.server_port}/v1/completions", method="POST",
-                                     data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 20}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            out = json.loads(r.read())
+        out = complete(srv, {"model": "m", "prompt": "hi", "max_tokens": 20}, 10)
         assert out["choices"][0]["text"] == "hello world"
         assert pseen[0]["max_tokens"] == 1 and pseen[0]["kv_transfer_params"]["do_remote_decode"] is True
         assert dseen[0]["max_tokens"] == 20 and dseen[0]["kv_transfer_params"] == params
     finally:
-        for s in (srv, p, d):
-            s.shutdown()
-            s.server_close()
+        stop(srv, p, d)
 
 
 def test_proxy_push_mode_learns_the_endpoint_then_sends_both_at_once() -> None:
@@ -53,16 +44,11 @@ def test_proxy_push_mode_learns_the_endpoint_then_sends_both_at_once() -> None:
     p, pseen, _ = http_stand_in(prefill_answer)
     d, dseen, _ = http_stand_in(decode_answer)
     proxy = Proxy([f"http://127.0.0.1:{p.server_port}"], [f"http://127.0.0.1:{d.server_port}"], mode="push")
-    srv = proxy.serve("127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = started(proxy.serve("127.0.0.1", 0))
     try:
         for _ in range(2):
             decode_got.clear()
-            req = urllib.request.Request(f"http://127.0.0.1:{srv.server_port}/v1/completions", method="POST",
-                                         data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=20) as r:
-                assert json.loads(r.read())["choices"][0]["text"] == "out"
+            assert complete(srv, {"model": "m", "prompt": "hi", "max_tokens": 5}, 20)["choices"][0]["text"] == "out"
         # first request: pull (the endpoint is learned from its answer)
         assert "kvx_push" not in pseen[0]["kv_transfer_params"] and dseen[0]["kv_transfer_params"] == params
         # second: push, one fresh id on both legs, the decode told the endpoint and no blocks
@@ -77,9 +63,7 @@ def test_proxy_push_mode_learns_the_endpoint_then_sends_both_at_once() -> None:
         assert pseen[1]["kv_transfer_params"]["do_remote_decode"] is True and pseen[1]["max_tokens"] == 1
         assert all(dp[k] == endpoint[k] for k in ENDPOINT_KEYS) and dp["do_remote_prefill"] is True
     finally:
-        for s in (srv, p, d):
-            s.shutdown()
-            s.server_close()
+        stop(srv, p, d)
 
 
 def test_push_config_and_params_are_checked() -> None:
