@@ -55,8 +55,10 @@ __all__ = ["DecodePush", "PrefillPush", "split_notes"]
 log = logging.getLogger(__name__)
 
 
-#: registrations kept per decode peer whose introduction has not arrived yet
+#: registrations kept per decode peer whose introduction has not arrived yet, and their bytes
+#: (a registration may be ~128 MiB: the count alone would not bound the memory a peer can pin)
 MAX_HELD_PER_PEER = 256
+MAX_HELD_BYTES_PER_PEER = 64 << 20
 
 
 def split_notes(notes: dict[str, list[bytes]]) -> tuple[dict[str, list[bytes]], dict[str, list[bytes]]]:
@@ -274,7 +276,8 @@ class PrefillPush:
                 # its introduction may still be on the way (notifications to one peer can overtake
                 # each other over several tcp streams): kept until it comes, within bounds
                 held = self._unintroduced.setdefault(peer, [])
-                if len(held) >= MAX_HELD_PER_PEER:
+                if (len(held) >= MAX_HELD_PER_PEER
+                        or sum(len(x) for x, _t in held) + len(m) > MAX_HELD_BYTES_PER_PEER):
                     raise kvx.ProtocolError(f"registration of {reg.rid} from {peer}, which has not introduced "
                                             f"itself ({len(held)} held already)")
                 held.append((m, now))

@@ -69,3 +69,17 @@ def test_held_registrations_are_bounded(pair, caplog, monkeypatch) -> None:
     assert caplog.text.count("has not introduced itself (3 held already)") == 2
     push.handle({dw.agent.name: [_notes(dw, "x")[0]]})
     assert sorted(push.registered()) == ["p0", "p1", "p2"]
+
+
+def test_held_registrations_are_bounded_in_bytes(pair, caplog, monkeypatch) -> None:
+    pw, dw = pair
+    push = pw.push_prefill
+    regs = [_notes(dw, f"b{i}")[1] for i in range(3)]
+    monkeypatch.setattr(pushing, "MAX_HELD_BYTES_PER_PEER", len(regs[0]) + len(regs[1]))
+    with caplog.at_level(logging.WARNING, logger="kvx_vllm.pushing"):
+        push.handle({dw.agent.name: regs})
+    assert len(push._unintroduced[dw.agent.name]) == 2
+    assert caplog.text.count("has not introduced itself (2 held already)") == 1
+    push.handle({dw.agent.name: [_notes(dw, "x")[0]]})
+    assert sorted(push.registered()) == ["b0", "b1"]
+
